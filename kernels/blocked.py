@@ -1,0 +1,257 @@
+"""Blocked PyTorch FlashAttention: FA1 (inner-scaled) and FA2 (outer-scaled) forward, FA2 backward.
+
+These are the algorithms of the FlashAttention papers written with PyTorch tensor ops over tiles, so
+that every step a GPU kernel takes is visible and checkable on a CPU. They keep a GPU kernel's
+precision behaviour:
+
+* scores ``s = scale * q k^T`` and the softmax statistics ``m`` (running max) and ``l`` (running sum)
+  in float32 (float64 for float64 inputs); products of float16/bfloat16 operands are exact in float32,
+  so a float32 matmul of up-cast tiles is what a tensor-core dot computes;
+* the probabilities ``p`` are cast to the input dtype before ``p @ v`` (as a kernel feeds them back to
+  the tensor cores), and ``p @ v`` is accumulated in float32;
+* the output is rounded to the input dtype once, at the end.
+
+FA2 forward (Q blocks outer, KV blocks inner), for a Q tile with running ``m, l, acc``::
+
+    s     = scale * q_tile @ k_tile^T, masked to -inf where a key is not visible
+    m_new = max(m, rowmax(s));  alpha = exp(m - m_new);  p = exp(s - m_new)
+    l     = alpha * l + rowsum(p);  acc = alpha * acc + p @ v_tile
+    out   = acc / l;  lse = m + log(l)                      (one division at the end)
+
+FA1 forward (KV blocks outer, Q blocks inner) keeps the output normalised after every KV step::
+
+    out = (alpha * l_old * out + p @ v_tile) / l_new
+
+Backward (KV blocks outer, Q blocks inner) recomputes ``P = exp(s - lse)`` from the saved LSE::
+
+    Delta = rowsum(dO * O);  dV += P^T dO;  dP = dO V^T;  dS = P * (dP - Delta)
+    dK += scale * dS^T Q;    dQ += scale * dS K
+
+Causal masking is bottom-right aligned: key ``j`` is visible to query ``i`` iff ``j <= i + Nk - Nq``.
+Key blocks that no query of a Q tile can see are skipped; a row that sees no key at all gets
+``out = 0`` and ``lse = -inf``. Grouped-query attention maps query head ``h`` to key/value head
+``h // (Hq // Hkv)``; dK and dV sum over the query heads of a group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels import _validate
+from kernels.registry import ALL_DTYPES, Implementation, register
+
+NEG_INF = float("-inf")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulator and statistics dtype: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def _expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:
+    """Repeat each key/value head for the query heads of its group: head h reads h // group."""
+    group = heads_q // t.shape[1]
+    return t.repeat_interleave(group, dim=1) if group > 1 else t
+
+
+def _reduce_group(grad: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """Sum a per-query-head gradient over the query heads of each key/value group."""
+    b, hq, n, d = grad.shape
+    return grad.view(b, heads_kv, hq // heads_kv, n, d).sum(dim=2)
+
+
+def _visible(m0: int, m1: int, n0: int, n1: int, len_q: int, len_k: int, device) -> torch.Tensor:
+    """Bottom-right causal visibility of keys n0:n1 to queries m0:m1 (bool [m1-m0, n1-n0])."""
+    rows = torch.arange(m0, m1, device=device)[:, None]
+    cols = torch.arange(n0, n1, device=device)[None, :]
+    return cols <= rows + (len_k - len_q)
+
+
+def _kv_end(m1: int, len_q: int, len_k: int, causal: bool) -> int:
+    """One past the last key any query of rows < m1 can see."""
+    if not causal:
+        return len_k
+    return max(0, min(len_k, m1 + len_k - len_q))
+
+
+def _q_start(n0: int, len_q: int, len_k: int, block_m: int, causal: bool) -> int:
+    """Start of the first Q tile whose rows can see key n0."""
+    if not causal:
+        return 0
+    first_row = max(0, n0 - (len_k - len_q))
+    return (first_row // block_m) * block_m
+
+
+def _scores(q_tile, k_tile, scale, acc_dtype):
+    return (q_tile.to(acc_dtype) @ k_tile.to(acc_dtype).transpose(-1, -2)) * scale
+
+
+def _mask(s, causal, m0, m1, n0, n1, len_q, len_k):
+    if causal:
+        visible = _visible(m0, m1, n0, n1, len_q, len_k, s.device)
+        s = s.masked_fill(~visible, NEG_INF)
+    return s
+
+
+def _check(q, k, v, *, kernel, scale, block_m, block_n):
+    _validate.check_block("block_m", block_m, kernel=kernel)
+    _validate.check_block("block_n", block_n, kernel=kernel)
+    return _validate.check_attention_inputs(q, k, v, kernel=kernel, dtypes=ALL_DTYPES, scale=scale)
+
+
+def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,
+                    block_m: int = 64, block_n: int = 64):
+    """FA2 forward without autograd: returns ``(out, lse)``."""
+    scale = _check(q, k, v, kernel="fa2_blocked", scale=scale, block_m=block_m, block_n=block_n)
+    b, hq, len_q, d = q.shape
+    len_k = k.shape[2]
+    acc_dtype = _acc_dtype(q.dtype)
+    k_all, v_all = _expand_kv(k, hq), _expand_kv(v, hq)
+    out = torch.empty(b, hq, len_q, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, len_q, dtype=acc_dtype, device=q.device)
+    for m0 in range(0, len_q, block_m):
+        m1 = min(m0 + block_m, len_q)
+        q_tile = q[:, :, m0:m1]
+        m_i = torch.full((b, hq, m1 - m0), NEG_INF, dtype=acc_dtype, device=q.device)
+        l_i = torch.zeros((b, hq, m1 - m0), dtype=acc_dtype, device=q.device)
+        acc = torch.zeros((b, hq, m1 - m0, d), dtype=acc_dtype, device=q.device)
+        kv_end = _kv_end(m1, len_q, len_k, causal)
+        for n0 in range(0, kv_end, block_n):
+            n1 = min(n0 + block_n, len_k)
+            s = _scores(q_tile, k_all[:, :, n0:n1], scale, acc_dtype)
+            s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k)
+            m_new = torch.maximum(m_i, s.amax(dim=-1))
+            # Rows that have seen no visible key yet keep m = -inf; subtract 0 there instead.
+            m_ref = torch.where(m_new == NEG_INF, 0.0, m_new)
+            alpha = torch.exp(m_i - m_ref)
+            p = torch.exp(s - m_ref[..., None])
+            l_i = l_i * alpha + p.sum(dim=-1)
+            pv = p.to(q.dtype).to(acc_dtype) @ v_all[:, :, n0:n1].to(acc_dtype)
+            acc = acc * alpha[..., None] + pv
+            m_i = m_new
+        empty = l_i == 0
+        out[:, :, m0:m1] = (acc / torch.where(empty, 1.0, l_i)[..., None]).to(q.dtype)
+        lse[:, :, m0:m1] = torch.where(empty, NEG_INF, m_i + torch.log(l_i))
+    return out, lse
+
+
+def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,
+                    block_m: int = 64, block_n: int = 64):
+    """FA1 forward without autograd: returns ``(out, lse)``; the output is renormalised every step."""
+    scale = _check(q, k, v, kernel="fa1_blocked", scale=scale, block_m=block_m, block_n=block_n)
+    b, hq, len_q, d = q.shape
+    len_k = k.shape[2]
+    acc_dtype = _acc_dtype(q.dtype)
+    k_all, v_all = _expand_kv(k, hq), _expand_kv(v, hq)
+    o = torch.zeros((b, hq, len_q, d), dtype=acc_dtype, device=q.device)
+    m = torch.full((b, hq, len_q), NEG_INF, dtype=acc_dtype, device=q.device)
+    l = torch.zeros((b, hq, len_q), dtype=acc_dtype, device=q.device)
+    for n0 in range(0, len_k, block_n):
+        n1 = min(n0 + block_n, len_k)
+        k_tile, v_tile = k_all[:, :, n0:n1], v_all[:, :, n0:n1].to(acc_dtype)
+        for m0 in range(_q_start(n0, len_q, len_k, block_m, causal), len_q, block_m):
+            m1 = min(m0 + block_m, len_q)
+            s = _scores(q[:, :, m0:m1], k_tile, scale, acc_dtype)
+            s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k)
+            m_old, l_old = m[:, :, m0:m1], l[:, :, m0:m1]
+            m_new = torch.maximum(m_old, s.amax(dim=-1))
+            m_ref = torch.where(m_new == NEG_INF, 0.0, m_new)
+            alpha = torch.exp(m_old - m_ref)
+            p = torch.exp(s - m_ref[..., None])
+            l_new = alpha * l_old + p.sum(dim=-1)
+            pv = p.to(q.dtype).to(acc_dtype) @ v_tile
+            numer = (alpha * l_old)[..., None] * o[:, :, m0:m1] + pv
+            o[:, :, m0:m1] = numer / torch.where(l_new == 0, 1.0, l_new)[..., None]
+            m[:, :, m0:m1], l[:, :, m0:m1] = m_new, l_new
+    lse = torch.where(l == 0, NEG_INF, m + torch.log(l))
+    return o.to(q.dtype), lse
+
+
+def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
+                 block_m: int = 64, block_n: int = 64):
+    """Blocked FA2 backward: returns ``(dq, dk, dv, delta)`` with ``delta = rowsum(dO * O)``."""
+    scale = _check(q, k, v, kernel="fa2_blocked backward", scale=scale, block_m=block_m, block_n=block_n)
+    _validate.check_backward_inputs(q, k, v, out, lse, dout, kernel="fa2_blocked backward")
+    b, hq, len_q, d = q.shape
+    hkv, len_k = k.shape[1], k.shape[2]
+    acc_dtype = _acc_dtype(q.dtype)
+    k_all, v_all = _expand_kv(k, hq), _expand_kv(v, hq)
+    do = dout.to(acc_dtype)
+    delta = (do * out.to(acc_dtype)).sum(dim=-1)
+    # Rows that see no key have lse = -inf; exp(s - inf) = 0 gives them P = 0 without NaN.
+    lse_ref = torch.where(lse == NEG_INF, float("inf"), lse.to(acc_dtype))
+    dq = torch.zeros((b, hq, len_q, d), dtype=acc_dtype, device=q.device)
+    dk = torch.zeros((b, hq, len_k, d), dtype=acc_dtype, device=q.device)
+    dv = torch.zeros((b, hq, len_k, d), dtype=acc_dtype, device=q.device)
+    for n0 in range(0, len_k, block_n):
+        n1 = min(n0 + block_n, len_k)
+        k_tile, v_tile = k_all[:, :, n0:n1], v_all[:, :, n0:n1].to(acc_dtype)
+        dk_acc = torch.zeros((b, hq, n1 - n0, d), dtype=acc_dtype, device=q.device)
+        dv_acc = torch.zeros((b, hq, n1 - n0, d), dtype=acc_dtype, device=q.device)
+        for m0 in range(_q_start(n0, len_q, len_k, block_m, causal), len_q, block_m):
+            m1 = min(m0 + block_m, len_q)
+            q_tile, do_tile = q[:, :, m0:m1], do[:, :, m0:m1]
+            s = _scores(q_tile, k_tile, scale, acc_dtype)
+            s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k)
+            p = torch.exp(s - lse_ref[:, :, m0:m1, None])
+            dv_acc += p.to(q.dtype).to(acc_dtype).transpose(-1, -2) @ do_tile
+            dp = do_tile @ v_tile.transpose(-1, -2)
+            ds = p * (dp - delta[:, :, m0:m1, None])
+            ds_low = ds.to(q.dtype).to(acc_dtype)
+            dk_acc += ds_low.transpose(-1, -2) @ q_tile.to(acc_dtype)
+            dq[:, :, m0:m1] += (ds_low @ k_tile.to(acc_dtype)) * scale
+        dk[:, :, n0:n1] = dk_acc * scale
+        dv[:, :, n0:n1] = dv_acc
+    dk, dv = _reduce_group(dk, hkv), _reduce_group(dv, hkv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), delta
+
+
+class _BlockedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, block_m, block_n, forward_raw):
+        out, lse = forward_raw(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.settings = (causal, scale, block_m, block_n)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, scale, block_m, block_n = ctx.settings
+        dq, dk, dv, _ = fa2_backward(q, k, v, out, lse, dout, causal=causal, scale=scale,
+                                     block_m=block_m, block_n=block_n)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
+                block_m: int = 64, block_n: int = 64):
+    """FA2 forward with autograd: ``(out, lse)``; gradients flow through ``out``."""
+    return _BlockedAttention.apply(q, k, v, causal, scale, block_m, block_n, fa2_forward_raw)
+
+
+def fa1_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
+                block_m: int = 64, block_n: int = 64):
+    """FA1 forward with autograd (the backward is the blocked FA2 backward, which needs only O and LSE)."""
+    return _BlockedAttention.apply(q, k, v, causal, scale, block_m, block_n, fa1_forward_raw)
+
+
+# Any positive block size is valid; the suite draws from these.
+_BLOCKS = (1, 2, 3, 4, 5, 7, 8, 13, 16, 32, 64)
+
+FA2_BLOCKED = register(Implementation(
+    name="fa2_blocked", forward=fa2_forward, backward=fa2_backward, gqa=True,
+    block_m=_BLOCKS, block_n=_BLOCKS,
+    description="blocked PyTorch FlashAttention-2: outer-scaled forward, blocked backward",
+))
+FA1_BLOCKED = register(Implementation(
+    name="fa1_blocked", forward=fa1_forward, backward=fa2_backward, gqa=True,
+    block_m=_BLOCKS, block_n=_BLOCKS,
+    description="blocked PyTorch FlashAttention-1: inner-scaled forward",
+))

@@ -1,0 +1,112 @@
+"""Error metrics, computed in one place and reused by the properties, the tests and the reports.
+
+All metrics compare an ``actual`` tensor with a float64 ``expected`` one, elementwise, in float64.
+Infinities are compared as values: the same infinity in both places is no error (a fully masked
+row's ``lse = -inf``), any other disagreement involving an infinity or a NaN is an infinite error, so
+NaN can never hide inside a max or a mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+F64 = torch.float64
+
+# Unit roundoff u = 2^-p (half the spacing of floats in [1, 2)) and the smallest positive normal.
+UNIT_ROUNDOFF = {
+    torch.float16: 2.0 ** -11,
+    torch.bfloat16: 2.0 ** -8,
+    torch.float32: 2.0 ** -24,
+    torch.float64: 2.0 ** -53,
+}
+MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23, torch.float64: 52}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    try:
+        return UNIT_ROUNDOFF[dtype]
+    except KeyError:
+        raise ValueError(f"dtype={dtype} has no unit roundoff here; floating dtypes: "
+                         f"{', '.join(str(d) for d in UNIT_ROUNDOFF)}") from None
+
+
+def abs_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Elementwise ``|actual - expected|`` in float64: 0 where both are the same infinity,
+    ``inf`` where either is NaN or they disagree about an infinity."""
+    if actual.shape != expected.shape:
+        raise ValueError(f"actual.shape={tuple(actual.shape)} and expected.shape={tuple(expected.shape)} differ")
+    a, e = actual.detach().to(F64), expected.detach().to(F64)
+    err = (a - e).abs()
+    same_inf = torch.isinf(a) & (a == e)
+    err = torch.where(same_inf, 0.0, err)
+    return torch.where(torch.isnan(err), math.inf, err)
+
+
+def ulp(expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of ``dtype`` floats at each value of ``expected`` (subnormal spacing near zero)."""
+    e = expected.detach().to(F64).abs()
+    finfo = torch.finfo(dtype)
+    mant = MANTISSA_BITS[dtype]
+    min_exp = math.log2(finfo.tiny)
+    exp = torch.floor(torch.log2(torch.where(e > 0, e, finfo.tiny)))
+    exp = torch.clamp(torch.where(torch.isfinite(exp), exp, min_exp), min=min_exp)
+    return torch.pow(2.0, exp - mant).to(F64)
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorStats:
+    """Summary of one comparison. ``worst_index`` is the index of the largest absolute error."""
+
+    max_abs: float
+    max_rel: float
+    rmse: float
+    max_ulp: float
+    worst_index: tuple[int, ...]
+    worst_actual: float
+    worst_expected: float
+    nan_count: int
+    numel: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def error_stats(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype | None = None) -> ErrorStats:
+    """Max abs, max rel, RMSE and max ULP (in ``dtype``, default ``actual.dtype``) of ``actual``."""
+    dtype = actual.dtype if dtype is None else dtype
+    err = abs_error(actual, expected)
+    e = expected.detach().to(F64)
+    finite_e = torch.where(torch.isfinite(e), e.abs(), 0.0)
+    tiny = torch.finfo(dtype).tiny
+    rel = err / torch.clamp(finite_e, min=tiny)
+    ulps = err / ulp(torch.where(torch.isfinite(e), e, 0.0), dtype)
+    n = err.numel()
+    if n == 0:
+        return ErrorStats(0.0, 0.0, 0.0, 0.0, (), 0.0, 0.0, 0, 0)
+    flat = int(torch.argmax(err).item())
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape))
+    return ErrorStats(
+        max_abs=float(err.max()),
+        max_rel=float(rel.max()),
+        rmse=float(torch.sqrt((err ** 2).mean())),
+        max_ulp=float(ulps.max()),
+        worst_index=idx,
+        worst_actual=float(actual.detach().to(F64)[idx]) if idx else 0.0,
+        worst_expected=float(e[idx]) if idx else 0.0,
+        nan_count=int(torch.isnan(actual.detach()).sum()),
+        numel=n,
+    )
+
+
+def max_ratio(err: torch.Tensor, bound: torch.Tensor) -> tuple[float, tuple[int, ...]]:
+    """Largest ``err / bound`` and where it is; 0/0 counts as 0, x/0 with x > 0 as inf."""
+    ratio = torch.where(err == 0, 0.0, err / bound.to(F64))
+    ratio = torch.where(torch.isnan(ratio), math.inf, ratio)
+    if ratio.numel() == 0:
+        return 0.0, ()
+    flat = int(torch.argmax(ratio).item())
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), ratio.shape))
+    return float(ratio[idx]), idx
