@@ -247,7 +247,7 @@ _BLOCKS = (1, 2, 3, 4, 5, 7, 8, 13, 16, 32, 64)
 
 FA2_BLOCKED = register(Implementation(
     name="fa2_blocked", forward=fa2_forward, backward=fa2_backward, gqa=True,
-    block_m=_BLOCKS, block_n=_BLOCKS,
+    block_m=_BLOCKS, block_n=_BLOCKS, sibling="fa1_blocked",
     description="blocked PyTorch FlashAttention-2: outer-scaled forward, blocked backward",
 ))
 FA1_BLOCKED = register(Implementation(

@@ -71,12 +71,19 @@ class Implementation:
     autograd: bool = True
     backward: Callable[..., Any] | None = None
     deterministic: bool = True
-    # Largest sequence length the suite should try (None: no limit of the kernel's own).
+    # Largest sequence length and head dim the suite should try (None: no limit of the kernel's own).
     max_seq_len: int | None = None
+    # Cap on Hypothesis examples per property (for slow environments such as the Triton interpreter).
+    max_examples: int | None = None
     # Dtypes for which the environment, not the kernel, makes results meaningless, with the reason
     # (for example the Triton interpreter's bfloat16 tl.dot). Properties skip these with the reason.
     environment_limits: tuple[tuple[torch.dtype, str], ...] = ()
     description: str = ""
+    # Name of an implementation computing the same function another way (FA1 vs FA2): the suite
+    # checks that the two agree when both are selected.
+    sibling: str | None = None
+    # How the user named it with --impl (for replay commands); None for registry names.
+    spec: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -106,6 +113,11 @@ class Implementation:
     @property
     def exposes_delta(self) -> bool:
         return self.backward is not None
+
+    @property
+    def cli_name(self) -> str:
+        """What to pass to --impl to select this implementation again."""
+        return self.spec or self.name
 
     def environment_limit(self, dtype: torch.dtype) -> str | None:
         for d, why in self.environment_limits:
@@ -154,6 +166,7 @@ def from_callable(fn: Callable[..., Any], name: str, *, device: str) -> Implemen
     return Implementation(
         name=name,
         forward=fn,
+        spec=name,
         devices=(torch.device(device).type,),
         description=f"plain callable {name}",
     )
@@ -223,7 +236,7 @@ def load(spec: str, *, device: str) -> Implementation:
         return shipped[spec]
     obj = _load_attr(spec)
     if isinstance(obj, Implementation):
-        return obj
+        return dataclasses.replace(obj, spec=spec)
     if callable(obj):
         return from_callable(obj, spec, device=device)
     raise ImplementationError(

@@ -1,0 +1,242 @@
+"""The flashverify pytest plugin: ``--impl``, ``--report-dir``, ``--device``, Hypothesis profiles,
+the report header and the report hooks.
+
+Profiles (choose with Hypothesis's own ``--hypothesis-profile``; ``dev`` is the default):
+
+``ci``        derandomized, no example database, bounded: the same examples every run
+``dev``       random examples, remembered failures (the local example database)
+``thorough``  many more examples and larger shapes, for nightly runs
+``gpu``       derandomized, shapes up to Nk = 8192 (needs a GPU for the float64 reference)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+ROOT = Path(__file__).resolve().parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from kernels import registry as kernel_registry  # noqa: E402
+from strategies.attention import Limits  # noqa: E402
+
+DEFAULT_REPORT_DIR = "flashverify-report"
+
+settings.register_profile("ci", derandomize=True, database=None, max_examples=10, deadline=None,
+                          print_blob=True)
+settings.register_profile("dev", max_examples=25, deadline=None, print_blob=True)
+# The thorough profile draws shapes large enough that data generation itself can be slow on CPU.
+settings.register_profile("thorough", max_examples=300, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("gpu", derandomize=True, database=None, max_examples=25, deadline=None,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("FLASHVERIFY_PROFILE", "dev"))
+
+LIMITS = {
+    ("cpu", "ci"): Limits(max_len=40, max_head_dim=40),
+    ("cpu", "dev"): Limits(max_len=40, max_head_dim=40),
+    ("cpu", "thorough"): Limits(max_len=96, max_head_dim=72, max_tiles=400),
+    ("cpu", "gpu"): Limits(max_len=96, max_head_dim=72, max_tiles=400),
+    ("cuda", "ci"): Limits(max_len=256, max_head_dim=128, max_tiles=4096),
+    ("cuda", "dev"): Limits(max_len=256, max_head_dim=128, max_tiles=4096),
+    ("cuda", "thorough"): Limits(max_len=2048, max_head_dim=256, max_tiles=2 ** 16, max_scores=2 ** 26),
+    ("cuda", "gpu"): Limits(max_len=8192, max_head_dim=256, max_tiles=2 ** 20, max_scores=2 ** 27),
+}
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("flashverify")
+    group.addoption("--impl", action="append", default=[], metavar="IMPL",
+                    help="implementation to verify: a registry name, package.module:attr or "
+                         "path/to/file.py:attr (repeatable; default: every shipped implementation "
+                         "that runs on the device)")
+    group.addoption("--report-dir", default=DEFAULT_REPORT_DIR, metavar="DIR",
+                    help=f"where the error report is written (default: ./{DEFAULT_REPORT_DIR})")
+    group.addoption("--device", default=None, metavar="DEVICE",
+                    help="device for the inputs: cpu or cuda[:N] (default: cuda if available, else cpu)")
+    group.addoption("--no-report", action="store_true", default=False, help="write no report")
+
+
+def _profile(config) -> str:
+    return config.getoption("hypothesis_profile", default=None) or os.environ.get("FLASHVERIFY_PROFILE", "dev")
+
+
+def _device(config) -> str:
+    dev = config.getoption("--device")
+    if dev is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(dev)
+    except (RuntimeError, TypeError) as exc:
+        raise pytest.UsageError(f"--device {dev!r} is not a torch device ({exc}); use cpu or cuda[:N]") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {dev} was asked for, but torch sees no CUDA device")
+    if parsed.type not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"--device {dev}: only cpu and cuda devices are supported")
+    return dev
+
+
+def _selection(config):
+    cached = getattr(config, "_flashverify_selection", None)
+    if cached is not None:
+        return cached
+    device = _device(config)
+    specs = config.getoption("--impl")
+    if specs:
+        try:
+            impls = [kernel_registry.load(spec, device=device) for spec in specs]
+        except kernel_registry.ImplementationError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    else:
+        impls = kernel_registry.default_selection(device=device)
+    config._flashverify_selection = impls
+    return impls
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "requires(feature): the property needs a declared capability")
+    config._flashverify_report = None
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    if not config.getoption("--no-report") and _collects_verify(config):
+        from reports.session import ReportSession, clear_report_dir
+
+        if worker == "main":
+            clear_report_dir(config.getoption("--report-dir"))
+
+        config._flashverify_report = ReportSession(config.getoption("--report-dir"), worker=worker,
+                                                   header=_header_data(config))
+
+
+def _collects_verify(config) -> bool:
+    args = [str(a) for a in config.args] or [str(p) for p in config.getini("testpaths")]
+    return any("verify" in Path(a.split("::")[0]).parts or a.startswith("verify") for a in args)
+
+
+def _header_data(config) -> dict:
+    device = _device(config)
+    impls = _selection(config)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    import hypothesis
+
+    return {
+        "implementations": [{"name": i.name, "kind": i.kind, "spec": i.cli_name, "description": i.description,
+                             "dtypes": [str(d).removeprefix("torch.") for d in i.dtypes],
+                             "causal_alignment": i.causal_alignment, "gqa": i.gqa, "tunable": i.tunable,
+                             "backward": i.backward is not None, "deterministic": i.deterministic}
+                            for i in impls],
+        "device": device,
+        "device_name": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else platform.processor() or platform.machine(),
+        "profile": _profile(config),
+        "limits": dataclasses.asdict(_limits(config)),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
+                     "hypothesis": hypothesis.__version__},
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+    }
+
+
+def _limits(config) -> Limits:
+    device = torch.device(_device(config)).type
+    return LIMITS.get((device, _profile(config)), LIMITS[(device, "dev")])
+
+
+def pytest_report_header(config):
+    data = _header_data(config)
+    lines = [f"flashverify: device={data['device']} ({data['device_name']}), profile={data['profile']}, "
+             f"max_len={data['limits']['max_len']}, max_head_dim={data['limits']['max_head_dim']}",
+             "flashverify: versions " + ", ".join(f"{k} {v}" for k, v in data["versions"].items())
+             + (", TRITON_INTERPRET=1" if data["triton_interpret"] else "")]
+    for impl in data["implementations"]:
+        caps = [impl["kind"], "/".join(impl["dtypes"]), f"causal {impl['causal_alignment']}"]
+        caps += [c for c, on in (("gqa", impl["gqa"]), ("tunable blocks", impl["tunable"]),
+                                 ("backward+delta", impl["backward"])) if on]
+        lines.append(f"flashverify: under test {impl['spec']}: {', '.join(caps)}")
+    report = config._flashverify_report
+    if report is not None:
+        lines.append(f"flashverify: report -> {report.dir}")
+    return lines
+
+
+def pytest_generate_tests(metafunc):
+    impls = _selection(metafunc.config)
+    if "impl" in metafunc.fixturenames:
+        chosen = [i for i in impls if i.kind == "attention"]
+        metafunc.parametrize("impl", chosen, ids=[i.name for i in chosen])
+    if "softmax_impl" in metafunc.fixturenames:
+        chosen = [i for i in impls if i.kind == "softmax"]
+        metafunc.parametrize("softmax_impl", chosen, ids=[i.name for i in chosen])
+
+
+@pytest.fixture(scope="session")
+def env(request):
+    from verify.runner import Env
+
+    config = request.config
+    report = config._flashverify_report
+    return Env(device=_device(config), profile=_profile(config), limits=_limits(config),
+               record=report.record if report is not None else (lambda _m: None))
+
+
+def _property_failures(exc):
+    from verify.harness import PropertyFailure
+
+    if isinstance(exc, PropertyFailure):
+        yield exc
+    for sub in getattr(exc, "exceptions", ()) or ():
+        yield from _property_failures(sub)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    report = item.config._flashverify_report
+    if report is None or rep.when != "call" or not rep.failed or call.excinfo is None:
+        return
+    failures = list(_property_failures(call.excinfo.value))
+    if not failures:
+        report.failure(test=item.nodeid, message=str(call.excinfo.value), replay=None, case=None,
+                       prop=None, implementation=None)
+    for i, f in enumerate(failures):
+        report.failure(test=item.nodeid + (f"#{i}" if i else ""), message=str(f), replay=f.replay,
+                       case=f.case.to_dict() if hasattr(f.case, "to_dict") else None, prop=f.prop,
+                       implementation=f.impl)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    report = session.config._flashverify_report
+    if report is None:
+        return
+    report.close()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the controller writes the merged summary
+    from reports.summary import write_summary
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    outcomes = {}
+    if reporter is not None:
+        for key in ("passed", "failed", "skipped", "xfailed", "xpassed", "error"):
+            n = len(reporter.stats.get(key, []))
+            if n:
+                outcomes[key] = n
+    write_summary(report.dir, outcomes=outcomes)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    report = config._flashverify_report
+    if report is not None:
+        terminalreporter.write_line(f"flashverify report: {report.dir / 'report.md'} "
+                                    f"(measurements in {report.dir}/measurements-*.jsonl)")

@@ -1,0 +1,246 @@
+"""Attention cases: plain data that describe one input, and the tensors they build.
+
+A case holds shapes, dtype, causal flag, block sizes, a magnitude class, a memory layout and a seed,
+nothing else. Tensors are generated from the seed by :meth:`AttentionCase.build`, so a case is small,
+JSON-serialisable, replayable with one command, and shrinks the way Hypothesis shrinks its parts:
+to small shapes, seed 0, the ``normal`` magnitude class and the contiguous layout.
+
+Magnitude classes (DESIGN.md, "Adversarial inputs"), applied to float64 draws before rounding:
+
+``normal``         q, k, v ~ N(0, 1)
+``large_logits``   q, k x 100: |scale q.k| ~ 1e4 (q.k itself beyond float16's range)
+``outliers``       FA3-style: 0.1% of entries (at least one per tensor) get an extra N(0, 30^2)
+``all_negative``   q >= 0, k <= -1 element-wise, x4: every score is large and negative
+``ties``           keys drawn from two distinct rows: exact ties within each query row
+``dominant_key``   q >= 0 and one key is 8 in every coordinate: it takes almost all the weight
+``row_shift``      k + w with one large common w (|w_d| ~ 50): each row's scores shift by q_i.w
+``v_offset``       v = 1000 + N(0, 1): a large common offset (cancellation in the output)
+``v_wide_range``   each key's v row scaled by 10^U(-4, 4)
+``near_subnormal`` v and dout scaled to 8x the smallest normal of the dtype
+
+Layouts: ``contiguous``; ``bnhd`` (stored as [B, N, H, D], passed as a transposed view); ``padded``
+(a view into a buffer with extra rows and head-dim columns, the padding filled with NaN, so a kernel
+that reads past a tensor's end produces NaN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import torch
+
+MAGNITUDES = ("normal", "large_logits", "outliers", "all_negative", "ties", "dominant_key",
+              "row_shift", "v_offset", "v_wide_range", "near_subnormal")
+LAYOUTS = ("contiguous", "bnhd", "padded")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "float64": torch.float64}
+SCALES = (None, 0.5, 0.125)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class CaseError(ValueError):
+    """A case description is not valid (bad field, inconsistent shapes, unknown class)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensors:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    batch: int
+    heads_q: int
+    heads_kv: int
+    len_q: int
+    len_k: int
+    head_dim: int
+    dtype: str
+    causal: bool
+    magnitude: str = "normal"
+    seed: int = 0
+    layout: str = "contiguous"
+    scale: float | None = None
+    block_m: int | None = None
+    block_n: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads_q", "heads_kv", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CaseError(f"{name}={value!r}, but should be a positive int")
+        for name in ("len_q", "len_k", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CaseError(f"{name}={value!r}, but should be a non-negative int")
+        if self.heads_q % self.heads_kv:
+            raise CaseError(f"heads_q={self.heads_q} is not a multiple of heads_kv={self.heads_kv}")
+        if self.dtype not in DTYPES:
+            raise CaseError(f"dtype={self.dtype!r}, but should be one of {tuple(DTYPES)}")
+        if not isinstance(self.causal, bool):
+            raise CaseError(f"causal={self.causal!r}, but should be a bool")
+        if self.magnitude not in MAGNITUDES:
+            raise CaseError(f"magnitude={self.magnitude!r}, but should be one of {MAGNITUDES}")
+        if self.layout not in LAYOUTS:
+            raise CaseError(f"layout={self.layout!r}, but should be one of {LAYOUTS}")
+        if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float))
+                                       or not math.isfinite(self.scale)):
+            raise CaseError(f"scale={self.scale!r}, but should be a finite float or null")
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise CaseError(f"{name}={value!r}, but should be a positive int or null")
+
+    # ----------------------------------------------------------------------------- description
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    def describe(self) -> str:
+        blocks = f" blocks={self.block_m}x{self.block_n}" if self.block_m is not None else ""
+        scale = "" if self.scale is None else f" scale={self.scale}"
+        return (f"B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} Nq={self.len_q} Nk={self.len_k} "
+                f"D={self.head_dim} {self.dtype} causal={self.causal}{blocks}{scale} "
+                f"magnitude={self.magnitude} layout={self.layout} seed={self.seed}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "AttentionCase":
+        if not isinstance(data, dict):
+            raise CaseError(f"a case should be a JSON object, got {type(data).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise CaseError(f"unknown case fields {unknown}; known: {sorted(fields)}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise CaseError(f"incomplete case: {exc}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> "AttentionCase":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CaseError(f"case is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    def replace(self, **changes) -> "AttentionCase":
+        return dataclasses.replace(self, **changes)
+
+    # ----------------------------------------------------------------------------- tensors
+    def build(self, device: str | torch.device = "cpu") -> Tensors:
+        """Generate q, k, v, dout (deterministic in the case), cast to the dtype and laid out."""
+        gen = torch.Generator().manual_seed(self.seed)
+        b, hq, hkv, nq, nk, d = self.batch, self.heads_q, self.heads_kv, self.len_q, self.len_k, self.head_dim
+
+        def normal(*shape):
+            return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+        q, k, v, do = normal(b, hq, nq, d), normal(b, hkv, nk, d), normal(b, hkv, nk, d), normal(b, hq, nq, d)
+        q, k, v, do = _MAGNITUDE_BUILDERS[self.magnitude](q, k, v, do, gen, self.torch_dtype)
+        dtype = self.torch_dtype
+        return Tensors(*(_lay_out(t.to(dtype), self.layout, device) for t in (q, k, v, do)))
+
+
+# --------------------------------------------------------------------------------- magnitudes
+def _normal(q, k, v, do, gen, dtype):
+    return q, k, v, do
+
+
+def _large_logits(q, k, v, do, gen, dtype):
+    return q * 100.0, k * 100.0, v, do
+
+
+def _outliers(q, k, v, do, gen, dtype):
+    def add(t):
+        n = t.numel()
+        if n == 0:
+            return t
+        count = max(1, round(0.001 * n))
+        idx = torch.randperm(n, generator=gen)[:count]
+        flat = t.reshape(-1).clone()
+        flat[idx] += 30.0 * torch.randn(count, generator=gen, dtype=torch.float64)
+        return flat.view_as(t)
+
+    return add(q), add(k), add(v), do
+
+
+def _all_negative(q, k, v, do, gen, dtype):
+    return 4.0 * q.abs(), -4.0 * (k.abs() + 1.0), v, do
+
+
+def _ties(q, k, v, do, gen, dtype):
+    b, hkv, nk, d = k.shape
+    pool = torch.randn(b, hkv, 2, d, generator=gen, dtype=torch.float64)
+    pick = torch.randint(0, 2, (nk,), generator=gen)
+    return q, pool[:, :, pick], v, do
+
+
+def _dominant_key(q, k, v, do, gen, dtype):
+    k = k.clone()
+    if k.shape[2]:
+        j = int(torch.randint(0, k.shape[2], (1,), generator=gen))
+        k[:, :, j] = 8.0
+    return q.abs(), k, v, do
+
+
+def _row_shift(q, k, v, do, gen, dtype):
+    w = 50.0 * torch.randn(k.shape[0], k.shape[1], 1, k.shape[3], generator=gen, dtype=torch.float64)
+    return q, k + w, v, do
+
+
+def _v_offset(q, k, v, do, gen, dtype):
+    return q, k, v + 1000.0, do
+
+
+def _v_wide_range(q, k, v, do, gen, dtype):
+    exps = torch.empty(v.shape[:3] + (1,), dtype=torch.float64).uniform_(-4.0, 4.0, generator=gen)
+    return q, k, v * torch.pow(10.0, exps), do
+
+
+def _near_subnormal(q, k, v, do, gen, dtype):
+    tiny = torch.finfo(dtype).tiny
+    return q, k, v * (8.0 * tiny), do * (8.0 * tiny)
+
+
+_MAGNITUDE_BUILDERS = {
+    "normal": _normal, "large_logits": _large_logits, "outliers": _outliers,
+    "all_negative": _all_negative, "ties": _ties, "dominant_key": _dominant_key,
+    "row_shift": _row_shift, "v_offset": _v_offset, "v_wide_range": _v_wide_range,
+    "near_subnormal": _near_subnormal,
+}
+assert set(_MAGNITUDE_BUILDERS) == set(MAGNITUDES)
+
+
+# --------------------------------------------------------------------------------- layouts
+def _lay_out(t: torch.Tensor, layout: str, device) -> torch.Tensor:
+    """Return a tensor equal to ``t`` on ``device`` with the given memory layout."""
+    if layout == "contiguous":
+        return t.to(device).contiguous()
+    if layout == "bnhd":
+        return t.transpose(1, 2).contiguous().to(device).transpose(1, 2)
+    if layout == "padded":
+        b, h, n, d = t.shape
+        buf = torch.full((b, h, n + 3, d + 5), float("nan"), dtype=t.dtype, device=device)
+        buf[:, :, :n, :d] = t.to(device)
+        return buf[:, :, :n, :d]
+    raise CaseError(f"layout={layout!r}, but should be one of {LAYOUTS}")

@@ -1,0 +1,1 @@
+"""The property suite: ``pytest verify`` checks every selected implementation against the catalogue."""

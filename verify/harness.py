@@ -1,0 +1,185 @@
+"""The harness between properties and kernels: calling, contract checks, assertions, recording.
+
+Assertion helpers take keyword-only arguments, hide themselves from tracebacks and word their message
+so it reads without the code open: the implementation, the property, the case, the metric, its value,
+its limit, and the one command that replays the case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shlex
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kernels.registry import Implementation
+from references import criteria
+from references.metrics import ErrorStats, abs_error, error_stats, max_ratio
+
+Recorder = Callable[[dict[str, Any]], None]
+
+
+def _no_record(_: dict[str, Any]) -> None:
+    return None
+
+
+class PropertyFailure(AssertionError):
+    """A property failed; carries what the report needs to write a replayable failure file."""
+
+    def __init__(self, message: str, *, impl: str, prop: str, case: Any, replay: str):
+        super().__init__(message)
+        self.impl, self.prop, self.case, self.replay = impl, prop, case, replay
+
+
+@dataclasses.dataclass
+class Context:
+    """Everything a property needs besides the case: the implementation, the device, the recorder."""
+
+    impl: Implementation
+    prop: str
+    device: str = "cpu"
+    record: Recorder = _no_record
+    case: Any = None
+
+    def replay_command(self) -> str:
+        parts = ["python", "-m", "verify.replay", "--impl", self.impl.cli_name, "--property", self.prop,
+                 "--device", self.device, "--case", self.case.to_json()]
+        return " ".join(shlex.quote(p) for p in parts)
+
+    def where(self) -> str:
+        return f"{self.impl.name} [{self.prop}] case: {self.case.describe()}"
+
+    def fail(self, message: str) -> None:
+        __tracebackhide__ = True
+        replay = self.replay_command()
+        raise PropertyFailure(f"{self.impl.name}: {message}\n  property: {self.prop}\n"
+                              f"  case: {self.case.describe()}\n  replay: {replay}",
+                              impl=self.impl.name, prop=self.prop, case=self.case, replay=replay)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_tensor(ctx: Context, *, label: str, actual: Any, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, inputs: tuple[torch.Tensor, ...] = ()) -> None:
+    """The contract on one returned tensor: type, shape, dtype, device, and not an input object."""
+    __tracebackhide__ = True
+    if not isinstance(actual, torch.Tensor):
+        ctx.fail(f"{label} is a {type(actual).__name__}, but should be a torch.Tensor")
+    if tuple(actual.shape) != tuple(shape):
+        ctx.fail(f"{label}.shape={tuple(actual.shape)}, but should be {tuple(shape)}")
+    if actual.dtype != dtype:
+        ctx.fail(f"{label}.dtype={_dtype_name(actual.dtype)}, but should be {_dtype_name(dtype)}")
+    if actual.device != device:
+        ctx.fail(f"{label} is on {actual.device}, but should be on {device} (the inputs' device)")
+    for t in inputs:
+        if actual is t or (actual.numel() and t.numel() and actual.data_ptr() == t.data_ptr()
+                           and actual.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()):
+            ctx.fail(f"{label} is (a view of) one of the input tensors, not a newly computed result")
+
+
+def run_forward(ctx: Context, case, q, k, v):
+    """Call the implementation's forward and check the output contract; returns ``(out, lse|None)``."""
+    __tracebackhide__ = True
+    out, lse = ctx.impl.call(q, k, v, causal=case.causal, scale=case.scale,
+                             block_m=case.block_m, block_n=case.block_n)
+    check_tensor(ctx, label="out", actual=out, shape=tuple(q.shape), dtype=q.dtype, device=q.device,
+                 inputs=(q, k, v))
+    if lse is not None:
+        check_tensor(ctx, label="lse", actual=lse, shape=tuple(q.shape[:3]), dtype=lse_dtype(q.dtype),
+                     device=q.device, inputs=(q, k, v))
+    return out, lse
+
+
+def _fmt_index(idx: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(i) for i in idx) + "]"
+
+
+def assert_accurate(ctx: Context, *, op: str, actual: torch.Tensor, expected: torch.Tensor,
+                    baseline: torch.Tensor, bound: torch.Tensor, input_dtype: torch.dtype) -> ErrorStats:
+    """Both pass criteria for one op (``out``, ``lse``, ``delta``, ``dq``, ``dk``, ``dv``).
+
+    ``actual`` is the kernel's result, ``expected`` the float64 reference, ``baseline`` the
+    same-precision eager result and ``bound`` the componentwise rounding-error bound.
+    """
+    __tracebackhide__ = True
+    if expected.dtype != torch.float64:
+        raise TypeError(f"expected.dtype={_dtype_name(expected.dtype)}, but should be float64 "
+                        "(the reference): are actual and expected swapped?")
+    stored = criteria.stored_dtype(op, input_dtype)
+    if actual.dtype != stored and not (op in ("lse", "delta") and actual.dtype in (torch.float32, torch.float64)):
+        ctx.fail(f"{op}.dtype={_dtype_name(actual.dtype)}, but should be {_dtype_name(stored)}")
+    if actual.shape != expected.shape:
+        ctx.fail(f"{op}.shape={tuple(actual.shape)}, but should be {tuple(expected.shape)}")
+    stats = error_stats(actual, expected, dtype=stored)
+    err = abs_error(actual, expected)
+    base_err = float(abs_error(baseline, expected).max()) if baseline.numel() else 0.0
+    allowed = criteria.allowed_error(op, input_dtype, baseline_error=base_err, expected=expected)
+    ratio, ratio_at = max_ratio(err, bound)
+    passed = stats.max_abs <= allowed and ratio <= 1.0 and stats.nan_count == 0
+    ctx.record({
+        "implementation": ctx.impl.name, "property": ctx.prop, "op": op, "case": ctx.case.to_dict(),
+        **{key: value for key, value in stats.as_dict().items() if key not in ("worst_index",)},
+        "worst_index": list(stats.worst_index), "baseline_max_abs": base_err, "allowed_max_abs": allowed,
+        "error_over_bound": ratio, "error_over_baseline": (stats.max_abs / base_err) if base_err else
+        (0.0 if stats.max_abs == 0 else math.inf), "pass": passed,
+    })
+    if passed:
+        return stats
+    lines = [f"{op} differs from the float64 reference"]
+    if stats.nan_count:
+        lines.append(f"{stats.nan_count} of {stats.numel} {op} values are NaN")
+    at = _fmt_index(stats.worst_index)
+    lines.append(f"max abs error {stats.max_abs:.3e} at {at} (got {stats.worst_actual:.6g}, "
+                 f"expected {stats.worst_expected:.6g}); allowed {criteria.FACTOR[op]:g} x eager "
+                 f"{base_err:.3e} + floor = {allowed:.3e}"
+                 + ("  [criterion 1 FAILED]" if stats.max_abs > allowed or stats.nan_count else ""))
+    lines.append(f"error/bound {ratio:.3g} at {_fmt_index(ratio_at)} (bound there "
+                 f"{float(bound[ratio_at]) if ratio_at else 0.0:.3e})"
+                 + ("  [criterion 2 FAILED]" if ratio > 1 else ""))
+    lines.append(f"max rel {stats.max_rel:.3e}, rmse {stats.rmse:.3e}, max ulp {stats.max_ulp:.3g} "
+                 f"({_dtype_name(stored)})")
+    ctx.fail("\n  ".join(lines))
+    return stats
+
+
+def assert_close(ctx: Context, *, what: str, actual: torch.Tensor, expected: torch.Tensor,
+                 tolerance: torch.Tensor | float, exact: bool = False) -> None:
+    """``|actual - expected| <= tolerance`` elementwise (``exact``: bitwise equal values).
+
+    Used by the metamorphic properties, where both sides come from the kernel under test.
+    """
+    __tracebackhide__ = True
+    if actual.shape != expected.shape:
+        ctx.fail(f"{what}: shapes {tuple(actual.shape)} and {tuple(expected.shape)} differ")
+    err = abs_error(actual, expected)
+    if exact:
+        nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
+        bad = (err > 0) | (nan_a != nan_e)
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            ctx.fail(f"{what}: {int(bad.sum())} values differ, first at {_fmt_index(idx)}: "
+                     f"{float(actual[idx]):.6g} vs {float(expected[idx]):.6g} (should be identical)")
+        return
+    tol = tolerance if isinstance(tolerance, torch.Tensor) else torch.full_like(err, float(tolerance))
+    ratio, at = max_ratio(err, tol.expand_as(err))
+    if ratio > 1.0:
+        ctx.fail(f"{what}: |difference| {float(err[at]):.3e} at {_fmt_index(at)} "
+                 f"({float(actual[at]):.6g} vs {float(expected[at]):.6g}) exceeds the tolerance "
+                 f"{float(tol.expand_as(err)[at]):.3e} by {ratio:.3g}x")
+
+
+def assert_no_nan(ctx: Context, *, what: str, actual: torch.Tensor) -> None:
+    __tracebackhide__ = True
+    nan = torch.isnan(actual)
+    if bool(nan.any()):
+        idx = tuple(int(i) for i in nan.nonzero()[0])
+        ctx.fail(f"{what}: {int(nan.sum())} of {actual.numel()} values are NaN, first at {_fmt_index(idx)}")

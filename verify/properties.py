@@ -1,0 +1,546 @@
+"""The property catalogue (DESIGN.md) as plain functions of ``(ctx, case)``.
+
+Every property is deterministic in its case: whatever else it needs (a second tiling, a key
+permutation, a shift vector, a poison value) is derived from ``case.seed``, so the one-line replay
+command reproduces it exactly. The pytest modules in this folder draw cases with Hypothesis and call
+these functions; ``python -m verify.replay`` calls them directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+from kernels.registry import registry
+from references import attention as reference
+from references import baseline, bounds, mp
+from references.metrics import abs_error, max_ratio, unit_roundoff
+from references.softmax_bounds import softmax_bounds
+from strategies.cases import DTYPES, AttentionCase
+from strategies.softmax import SoftmaxCase
+from verify.harness import (Context, assert_accurate, assert_close, assert_no_nan, check_tensor, lse_dtype,
+                            run_forward)
+
+PROPERTIES: dict[str, Callable[[Context, AttentionCase], None]] = {}
+
+
+def prop(fn):
+    PROPERTIES[fn.__name__] = fn
+    return fn
+
+
+class NotApplicable(Exception):
+    """The property cannot apply to this implementation (e.g. no LSE returned): the test is skipped."""
+
+
+class Inapplicable(Exception):
+    """The property says nothing about this particular case: the example is rejected."""
+
+
+def _rng(case: AttentionCase, salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed(case.seed * 1_000_003 + salt)
+
+
+def _reference(ctx: Context, case: AttentionCase, q, k, v, dout=None):
+    return reference.attention(q, k, v, causal=case.causal, scale=case.scale,
+                               alignment=ctx.impl.causal_alignment, dout=dout)
+
+
+def _needs_lse(ctx: Context, lse) -> None:
+    if lse is None:
+        raise NotApplicable(f"{ctx.impl.name} returns out alone (no LSE): LSE properties are skipped")
+
+
+def _same(ctx: Context, *, what: str, a, b, tol) -> None:
+    """Two results of the kernel that should agree: bitwise for deterministic kernels on identical
+    arithmetic, else within ``tol`` (the sum of both results' error bounds)."""
+    __tracebackhide__ = True
+    assert_close(ctx, what=what, actual=a, expected=b, tolerance=tol)
+
+
+# ------------------------------------------------------------------------------------ forward
+@prop
+def out_matches_reference(ctx: Context, case: AttentionCase) -> None:
+    """``out`` vs the float64 reference: criterion 1 (baseline-relative) and 2 (rounding bound)."""
+    t = case.build(ctx.device)
+    out, _ = run_forward(ctx, case, t.q, t.k, t.v)
+    ref = _reference(ctx, case, t.q, t.k, t.v)
+    base_out, _ = baseline.forward(t.q, t.k, t.v, causal=case.causal, scale=case.scale,
+                                   alignment=ctx.impl.causal_alignment)
+    out_bound, _ = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
+    assert_accurate(ctx, op="out", actual=out, expected=ref.out, baseline=base_out, bound=out_bound,
+                    input_dtype=t.q.dtype)
+
+
+@prop
+def lse_matches_reference(ctx: Context, case: AttentionCase) -> None:
+    """``lse`` (natural log, over the visible keys) vs the float64 reference, both criteria."""
+    t = case.build(ctx.device)
+    _, lse = run_forward(ctx, case, t.q, t.k, t.v)
+    _needs_lse(ctx, lse)
+    ref = _reference(ctx, case, t.q, t.k, t.v)
+    _, base_lse = baseline.forward(t.q, t.k, t.v, causal=case.causal, scale=case.scale,
+                                   alignment=ctx.impl.causal_alignment)
+    _, lse_bound = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
+    assert_accurate(ctx, op="lse", actual=lse, expected=ref.lse, baseline=base_lse, bound=lse_bound,
+                    input_dtype=t.q.dtype)
+
+
+@prop
+def lse_between_max_and_max_plus_log_n(ctx: Context, case: AttentionCase) -> None:
+    """``max_j s_ij <= lse_i <= max_j s_ij + log(visible keys of row i)``, up to the LSE bound."""
+    t = case.build(ctx.device)
+    _, lse = run_forward(ctx, case, t.q, t.k, t.v)
+    _needs_lse(ctx, lse)
+    ref = _reference(ctx, case, t.q, t.k, t.v)
+    _, lse_bound = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
+    n_visible = ref.visible.sum(dim=-1).to(torch.float64)  # [Nq]
+    has_keys = n_visible > 0
+    got = lse.to(torch.float64)
+    lo = torch.where(has_keys, ref.row_max - lse_bound, -math.inf)
+    hi = torch.where(has_keys, ref.row_max + torch.log(n_visible.clamp(min=1)) + lse_bound, math.inf)
+    bad = has_keys & ((got < lo) | (got > hi) | torch.isnan(got))
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        ctx.fail(f"lse[{', '.join(map(str, idx))}]={float(got[idx]):.9g} is outside "
+                 f"[max score, max score + log(n)] = [{float(ref.row_max[idx]):.9g}, "
+                 f"{float(ref.row_max[idx] + math.log(float(n_visible[idx[-1]]))):.9g}] "
+                 f"(widened by the bound {float(lse_bound[idx]):.3e})")
+
+
+@prop
+def out_within_visible_values(ctx: Context, case: AttentionCase) -> None:
+    """Each ``out`` row lies in the box spanned by the visible ``v`` rows (up to the bound)."""
+    t = case.build(ctx.device)
+    out, _ = run_forward(ctx, case, t.q, t.k, t.v)
+    ref = _reference(ctx, case, t.q, t.k, t.v)
+    out_bound, _ = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
+    ve = reference.expand_kv(t.v.to(torch.float64), t.q.shape[1])[:, :, None]  # [B,H,1,Nk,D]
+    vis = ref.visible[None, None, :, :, None]
+    lo = torch.where(vis, ve, math.inf).amin(dim=3) if t.k.shape[2] else torch.zeros_like(ref.out)
+    hi = torch.where(vis, ve, -math.inf).amax(dim=3) if t.k.shape[2] else torch.zeros_like(ref.out)
+    has = ref.rows_with_keys[None, None, :, None]
+    lo, hi = torch.where(has, lo, 0.0) - out_bound, torch.where(has, hi, 0.0) + out_bound
+    got = out.to(torch.float64)
+    bad = (got < lo) | (got > hi) | torch.isnan(got)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        ctx.fail(f"out[{', '.join(map(str, idx))}]={float(got[idx]):.6g} is outside the range of the "
+                 f"visible v values [{float(lo[idx] + out_bound[idx]):.6g}, {float(hi[idx] - out_bound[idx]):.6g}]"
+                 f" (widened by the bound {float(out_bound[idx]):.3e})")
+
+
+def _bounds_of(ctx, case, q, k, v):
+    ref = _reference(ctx, case, q, k, v)
+    out_b, lse_b = bounds.forward_bounds(ref, q, k, v, dtype=q.dtype)
+    return ref, out_b, lse_b
+
+
+@prop
+def block_size_invariance(ctx: Context, case: AttentionCase) -> None:
+    """Another tiling (drawn from the declared block sizes) gives the same out and lse, up to bounds."""
+    if not ctx.impl.tunable:
+        raise NotApplicable(f"{ctx.impl.name} declares no tunable block sizes")
+    t = case.build(ctx.device)
+    g = _rng(case, 1)
+    sizes_m, sizes_n = list(ctx.impl.block_m), list(ctx.impl.block_n)
+    other = case.replace(block_m=sizes_m[int(torch.randint(len(sizes_m), (1,), generator=g))],
+                         block_n=sizes_n[int(torch.randint(len(sizes_n), (1,), generator=g))])
+    out_a, lse_a = run_forward(ctx, case, t.q, t.k, t.v)
+    out_b, lse_b = run_forward(ctx, other, t.q, t.k, t.v)
+    _, ob, lb = _bounds_of(ctx, case, t.q, t.k, t.v)
+    what = f"blocks {case.block_m}x{case.block_n} vs {other.block_m}x{other.block_n}"
+    _same(ctx, what=f"out with {what}", a=out_a, b=out_b, tol=2 * ob)
+    if lse_a is not None:
+        _same(ctx, what=f"lse with {what}", a=lse_a, b=lse_b, tol=2 * lb)
+
+
+@prop
+def siblings_agree(ctx: Context, case: AttentionCase) -> None:
+    """Two implementations of the same function (the declared sibling: FA1 for FA2) agree, up to
+    both results' bounds."""
+    if ctx.impl.sibling is None:
+        raise NotApplicable(f"{ctx.impl.name} declares no sibling implementation")
+    other = registry()[ctx.impl.sibling]
+    why = other.unsupported(dtype=DTYPES[case.dtype], device=ctx.device)
+    if why:
+        raise NotApplicable(why)
+    other_ctx = dataclasses.replace(ctx, impl=other)
+    t = case.build(ctx.device)
+    out_a, lse_a = run_forward(ctx, case, t.q, t.k, t.v)
+    out_b, lse_b = run_forward(other_ctx, case, t.q, t.k, t.v)
+    _, ob, lb = _bounds_of(ctx, case, t.q, t.k, t.v)
+    _same(ctx, what=f"out of {ctx.impl.name} vs {other.name}", a=out_a, b=out_b, tol=2 * ob)
+    if lse_a is not None and lse_b is not None:
+        _same(ctx, what=f"lse of {ctx.impl.name} vs {other.name}", a=lse_a, b=lse_b, tol=2 * lb)
+
+
+@prop
+def key_permutation_invariance(ctx: Context, case: AttentionCase) -> None:
+    """Permuting keys and values together leaves out and lse unchanged (non-causal)."""
+    if case.causal:
+        raise Inapplicable("key order matters under a causal mask")
+    t = case.build(ctx.device)
+    perm = torch.randperm(t.k.shape[2], generator=_rng(case, 2)).to(t.k.device)
+    out_a, lse_a = run_forward(ctx, case, t.q, t.k, t.v)
+    out_b, lse_b = run_forward(ctx, case, t.q, t.k[:, :, perm], t.v[:, :, perm])
+    _, ob, lb = _bounds_of(ctx, case, t.q, t.k, t.v)
+    _same(ctx, what="out after permuting keys and values", a=out_b, b=out_a, tol=2 * ob)
+    if lse_a is not None:
+        _same(ctx, what="lse after permuting keys and values", a=lse_b, b=lse_a, tol=2 * lb)
+
+
+def _grid(t: torch.Tensor, headroom: float) -> tuple[torch.Tensor, float]:
+    """Round ``t`` onto a grid ``delta`` such that every multiple of ``delta`` up to ``headroom``
+    times ``max|t|`` is exactly representable in ``t``'s dtype; returns ``(t on the grid, delta)``."""
+    x = t.to(torch.float64)
+    finite = x[torch.isfinite(x)]
+    top = float(finite.abs().max()) if finite.numel() else 1.0
+    top = max(top, 1e-30)
+    bits = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}[t.dtype]
+    span = 2.0 ** math.ceil(math.log2(top * headroom))
+    delta = span / 2.0 ** bits
+    return (torch.round(x / delta) * delta).to(t.dtype), delta
+
+
+@prop
+def score_shift_invariance(ctx: Context, case: AttentionCase) -> None:
+    """``k -> k + w`` (one w for all keys) leaves out unchanged and shifts lse by ``scale * q_i . w``.
+
+    ``k`` is first put on a grid on which ``k + w`` is exact in the input dtype, so the shifted
+    inputs are exactly the shifted function and the reference needs no rounding model.
+    """
+    t = case.build(ctx.device)
+    k0, delta = _grid(t.k, headroom=4.0)
+    k0_top = float(k0.to(torch.float64).abs().max()) if k0.numel() else 1.0
+    g = _rng(case, 3)
+    w = torch.randn(t.k.shape[0], t.k.shape[1], 1, t.k.shape[3], generator=g, dtype=torch.float64)
+    w = torch.round(w / w.abs().max().clamp(min=1e-30) * 2.0 * max(k0_top, 1.0) / delta) * delta
+    w = w.to(t.k.device)
+    k1 = (k0.to(torch.float64) + w).to(t.k.dtype)
+    if not torch.equal(k1.to(torch.float64), k0.to(torch.float64) + w):
+        raise AssertionError("internal: the shifted keys are not exact on the chosen grid")
+    out0, lse0 = run_forward(ctx, case, t.q, k0, t.v)
+    out1, lse1 = run_forward(ctx, case, t.q, k1, t.v)
+    _, ob0, lb0 = _bounds_of(ctx, case, t.q, k0, t.v)
+    _, ob1, lb1 = _bounds_of(ctx, case, t.q, k1, t.v)
+    _same(ctx, what="out after shifting every key by the same w", a=out1, b=out0, tol=ob0 + ob1)
+    if lse0 is None:
+        return
+    scale = case.scale if case.scale is not None else 1.0 / math.sqrt(t.q.shape[-1])
+    shift = scale * (t.q.to(torch.float64) @ reference.expand_kv(w, t.q.shape[1]).transpose(-1, -2))[..., 0]
+    expected = lse0.to(torch.float64) + shift
+    _same(ctx, what="lse after shifting every key by w (expected lse + scale * q.w)",
+          a=lse1.to(torch.float64), b=expected, tol=lb0 + lb1 + 4 * unit_roundoff(torch.float64) * expected.abs())
+
+
+@prop
+def value_linearity(ctx: Context, case: AttentionCase) -> None:
+    """``out(v A + 1 b^T) = out(v) A + 1 b^T`` for a signed, power-of-two-scaled permutation A and an
+    offset b on a grid where ``v A + b`` is exact in the input dtype."""
+    t = case.build(ctx.device)
+    v0, delta = _grid(t.v, headroom=4.0)
+    d = t.v.shape[-1]
+    g = _rng(case, 4)
+    perm = torch.randperm(d, generator=g)
+    signs = torch.where(torch.rand(d, generator=g) < 0.5, -1.0, 1.0)
+    a = torch.zeros(d, d, dtype=torch.float64)
+    a[torch.arange(d), perm] = signs
+    a = a.to(t.v.device)
+    v0_top = float(v0.to(torch.float64).abs().max()) if v0.numel() else 1.0
+    b = torch.round(torch.randn(d, generator=g, dtype=torch.float64) * max(v0_top, 1.0) / delta) * delta
+    b = b.clamp(-2 * max(v0_top, 1.0), 2 * max(v0_top, 1.0)).to(t.v.device)
+    b = torch.round(b / delta) * delta
+    v1_exact = v0.to(torch.float64) @ a + b
+    v1 = v1_exact.to(t.v.dtype)
+    if not torch.equal(v1.to(torch.float64), v1_exact):
+        raise AssertionError("internal: the transformed values are not exact on the chosen grid")
+    out0, _ = run_forward(ctx, case, t.q, t.k, v0)
+    out1, _ = run_forward(ctx, case, t.q, t.k, v1)
+    ref0, ob0, _ = _bounds_of(ctx, case, t.q, t.k, v0)
+    _, ob1, _ = _bounds_of(ctx, case, t.q, t.k, v1)
+    has = ref0.rows_with_keys[None, None, :, None]
+    expected = torch.where(has, out0.to(torch.float64) @ a + b, 0.0)
+    _same(ctx, what="out(v A + b) vs out(v) A + b", a=out1.to(torch.float64), b=expected,
+          tol=ob1 + ob0 @ a.abs() + 2 * unit_roundoff(torch.float64) * expected.abs())
+
+
+@prop
+def hidden_keys_never_reach_output(ctx: Context, case: AttentionCase) -> None:
+    """Under a causal mask, keys hidden from rows 0..r may hold NaN, inf or huge values (v: huge finite
+    values) without changing rows 0..r of out and lse.
+
+    A dot product multiplies each hidden value by p = 0, and 0 * inf = NaN, so a tensor-core kernel
+    cannot hide inf/NaN in V at in-bounds positions that share a tile with visible ones; V is poisoned
+    with the largest finite values instead. K may hold anything: masking selects, it never multiplies.
+    """
+    if not case.causal:
+        raise Inapplicable("needs a causal mask")
+    t = case.build(ctx.device)
+    nq, nk = t.q.shape[2], t.k.shape[2]
+    vis = reference.visible_mask(nq, nk, causal=True, alignment=ctx.impl.causal_alignment)
+    g = _rng(case, 5)
+    cut = int(torch.randint(0, max(1, nq - 1), (1,), generator=g))  # rows 0..cut are checked
+    seen = vis[: cut + 1].any(dim=0)
+    hidden = ~seen
+    if not bool(hidden.any()):
+        raise Inapplicable("every key is visible to the checked rows")
+    poison = [float("nan"), float("inf"), float("-inf"), 0.5 * torch.finfo(t.k.dtype).max][
+        int(torch.randint(0, 4, (1,), generator=g))]
+    k1, v1 = t.k.clone(), t.v.clone()
+    k1[:, :, hidden.to(k1.device)] = poison
+    v1[:, :, hidden.to(v1.device)] = 0.5 * torch.finfo(t.v.dtype).max
+    out0, lse0 = run_forward(ctx, case, t.q, t.k, t.v)
+    out1, lse1 = run_forward(ctx, case, t.q, k1, v1)
+    rows = slice(0, cut + 1)
+    _, ob, lb = _bounds_of(ctx, case, t.q, t.k, t.v)
+    what = f"rows 0..{cut} with {int(hidden.sum())} hidden keys set to k={poison}, v=max/2"
+    assert_no_nan(ctx, what=f"out {what}", actual=out1[:, :, rows])
+    _same(ctx, what=f"out {what}", a=out1[:, :, rows], b=out0[:, :, rows], tol=ob[:, :, rows])
+    if lse0 is not None:
+        _same(ctx, what=f"lse {what}", a=lse1[:, :, rows], b=lse0[:, :, rows], tol=lb[:, :, rows])
+
+
+@prop
+def layouts_agree(ctx: Context, case: AttentionCase) -> None:
+    """Contiguous, transposed (``[B, N, H, D]`` storage) and padded views give the same result; padded
+    views sit in buffers full of NaN, so reading past a tensor's end shows up as NaN."""
+    results = {}
+    for layout in ("contiguous", "bnhd", "padded"):
+        c = case.replace(layout=layout)
+        t = c.build(ctx.device)
+        results[layout] = run_forward(ctx, c, t.q, t.k, t.v)
+    t = case.replace(layout="contiguous").build(ctx.device)
+    _, ob, lb = _bounds_of(ctx, case, t.q, t.k, t.v)
+    out0, lse0 = results["contiguous"]
+    for layout in ("bnhd", "padded"):
+        out1, lse1 = results[layout]
+        assert_no_nan(ctx, what=f"out with {layout} inputs", actual=out1)
+        _same(ctx, what=f"out with {layout} vs contiguous inputs", a=out1, b=out0, tol=2 * ob)
+        if lse0 is not None:
+            _same(ctx, what=f"lse with {layout} vs contiguous inputs", a=lse1, b=lse0, tol=2 * lb)
+
+
+@prop
+def fully_masked_rows(ctx: Context, case: AttentionCase) -> None:
+    """Rows that see no key (causal with Nq > Nk, bottom-right) give out = 0 and lse = -inf exactly."""
+    t = case.build(ctx.device)
+    vis = reference.visible_mask(t.q.shape[2], t.k.shape[2], causal=case.causal,
+                                 alignment=ctx.impl.causal_alignment)
+    empty = ~vis.any(dim=-1)
+    if not bool(empty.any()):
+        raise Inapplicable("no row is fully masked")
+    out, lse = run_forward(ctx, case, t.q, t.k, t.v)
+    rows = empty.to(out.device)
+    masked_out = out[:, :, rows]
+    if bool((masked_out != 0).any()) or bool(torch.isnan(masked_out).any()):
+        bad = ((masked_out != 0) | torch.isnan(masked_out)).nonzero()[0].tolist()
+        ctx.fail(f"fully masked rows {empty.nonzero().flatten().tolist()} should give out = 0, "
+                 f"got {float(masked_out[tuple(bad)]):.6g} at masked-row index {bad}")
+    if lse is not None:
+        masked_lse = lse[:, :, rows]
+        if not bool(torch.isneginf(masked_lse).all()):
+            bad = (~torch.isneginf(masked_lse)).nonzero()[0].tolist()
+            ctx.fail(f"fully masked rows should give lse = -inf, got {float(masked_lse[tuple(bad)])!r} "
+                     f"at masked-row index {bad}")
+    assert_no_nan(ctx, what="out (rows with keys)", actual=out)
+
+
+@prop
+def gqa_equals_repeated_heads(ctx: Context, case: AttentionCase) -> None:
+    """Grouped-query attention equals full attention with each K/V head repeated for its group."""
+    if case.heads_q == case.heads_kv:
+        raise Inapplicable("not a grouped-query case")
+    t = case.build(ctx.device)
+    out_g, lse_g = run_forward(ctx, case, t.q, t.k, t.v)
+    k_full, v_full = reference.expand_kv(t.k, case.heads_q), reference.expand_kv(t.v, case.heads_q)
+    out_f, lse_f = run_forward(ctx, case, t.q, k_full, v_full)
+    _, ob, lb = _bounds_of(ctx, case, t.q, t.k, t.v)
+    _same(ctx, what="out with GQA vs repeated K/V heads", a=out_g, b=out_f, tol=2 * ob)
+    if lse_g is not None:
+        _same(ctx, what="lse with GQA vs repeated K/V heads", a=lse_g, b=lse_f, tol=2 * lb)
+
+
+# ------------------------------------------------------------------------------------ backward
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(True)
+
+
+def _run_backward(ctx: Context, case: AttentionCase, q, k, v, dout):
+    __tracebackhide__ = True
+    if not ctx.impl.autograd:
+        raise NotApplicable(f"{ctx.impl.name} declares no autograd backward")
+    q, k, v = _leaf(q), _leaf(k), _leaf(v)
+    out, _ = run_forward(ctx, case, q, k, v)
+    if not out.requires_grad:
+        ctx.fail("out does not require grad although q, k, v do: no gradient flows through out")
+    out.backward(dout)
+    grads = []
+    for label, x in (("dq", q), ("dk", k), ("dv", v)):
+        if x.grad is None:
+            ctx.fail(f"{label} is None after out.backward(dout)")
+        grads.append(x.grad)
+    return out.detach(), grads
+
+
+@prop
+def gradients_match_reference(ctx: Context, case: AttentionCase) -> None:
+    """dQ, dK, dV through autograd vs the float64 reference, both criteria (factor 3)."""
+    t = case.build(ctx.device)
+    out, (dq, dk, dv) = _run_backward(ctx, case, t.q, t.k, t.v, t.dout)
+    ref = _reference(ctx, case, t.q, t.k, t.v, dout=t.dout)
+    bdq, bdk, bdv, _ = baseline.backward(t.q, t.k, t.v, t.dout, causal=case.causal, scale=case.scale,
+                                         alignment=ctx.impl.causal_alignment)
+    dq_b, dk_b, dv_b, _ = bounds.backward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
+    for op, got, exp, base, bnd in (("dv", dv, ref.dv, bdv, dv_b), ("dk", dk, ref.dk, bdk, dk_b),
+                                    ("dq", dq, ref.dq, bdq, dq_b)):
+        assert_accurate(ctx, op=op, actual=got, expected=exp, baseline=base, bound=bnd,
+                        input_dtype=t.q.dtype)
+
+
+@prop
+def delta_matches_reference(ctx: Context, case: AttentionCase) -> None:
+    """The kernel's own ``Delta = rowsum(dO * O)`` vs float64, and the identity
+    ``rowsum(dO * O) = rowsum(P * dP)`` in the reference."""
+    if ctx.impl.backward is None:
+        raise NotApplicable(f"{ctx.impl.name} does not expose its backward (and Delta)")
+    t = case.build(ctx.device)
+    out, lse = run_forward(ctx, case, t.q, t.k, t.v)
+    _needs_lse(ctx, lse)
+    kwargs = {"causal": case.causal, "scale": case.scale}
+    if ctx.impl.tunable:
+        kwargs.update(block_m=case.block_m, block_n=case.block_n)
+    _, _, _, delta = ctx.impl.backward(t.q, t.k, t.v, out, lse, t.dout, **kwargs)
+    ref = _reference(ctx, case, t.q, t.k, t.v, dout=t.dout)
+    identity = (ref.p * ref.dp).sum(dim=-1)
+    tol = 64 * unit_roundoff(torch.float64) * ((ref.p * ref.dp.abs()).sum(-1) + (ref.dout * ref.out).abs().sum(-1))
+    _same(ctx, what="reference identity rowsum(dO*O) vs rowsum(P*dP)", a=ref.delta, b=identity, tol=tol)
+    _, _, _, base_delta = baseline.backward(t.q, t.k, t.v, t.dout, causal=case.causal, scale=case.scale,
+                                            alignment=ctx.impl.causal_alignment)
+    *_, delta_b = bounds.backward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
+    assert_accurate(ctx, op="delta", actual=delta, expected=ref.delta, baseline=base_delta, bound=delta_b,
+                    input_dtype=t.q.dtype)
+
+
+@prop
+def gradient_sums(ctx: Context, case: AttentionCase) -> None:
+    """``sum_j dK_j = 0``, ``sum_j dV_j = sum_i dO_i`` over rows with a visible key, and in the reference
+    ``sum_j dS_ij = 0``; tolerances are the summed elementwise bounds."""
+    t = case.build(ctx.device)
+    out, (dq, dk, dv) = _run_backward(ctx, case, t.q, t.k, t.v, t.dout)
+    ref = _reference(ctx, case, t.q, t.k, t.v, dout=t.dout)
+    _, dk_b, dv_b, _ = bounds.backward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
+    f64 = torch.float64
+    sum_dk = dk.to(f64).sum(dim=2)
+    _same(ctx, what="sum over keys of dK (should be 0)", a=sum_dk, b=torch.zeros_like(sum_dk),
+          tol=dk_b.sum(dim=2) + ref.dk.abs().sum(dim=2) * 8 * unit_roundoff(f64))
+    rows = ref.rows_with_keys[None, None, :, None]
+    do_sum = reference.reduce_group(torch.where(rows, t.dout.to(f64), 0.0), case.heads_kv).sum(dim=2)
+    _same(ctx, what="sum over keys of dV vs sum over rows with a key of dO", a=dv.to(f64).sum(dim=2), b=do_sum,
+          tol=dv_b.sum(dim=2) + do_sum.abs() * 8 * unit_roundoff(f64))
+    ds_sum = ref.ds.sum(dim=-1)
+    _same(ctx, what="reference: sum over keys of dS (should be 0)", a=ds_sum, b=torch.zeros_like(ds_sum),
+          tol=64 * unit_roundoff(f64) * (ref.p * (ref.dp - ref.delta[..., None]).abs()).sum(-1))
+
+
+@prop
+def hidden_positions_get_zero_gradient(ctx: Context, case: AttentionCase) -> None:
+    """Keys no query can see get exactly zero dK and dV; rows that see no key get exactly zero dQ."""
+    t = case.build(ctx.device)
+    vis = reference.visible_mask(t.q.shape[2], t.k.shape[2], causal=case.causal,
+                                 alignment=ctx.impl.causal_alignment)
+    unseen_keys, empty_rows = ~vis.any(dim=0), ~vis.any(dim=1)
+    if not bool(unseen_keys.any()) and not bool(empty_rows.any()):
+        raise Inapplicable("every key is seen and every row sees a key")
+    _, (dq, dk, dv) = _run_backward(ctx, case, t.q, t.k, t.v, t.dout)
+    for label, grad, mask in (("dK", dk, unseen_keys), ("dV", dv, unseen_keys), ("dQ", dq, empty_rows)):
+        sel = grad[:, :, mask.to(grad.device)]
+        if sel.numel() and not bool((sel == 0).all()):
+            bad = (sel != 0).nonzero()[0].tolist()
+            ctx.fail(f"{label} at hidden positions {mask.nonzero().flatten().tolist()} should be exactly 0, "
+                     f"got {float(sel[tuple(bad)]):.6g} (index {bad} among them)")
+
+
+@prop
+def gqa_gradients_sum_over_group(ctx: Context, case: AttentionCase) -> None:
+    """With GQA, dK and dV equal the group sums of the gradients with repeated K/V heads."""
+    if case.heads_q == case.heads_kv:
+        raise Inapplicable("not a grouped-query case")
+    t = case.build(ctx.device)
+    out, (dq_g, dk_g, dv_g) = _run_backward(ctx, case, t.q, t.k, t.v, t.dout)
+    k_full, v_full = reference.expand_kv(t.k, case.heads_q), reference.expand_kv(t.v, case.heads_q)
+    _, (dq_f, dk_f, dv_f) = _run_backward(ctx, case, t.q, k_full, v_full, t.dout)
+    ref = _reference(ctx, case, t.q, t.k, t.v, dout=t.dout)
+    dq_b, dk_b, dv_b, _ = bounds.backward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
+    # Each per-head gradient of the repeated-heads run is within its own bound of its own reference,
+    # and those references sum over the group to the GQA reference: the tolerance adds both bounds.
+    ref_full = _reference(ctx, case, t.q, k_full, v_full, dout=t.dout)
+    _, dk_bf, dv_bf, _ = bounds.backward_bounds(ref_full, t.q, k_full, v_full, dtype=t.q.dtype, out=out)
+    f64 = torch.float64
+    group_sum = lambda g: reference.reduce_group(g.to(f64), case.heads_kv)  # noqa: E731
+    _same(ctx, what="dK with GQA vs group sum of dK with repeated heads", a=dk_g.to(f64), b=group_sum(dk_f),
+          tol=dk_b + group_sum(dk_bf))
+    _same(ctx, what="dV with GQA vs group sum of dV with repeated heads", a=dv_g.to(f64), b=group_sum(dv_f),
+          tol=dv_b + group_sum(dv_bf))
+    _same(ctx, what="dQ with GQA vs repeated heads", a=dq_g, b=dq_f, tol=2 * dq_b)
+
+
+@prop
+def gradcheck_float64(ctx: Context, case: AttentionCase) -> None:
+    """Finite-difference gradcheck of the float64 kernel on a small case."""
+    if case.dtype != "float64":
+        raise NotApplicable("gradcheck runs on float64 cases")
+    if not ctx.impl.autograd:
+        raise NotApplicable(f"{ctx.impl.name} declares no autograd backward")
+    t = case.build(ctx.device)
+
+    def fn(q, k, v):
+        out, _ = ctx.impl.call(q, k, v, causal=case.causal, scale=case.scale, block_m=case.block_m,
+                               block_n=case.block_n)
+        return out
+
+    inputs = tuple(_leaf(x) for x in (t.q, t.k, t.v))
+    try:
+        torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7, rtol=1e-5, raise_exception=True)
+    except torch.autograd.gradcheck.GradcheckError as exc:
+        ctx.fail(f"finite-difference gradcheck failed: {str(exc).splitlines()[0]}")
+
+
+# ------------------------------------------------------------------------------------ softmax
+SOFTMAX_PROPERTIES: dict[str, Callable[[Context, SoftmaxCase], None]] = {}
+
+MPMATH_MAX_ELEMENTS = 64  # rows x n at or below this are checked against 50-digit mpmath
+
+
+@prop
+def softmax_matches_reference(ctx: Context, case: SoftmaxCase) -> None:
+    """Softmax and LSE of an online-softmax kernel vs float64 (vs 50-digit mpmath for small rows)."""
+    x = case.build(ctx.device)
+    kwargs = {"block_n": case.block_n} if case.block_n is not None else {}
+    y, lse = ctx.impl.forward(x, **kwargs)
+    check_tensor(ctx, label="softmax", actual=y, shape=tuple(x.shape), dtype=x.dtype, device=x.device,
+                 inputs=(x,))
+    check_tensor(ctx, label="lse", actual=lse, shape=tuple(x.shape[:1]), dtype=lse_dtype(x.dtype),
+                 device=x.device, inputs=(x,))
+    if x.numel() <= MPMATH_MAX_ELEMENTS:
+        rows = [mp.softmax(r) for r in x.tolist()]
+        expected_y = torch.tensor(rows, dtype=torch.float64, device=x.device)
+        expected_lse = torch.tensor([mp.logsumexp(r) for r in x.tolist()], dtype=torch.float64, device=x.device)
+    else:
+        expected_y, expected_lse = reference.softmax(x), reference.logsumexp(x)
+    y_bound, lse_bound = softmax_bounds(x, dtype=x.dtype)
+    for label, got, exp, bnd in (("softmax", y, expected_y, y_bound), ("lse", lse, expected_lse, lse_bound)):
+        err = abs_error(got, exp)
+        ratio, at = max_ratio(err, bnd)
+        ctx.record({"implementation": ctx.impl.name, "property": ctx.prop, "op": label,
+                    "case": dataclasses.asdict(case), "max_abs": float(err.max()),
+                    "error_over_bound": ratio, "pass": ratio <= 1.0})
+        if ratio > 1.0:
+            ctx.fail(f"{label} error {float(err[at]):.3e} at {list(at)} (got {float(got[at]):.9g}, expected "
+                     f"{float(exp[at]):.9g}) exceeds the rounding bound {float(bnd[at]):.3e} by {ratio:.3g}x")
+
+
+SOFTMAX_PROPERTIES["softmax_matches_reference"] = PROPERTIES.pop("softmax_matches_reference")

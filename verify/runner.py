@@ -1,0 +1,166 @@
+"""Run one property over Hypothesis-drawn cases for one implementation and dtype.
+
+The test modules stay one line per property; this module decides what a declaration makes
+unsupported (a skip with the declaration's words), which cases a property needs (causal only,
+grouped-query only, ...), how many examples the profile and the implementation allow, and turns a
+case a property cannot use into a rejected example.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import pytest
+import torch
+from hypothesis import given, reject, settings
+from hypothesis import strategies as st
+
+from kernels.registry import Implementation
+from strategies.attention import Limits, attention_cases
+from strategies.cases import DTYPES, AttentionCase, dtype_name
+from strategies.softmax import softmax_cases
+from verify import properties
+from verify.harness import Context, Recorder
+from verify.properties import Inapplicable, NotApplicable
+
+DTYPE_NAMES = tuple(DTYPES)
+
+
+@dataclasses.dataclass
+class Env:
+    device: str
+    profile: str
+    limits: Limits
+    record: Recorder
+
+
+REQUIREMENTS = {
+    "autograd": (lambda impl: impl.autograd, "declares no autograd backward"),
+    "backward": (lambda impl: impl.backward is not None, "does not expose its backward (and Delta)"),
+    "tunable": (lambda impl: impl.tunable, "declares no tunable block sizes"),
+    "gqa": (lambda impl: impl.gqa, "declares no grouped-query attention"),
+    "causal": (lambda impl: impl.causal, "declares no causal masking"),
+    "lse": (lambda impl: impl.returns_lse, "returns out alone (no LSE)"),
+}
+
+
+def skip_reason(impl: Implementation, dtype: str, env: Env, requires: Iterable[str] = ()) -> str | None:
+    """Why this implementation cannot run a property here, in the declaration's own terms."""
+    torch_dtype = DTYPES[dtype]
+    reason = impl.unsupported(dtype=torch_dtype, device=env.device)
+    if reason:
+        return reason
+    limit = impl.environment_limit(torch_dtype)
+    if limit:
+        return f"environment limit for {impl.name} in {dtype}: {limit}"
+    for need in requires:
+        ok, words = REQUIREMENTS[need]
+        if not ok(impl):
+            return f"{impl.name} {words}"
+    return None
+
+
+def _limits_for(impl: Implementation, limits: Limits) -> Limits:
+    if impl.max_seq_len is not None and impl.max_seq_len < limits.max_len:
+        limits = dataclasses.replace(limits, max_len=impl.max_seq_len)
+    if impl.head_dims is not None:
+        smallest = min(impl.head_dims)
+        if smallest > limits.max_head_dim:
+            limits = dataclasses.replace(limits, max_head_dim=smallest)
+    return limits
+
+
+def _max_examples(impl: Implementation) -> int:
+    n = settings().max_examples
+    return min(n, impl.max_examples) if impl.max_examples else n
+
+
+Adjust = Callable[[AttentionCase, st.DataObject], AttentionCase]
+
+
+def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, requires: Iterable[str] = (),
+                    causal: bool | None = None, gqa_only: bool = False, adjust: Adjust | None = None,
+                    limits: Limits | None = None, magnitudes: Iterable[str] | None = None,
+                    layouts: Iterable[str] | None = None) -> None:
+    """Check attention property ``prop`` on ``impl`` in ``dtype`` over drawn cases."""
+    __tracebackhide__ = True
+    if impl.kind != "attention":
+        pytest.skip(f"{impl.name} is a {impl.kind} kernel")
+    reason = skip_reason(impl, dtype, env, requires)
+    if reason:
+        pytest.skip(reason)
+    if causal and not impl.causal:
+        pytest.skip(f"{impl.name} declares no causal masking")
+    fn = properties.PROPERTIES[prop]
+    kwargs = {}
+    if magnitudes is not None:
+        kwargs["magnitudes"] = tuple(magnitudes)
+    if layouts is not None:
+        kwargs["layouts"] = tuple(layouts)
+    strategy = attention_cases(dtype=dtype, limits=_limits_for(impl, limits or env.limits),
+                               head_dims=impl.head_dims, gqa=impl.gqa, block_m=impl.block_m,
+                               block_n=impl.block_n, causal=causal if impl.causal else False, **kwargs)
+
+    @settings(max_examples=_max_examples(impl))
+    @given(data=st.data())
+    def run(data):
+        case = data.draw(strategy, label="case")
+        if gqa_only and case.heads_q == case.heads_kv:
+            group = data.draw(st.integers(2, 3), label="group")
+            case = case.replace(heads_q=case.heads_kv * group)
+        if adjust is not None:
+            case = adjust(case, data)
+        ctx = Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case)
+        try:
+            fn(ctx, case)
+        except NotApplicable as exc:
+            pytest.skip(str(exc))
+        except Inapplicable:
+            reject()
+
+    run()
+
+
+def check_softmax(prop: str, impl: Implementation, dtype: str, env: Env) -> None:
+    """Check softmax property ``prop`` on the softmax kernel ``impl`` in ``dtype``."""
+    __tracebackhide__ = True
+    reason = skip_reason(impl, dtype, env)
+    if reason:
+        pytest.skip(reason)
+    fn = properties.SOFTMAX_PROPERTIES[prop]
+    strategy = softmax_cases(dtype=dtype, block_n=impl.block_n, max_n=max(8, env.limits.max_len))
+
+    @settings(max_examples=_max_examples(impl))
+    @given(data=st.data())
+    def run(data):
+        case = data.draw(strategy, label="case")
+        fn(Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case), case)
+
+    run()
+
+
+def longer(which: str, *, max_extra: int = 8) -> Adjust:
+    """An adjustment making ``len_q`` (or ``len_k``) longer than the other by a drawn amount."""
+
+    def adjust(case: AttentionCase, data: st.DataObject) -> AttentionCase:
+        extra = data.draw(st.integers(1, max_extra), label=f"{which} longer by")
+        if which == "len_q":
+            return case.replace(len_q=case.len_k + extra)
+        return case.replace(len_k=case.len_q + extra)
+
+    return adjust
+
+
+def at_least(field: str, n: int) -> Adjust:
+    def adjust(case: AttentionCase, data: st.DataObject) -> AttentionCase:
+        return case.replace(**{field: max(n, getattr(case, field))})
+
+    return adjust
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+__all__ = ["DTYPE_NAMES", "Env", "check_attention", "check_softmax", "longer", "at_least", "dtype_name"]

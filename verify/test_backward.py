@@ -1,0 +1,41 @@
+"""Backward properties: gradients, the Delta identity, gradient sums, hidden positions, GQA."""
+
+import pytest
+
+from verify.runner import DTYPE_NAMES, check_attention, longer
+
+pytestmark = pytest.mark.parametrize("dtype", DTYPE_NAMES)
+
+
+def test_gradients_match_reference(impl, dtype, env):
+    check_attention("gradients_match_reference", impl, dtype, env, requires=["autograd"])
+
+
+def test_delta_matches_reference(impl, dtype, env):
+    check_attention("delta_matches_reference", impl, dtype, env, requires=["backward", "lse"])
+
+
+def test_gradient_sums(impl, dtype, env):
+    check_attention("gradient_sums", impl, dtype, env, requires=["autograd"])
+
+
+def test_hidden_positions_get_zero_gradient(impl, dtype, env):
+    # Bottom-right alignment hides no key from every row but hides whole rows when Nq > Nk;
+    # top-left alignment hides keys past Nq from every row when Nk > Nq.
+    which = "len_q" if impl.causal_alignment == "bottom_right" else "len_k"
+    check_attention("hidden_positions_get_zero_gradient", impl, dtype, env, requires=["autograd", "causal"],
+                    causal=True, adjust=longer(which))
+
+
+def test_gqa_gradients_sum_over_group(impl, dtype, env):
+    check_attention("gqa_gradients_sum_over_group", impl, dtype, env, requires=["autograd", "gqa"],
+                    gqa_only=True)
+
+
+def test_gradcheck_float64(impl, dtype, env):
+    if dtype != "float64":
+        pytest.skip("finite-difference gradcheck runs in float64 only")
+    small = env.limits.__class__(max_len=5, max_head_dim=4, max_batch=1, max_heads_kv=1, max_group=2)
+    check_attention("gradcheck_float64", impl, dtype, env, requires=["autograd"], limits=small,
+                    magnitudes=["normal", "ties", "dominant_key", "outliers", "all_negative"],
+                    layouts=["contiguous"])

@@ -1,0 +1,70 @@
+"""Forward properties (FA1 inner-scaled, FA2 outer-scaled, every selected implementation).
+
+Each test checks one property of the catalogue in DESIGN.md over Hypothesis-drawn cases; the
+property itself is in ``verify/properties.py`` under the same name.
+"""
+
+import pytest
+
+from verify.runner import DTYPE_NAMES, at_least, check_attention, longer
+
+pytestmark = pytest.mark.parametrize("dtype", DTYPE_NAMES)
+
+
+def test_out_matches_reference(impl, dtype, env):
+    check_attention("out_matches_reference", impl, dtype, env)
+
+
+def test_lse_matches_reference(impl, dtype, env):
+    check_attention("lse_matches_reference", impl, dtype, env, requires=["lse"])
+
+
+def test_lse_between_max_and_max_plus_log_n(impl, dtype, env):
+    check_attention("lse_between_max_and_max_plus_log_n", impl, dtype, env, requires=["lse"])
+
+
+def test_out_within_visible_values(impl, dtype, env):
+    check_attention("out_within_visible_values", impl, dtype, env)
+
+
+def test_block_size_invariance(impl, dtype, env):
+    check_attention("block_size_invariance", impl, dtype, env, requires=["tunable"])
+
+
+def test_key_permutation_invariance(impl, dtype, env):
+    check_attention("key_permutation_invariance", impl, dtype, env, causal=False)
+
+
+def test_score_shift_invariance(impl, dtype, env):
+    check_attention("score_shift_invariance", impl, dtype, env)
+
+
+def test_value_linearity(impl, dtype, env):
+    check_attention("value_linearity", impl, dtype, env)
+
+
+def test_hidden_keys_never_reach_output(impl, dtype, env):
+    check_attention("hidden_keys_never_reach_output", impl, dtype, env, requires=["causal"], causal=True,
+                    adjust=at_least("len_q", 2))
+
+
+def test_layouts_agree(impl, dtype, env):
+    check_attention("layouts_agree", impl, dtype, env, layouts=["contiguous"])
+
+
+def test_fully_masked_rows(impl, dtype, env):
+    if impl.causal_alignment == "top_left":
+        pytest.skip(f"{impl.name} aligns causal masks top-left: no row is ever fully masked")
+    check_attention("fully_masked_rows", impl, dtype, env, requires=["causal"], causal=True,
+                    adjust=longer("len_q"))
+
+
+def test_gqa_equals_repeated_heads(impl, dtype, env):
+    check_attention("gqa_equals_repeated_heads", impl, dtype, env, requires=["gqa"], gqa_only=True)
+
+
+def test_siblings_agree(impl, dtype, env):
+    """FA1 and FA2 (declared siblings) compute the same function."""
+    if impl.sibling is None:
+        pytest.skip(f"{impl.name} declares no sibling implementation")
+    check_attention("siblings_agree", impl, dtype, env)
