@@ -69,6 +69,10 @@ class Reference:
     dq: torch.Tensor | None = None
     dk: torch.Tensor | None = None
     dv: torch.Tensor | None = None
+    # The float64 inputs, K and V expanded to the query heads.
+    q64: torch.Tensor | None = None
+    k_expanded: torch.Tensor | None = None
+    v_expanded: torch.Tensor | None = None
 
     @property
     def rows_with_keys(self) -> torch.Tensor:
@@ -95,7 +99,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     p = torch.exp(scores - torch.where(empty, 0.0, lse)[..., None])
     p = torch.where(visible, p, 0.0)
     out = p @ torch.where(visible.any(dim=0)[:, None], ve, 0.0)
-    ref = Reference(scale=scale, visible=visible, scores=scores, row_max=row_max, p=p, out=out, lse=lse)
+    ref = Reference(scale=scale, visible=visible, scores=scores, row_max=row_max, p=p, out=out, lse=lse,
+                    q64=q64, k_expanded=ke, v_expanded=ve)
     if dout is None:
         return ref
     do = dout.to(F64)

@@ -48,6 +48,20 @@ class CaseError(ValueError):
     """A case description is not valid (bad field, inconsistent shapes, unknown class)."""
 
 
+def case_from_dict(cls, data: Any):
+    """Build a case dataclass from parsed JSON: an object with exactly the known fields, validated."""
+    if not isinstance(data, dict):
+        raise CaseError(f"a case should be a JSON object, got {type(data).__name__}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise CaseError(f"unknown case fields {unknown}; known: {sorted(fields)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise CaseError(f"incomplete case: {exc}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Tensors:
     q: torch.Tensor
@@ -124,16 +138,7 @@ class AttentionCase:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "AttentionCase":
-        if not isinstance(data, dict):
-            raise CaseError(f"a case should be a JSON object, got {type(data).__name__}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - fields)
-        if unknown:
-            raise CaseError(f"unknown case fields {unknown}; known: {sorted(fields)}")
-        try:
-            return cls(**data)
-        except TypeError as exc:
-            raise CaseError(f"incomplete case: {exc}") from None
+        return case_from_dict(cls, data)
 
     @classmethod
     def from_json(cls, text: str) -> "AttentionCase":

@@ -13,7 +13,7 @@ import json
 import torch
 from hypothesis import strategies as st
 
-from strategies.cases import DTYPES, CaseError
+from strategies.cases import DTYPES, CaseError, case_from_dict
 
 SOFTMAX_MAGNITUDES = ("normal", "large", "ties", "neg_inf_entries", "all_neg_inf_rows", "tiny")
 
@@ -43,6 +43,13 @@ class SoftmaxCase:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SoftmaxCase":
+        return case_from_dict(cls, data)
 
     def build(self, device="cpu") -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed)
