@@ -100,9 +100,11 @@ def _mask(s, causal, m0, m1, n0, n1, len_q, len_k):
 
 
 def _check(q, k, v, *, kernel, scale, block_m, block_n):
+    """Validate the inputs and return the softmax scale (``1/sqrt(head_dim)`` when None)."""
     _validate.check_block("block_m", block_m, kernel=kernel)
     _validate.check_block("block_n", block_n, kernel=kernel)
-    return _validate.check_attention_inputs(q, k, v, kernel=kernel, dtypes=ALL_DTYPES, scale=scale)
+    _validate.check_attention_inputs(q, k, v, kernel=kernel, dtypes=ALL_DTYPES, scale=scale)
+    return _default_scale(q.shape[-1]) if scale is None else float(scale)
 
 
 def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,

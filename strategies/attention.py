@@ -36,14 +36,29 @@ class Limits:
                 raise ValueError(f"Limits.{f.name}={getattr(self, f.name)}, but should be at least 1")
 
 
-def _lengths(*, block: int | None, max_len: int):
-    """A sequence length, often 1 or next to a multiple of ``block``."""
+def _near_blocks(blocks: Sequence[int] | None, max_len: int) -> list[int]:
+    """Lengths next to small multiples of the declared block sizes (a fixed list, so that shrinking
+    one draw never changes the shape of the others)."""
+    if not blocks:
+        return []
+    return sorted({m * b + o for b in blocks for m in (1, 2, 3) for o in (-1, 0, 1)
+                   if 1 <= m * b + o <= max_len} | {max_len})
+
+
+def _lengths(*, near: list[int], max_len: int):
+    """A sequence length: anything up to ``max_len``, or one of the lengths next to a block boundary."""
     plain = st.integers(min_value=1, max_value=max_len)
-    if block is None:
-        return plain
-    near = sorted({n for m in (1, 2, 3) for n in (m * block - 1, m * block, m * block + 1)
-                   if 1 <= n <= max_len} | {max_len})
     return st.one_of(plain, st.sampled_from(near)) if near else plain
+
+
+def _blocks(blocks: Sequence[int], length: int, max_tiles_per_axis: int):
+    """A declared block size; one that would split ``length`` into more than ``max_tiles_per_axis``
+    tiles is replaced by the smallest one that does not. The draw is always over the full declared
+    list, so a shrinking length keeps the block it had."""
+    ordered = sorted(blocks)
+    fitting = [b for b in ordered if -(-length // b) <= max_tiles_per_axis] or [ordered[-1]]
+    return st.sampled_from(ordered).map(lambda b: b if b in fitting else min(
+        (f for f in fitting if f >= b), default=fitting[0]))
 
 
 @st.composite
@@ -64,7 +79,10 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     layouts     memory layouts to draw from
     draw_scale  also draw explicit softmax scales (None, the default 1/sqrt(D), comes first)
 
-    Cost: one draw of a dozen small integers; tensors are only built when the test calls ``build``.
+    Shapes come first, then block sizes among those that keep the tile count bounded, then the flags,
+    the magnitude class, the layout and the seed. Every draw has a fixed shape, so the shrinker can
+    simplify each one without disturbing the others. Cost: a dozen small integers per case; tensors
+    are only built when the test calls ``build``.
     """
     if not magnitudes or not layouts:
         raise ValueError("magnitudes and layouts should not be empty")
@@ -76,15 +94,12 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     else:
         allowed = sorted(d for d in head_dims if d <= limits.max_head_dim) or [min(head_dims)]
         head_dim = draw(st.sampled_from(allowed), label="head_dim")
-    bm = draw(st.sampled_from(list(block_m)), label="block_m") if block_m is not None else None
-    bn = draw(st.sampled_from(list(block_n)), label="block_n") if block_n is not None else None
-    # Keep the tile count bounded: lengths up to max_tiles**0.5 tiles of each kind.
-    tiles = max(1, int(limits.max_tiles ** 0.5))
-    max_q = min(limits.max_len, tiles * bm) if bm else limits.max_len
-    max_k = min(limits.max_len, tiles * bn) if bn else limits.max_len
-    len_q = draw(_lengths(block=bm, max_len=max_q), label="len_q")
-    max_k = max(1, min(max_k, limits.max_scores // (batch * heads_kv * group * len_q)))
-    len_k = draw(_lengths(block=bn, max_len=max_k), label="len_k")
+    len_q = draw(_lengths(near=_near_blocks(block_m, limits.max_len), max_len=limits.max_len), label="len_q")
+    max_k = max(1, min(limits.max_len, limits.max_scores // (batch * heads_kv * group * len_q)))
+    len_k = draw(_lengths(near=_near_blocks(block_n, max_k), max_len=max_k), label="len_k")
+    per_axis = max(1, int(limits.max_tiles ** 0.5))
+    bm = draw(_blocks(block_m, len_q, per_axis), label="block_m") if block_m else None
+    bn = draw(_blocks(block_n, len_k, per_axis), label="block_n") if block_n else None
     is_causal = draw(st.booleans(), label="causal") if causal is None else causal
     magnitude = draw(st.sampled_from(list(magnitudes)), label="magnitude")
     layout = draw(st.sampled_from(list(layouts)), label="layout")

@@ -1,0 +1,169 @@
+"""Deliberately broken variants of the blocked FA2 kernel, for the mutation self-check.
+
+Each variant is the source of ``kernels/blocked.py`` with one small textual change (the kind of bug
+people really write), loaded as its own module. Every variant is an attribute of this module, so the
+suite can be pointed at it like at any outside kernel::
+
+    pytest verify --impl tests/mutants.py:causal_off_by_one --hypothesis-profile=ci
+
+A change whose original text no longer occurs exactly as many times as expected raises at import:
+when the kernel is edited, the self-check cannot silently turn into a no-op.
+
+``python tests/mutants.py`` runs the suite against every variant and prints a Markdown table of the
+first property each one fails and the time it took.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kernels import blocked  # noqa: E402
+from kernels.registry import Implementation  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    old: str
+    new: str
+    occurrence: int | None = None  # which occurrence to change (0-based); None: the text must be unique
+
+
+MUTATIONS = (
+    Mutation("causal_off_by_one", "key i + Nk - Nq is hidden from query i",
+             "return cols <= rows + (len_k - len_q)", "return cols < rows + (len_k - len_q)"),
+    Mutation("causal_top_left", "causal mask aligned top-left instead of bottom-right",
+             "return cols <= rows + (len_k - len_q)", "return cols <= rows"),
+    Mutation("causal_block_skip_off_by_one", "the KV loop stops one key early for the last row of a tile",
+             "return max(0, min(len_k, m1 + len_k - len_q))", "return max(0, min(len_k, m1 - 1 + len_k - len_q))"),
+    Mutation("no_accumulator_rescale", "the accumulator is not rescaled when the running max grows",
+             "acc = acc * alpha[..., None] + pv", "acc = acc + pv"),
+    Mutation("no_l_rescale", "the running sum l is not rescaled when the running max grows",
+             "l_i = l_i * alpha + p.sum(dim=-1)", "l_i = l_i + p.sum(dim=-1)"),
+    Mutation("lse_base2", "LSE written in base 2",
+             "lse[:, :, m0:m1] = torch.where(empty, NEG_INF, m_i + torch.log(l_i))",
+             "lse[:, :, m0:m1] = torch.where(empty, NEG_INF, (m_i + torch.log(l_i)) / math.log(2.0))"),
+    Mutation("lse_without_max", "LSE = log(l), the running max left out",
+             "lse[:, :, m0:m1] = torch.where(empty, NEG_INF, m_i + torch.log(l_i))",
+             "lse[:, :, m0:m1] = torch.where(empty, NEG_INF, torch.log(l_i))"),
+    Mutation("scale_from_padded_head_dim", "default scale 1/sqrt of the head dim padded to a power of two",
+             "return 1.0 / math.sqrt(head_dim)", "return 1.0 / math.sqrt(1 << (head_dim - 1).bit_length())"),
+    Mutation("no_max_subtraction", "scores exponentiated without subtracting the running max",
+             "m_ref = torch.where(m_new == NEG_INF, 0.0, m_new)", "m_ref = torch.zeros_like(m_new)", occurrence=0),
+    Mutation("mask_by_multiplication", "masked scores multiplied by 0 instead of set to -inf",
+             "s = s.masked_fill(~visible, NEG_INF)", "s = s * visible"),
+    Mutation("partial_last_key_block_dropped", "keys of a partial last key block are ignored",
+             "for n0 in range(0, kv_end, block_n):",
+             "for n0 in range(0, min(kv_end, len_k - len_k % block_n), block_n):"),
+    Mutation("low_precision_accumulator", "the output accumulator rounded to the input dtype every step",
+             "acc = acc * alpha[..., None] + pv", "acc = (acc * alpha[..., None] + pv).to(q.dtype).to(acc_dtype)"),
+    Mutation("fully_masked_rows_nan", "rows with no visible key divide 0 by 0",
+             "out[:, :, m0:m1] = (acc / torch.where(empty, 1.0, l_i)[..., None]).to(q.dtype)",
+             "out[:, :, m0:m1] = (acc / l_i[..., None]).to(q.dtype)"),
+    Mutation("gqa_wrong_head_mapping", "query head h reads K/V head h % Hkv instead of h // group",
+             "return t.repeat_interleave(group, dim=1) if group > 1 else t",
+             "return t.repeat(1, group, 1, 1) if group > 1 else t"),
+    Mutation("dkdv_not_summed_over_group", "GQA: dK/dV keep the first query head of a group only",
+             "return grad.view(b, heads_kv, hq // heads_kv, n, d).sum(dim=2)",
+             "return grad.view(b, heads_kv, hq // heads_kv, n, d)[:, :, 0]"),
+    Mutation("delta_dropped", "backward uses Delta = 0",
+             "delta = (do * out.to(acc_dtype)).sum(dim=-1)",
+             "delta = torch.zeros(do.shape[:3], dtype=acc_dtype, device=q.device)"),
+    Mutation("dk_without_scale", "dK misses the softmax scale",
+             "dk[:, :, n0:n1] = dk_acc * scale", "dk[:, :, n0:n1] = dk_acc"),
+    Mutation("backward_skips_visible_q_tiles", "backward starts at the Q tile of row n0, ignoring Nk - Nq",
+             "first_row = max(0, n0 - (len_k - len_q))", "first_row = max(0, n0)"),
+)
+
+
+def _mutated_source(m: Mutation) -> str:
+    source = Path(blocked.__file__).read_text(encoding="utf-8")
+    count = source.count(m.old)
+    if m.occurrence is None and count != 1:
+        raise RuntimeError(f"mutation {m.name}: expected the text once in kernels/blocked.py, found it {count} times")
+    if m.occurrence is not None and count <= m.occurrence:
+        raise RuntimeError(f"mutation {m.name}: occurrence {m.occurrence} requested, text found {count} times")
+    start = -1
+    for _ in range((m.occurrence or 0) + 1):
+        start = source.index(m.old, start + 1)
+    source = source[:start] + m.new + source[start + len(m.old):]
+    # The variant is declared by this module, not registered under the shipped names.
+    return re.sub(r"\bregister\(Implementation\(", "(Implementation(", source)
+
+
+def _load(name: str, source: str):
+    spec = importlib.util.spec_from_loader(f"flashverify_mutant_{name}", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__file__ = f"<mutant {name} of kernels/blocked.py>"
+    exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102 - our own kernel source
+    return module
+
+
+def _declare(name: str, module, what: str) -> Implementation:
+    return dataclasses.replace(module.FA2_BLOCKED, name=f"mutant_{name}", forward=module.fa2_forward,
+                               backward=module.fa2_backward, description=what)
+
+
+# The unchanged kernel loaded through the same machinery: it must pass.
+unmutated = _declare("unmutated", _load("unmutated", re.sub(
+    r"\bregister\(Implementation\(", "(Implementation(", Path(blocked.__file__).read_text(encoding="utf-8"))),
+    "the blocked FA2, unchanged")
+VARIANTS: dict[str, Implementation] = {}
+for _m in MUTATIONS:
+    VARIANTS[_m.name] = _declare(_m.name, _load(_m.name, _mutated_source(_m)), _m.what)
+    globals()[_m.name] = VARIANTS[_m.name]
+
+
+@dataclasses.dataclass
+class Outcome:
+    name: str
+    returncode: int
+    seconds: float
+    first_failure: str | None
+    output: str
+
+
+def run_variant(name: str, *, report_dir: str | os.PathLike, extra: tuple[str, ...] = ()) -> Outcome:
+    """Run ``pytest verify --impl tests/mutants.py:NAME -x`` under the ci profile in a subprocess."""
+    cmd = [sys.executable, "-m", "pytest", "verify", "--impl", f"tests/mutants.py:{name}", "-x", "-q",
+           "--hypothesis-profile=ci", "-p", "no:cacheprovider", "--report-dir", str(report_dir), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - start
+    output = proc.stdout + proc.stderr
+    found = re.search(r"^FAILED verify/\S+::(test_\w+)\[", output, flags=re.MULTILINE)
+    return Outcome(name, proc.returncode, seconds, found.group(1) if found else None, output)
+
+
+def main() -> int:
+    import tempfile
+
+    rows = ["| variant | what it breaks | first property that failed | seconds to failure |",
+            "|---|---|---|---|"]
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for m in (Mutation("unmutated", "nothing (must pass)", "", ""), *MUTATIONS):
+            out = run_variant(m.name, report_dir=Path(tmp) / m.name)
+            verdict = out.first_failure or ("passed" if out.returncode == 0 else f"exit {out.returncode}")
+            ok &= (out.returncode == 0) if m.name == "unmutated" else (out.returncode == 1)
+            rows.append(f"| {m.name} | {m.what} | {verdict} | {out.seconds:.1f} |")
+            print(rows[-1], flush=True)
+    print("\n".join(rows))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
