@@ -165,8 +165,8 @@ def assert_close(ctx: Context, *, what: str, actual: torch.Tensor, expected: tor
         ctx.fail(f"{what}: shapes {tuple(actual.shape)} and {tuple(expected.shape)} differ")
     err = abs_error(actual, expected)
     if exact:
-        nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
-        bad = (err > 0) | (nan_a != nan_e)
+        same = (actual == expected) | (torch.isnan(actual) & torch.isnan(expected))
+        bad = ~same
         if bool(bad.any()):
             idx = tuple(int(i) for i in bad.nonzero()[0])
             ctx.fail(f"{what}: {int(bad.sum())} values differ, first at {_fmt_index(idx)}: "

@@ -1,0 +1,81 @@
+"""``--impl`` against outside kernels: a correct plain callable passes the catalogue, a broken one
+fails with exit status 1 and prints a shrunk case and its replay command, and the replay fails again."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import registry
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = "tests/fixtures/outside_kernels.py"
+
+
+def _pytest_verify(impl, tmp_path, *extra):
+    cmd = [sys.executable, "-m", "pytest", "verify", "--impl", impl, "--hypothesis-profile=ci", "-q",
+           "-p", "no:cacheprovider", "--report-dir", str(tmp_path / "report"), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+
+
+def test_load_registry_name_module_attr_and_file_attr():
+    assert registry.load("fa2_blocked", device="cpu").name == "fa2_blocked"
+    by_module = registry.load("kernels.blocked:FA1_BLOCKED", device="cpu")
+    assert by_module.name == "fa1_blocked" and by_module.cli_name == "kernels.blocked:FA1_BLOCKED"
+    plain = registry.load(f"{FIXTURE}:attention", device="cpu")
+    assert plain.name == f"{FIXTURE}:attention"
+    assert plain.gqa is False and plain.causal_alignment == "bottom_right" and plain.devices == ("cpu",)
+    assert set(plain.dtypes) == {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("no_such_kernel", "neither a registered name"),
+    ("tests/fixtures/missing.py:fn", "does not exist"),
+    (f"{FIXTURE}:nope", "has no attribute 'nope'"),
+    ("no.such.module:fn", "cannot import module"),
+    ("kernels.blocked:NEG_INF", "should name an Implementation or a callable"),
+])
+def test_bad_impl_specs_raise_clear_errors(spec, words):
+    with pytest.raises(registry.ImplementationError, match=re.escape(words)):
+        registry.load(spec, device="cpu")
+
+
+def test_bad_impl_spec_is_a_usage_error(tmp_path):
+    proc = _pytest_verify("no_such_kernel", tmp_path)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "neither a registered name" in proc.stderr
+
+
+@pytest.mark.slow
+def test_correct_outside_callable_passes(tmp_path):
+    proc = _pytest_verify(f"{FIXTURE}:attention", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert "skipped" in proc.stdout  # GQA and tiles are not declared: visible skips, not silence
+
+
+@pytest.mark.slow
+def test_out_only_callable_skips_lse_properties_with_the_reason(tmp_path):
+    proc = _pytest_verify(f"{FIXTURE}:attention_out_only", tmp_path, "-k", "lse_matches", "-rs")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "returns out alone (no LSE)" in proc.stdout
+
+
+@pytest.mark.slow
+def test_broken_outside_callable_fails_with_a_shrunk_case_that_replays(tmp_path):
+    impl = f"{FIXTURE}:attention_broken_drops_last_key"
+    proc = _pytest_verify(impl, tmp_path, "-x")
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    case = re.search(r"case: (B=\d+ Hq=\d+ Hkv=\d+ Nq=(\d+) Nk=(\d+) .*)", proc.stdout)
+    assert case, proc.stdout[-4000:]
+    assert case.group(1).startswith("B=1 Hq=1 Hkv=1"), case.group(1)
+    assert int(case.group(3)) <= 2, f"the shrunk case should have Nk <= 2: {case.group(1)}"
+    replay = re.search(r"replay: (python -m verify\.replay .*)", proc.stdout).group(1)
+    again = subprocess.run(replay.replace("python", sys.executable, 1), shell=True, cwd=ROOT,
+                           capture_output=True, text=True)
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert "FAILED" in again.stdout

@@ -1,0 +1,301 @@
+"""The float64 reference (references.attention) against the 50-digit mpmath reference (references.mp).
+
+Tolerance (why these numbers): the float64 reference rounds every operation with unit roundoff
+u = 2^-53. To first order each probability it returns is ``P (1 + theta)`` with
+``|theta| <= kappa u``, where kappa collects
+  * the scores ``scale q.k``: (D + 1) u times ``A = |scale| max_ij sum_t |q_it||k_jt|``, once for the
+    score itself and once inside the LSE;
+  * the LSE: n + 2 roundings for its sum, log and add, and u |lse| <= u (A + log n);
+  * ``exp(s - lse)``: u |s - lse| <= u (2 A + log n) for the subtraction and about u for exp.
+Everything downstream is a sum of at most n or D products, which adds (n + D + 4) u relative to the sum
+of the absolute values of its terms (the magnitude ``M`` of the quantity: ``|P| @ |V|`` for ``out``,
+and so on). So ``|float64 - exact| <= kappa u M`` to first order; the mpmath values are exact to 1e-50
+and rounded once to float64 (another u M at most). The checks allow ``SLACK * kappa * u * M`` with
+SLACK = 4 for the dropped second-order terms. With |scores| up to 1e4 this is still a relative tolerance
+near 1e-10, far below any algorithmic mistake.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mpmath
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from references import attention as ref_attention
+from references import mp as ref_mp
+
+F64 = torch.float64
+U64 = 2.0 ** -53
+SLACK = 4.0
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+KINDS = ("normal", "large_logits", "ties", "dominant", "all_negative", "v_offset")
+SETTINGS = dict(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# --- inputs -----------------------------------------------------------------------------------------
+
+def make_inputs(*, seed: int, kind: str, dtype: torch.dtype, batch: int, heads_q: int, heads_kv: int,
+                len_q: int, len_k: int, head_dim: int):
+    """``q, k, v, dout`` in ``dtype`` from a seed and a magnitude class (see KINDS)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=F64)
+
+    q = randn(batch, heads_q, len_q, head_dim)
+    k = randn(batch, heads_kv, len_k, head_dim)
+    v = randn(batch, heads_kv, len_k, head_dim)
+    dout = randn(batch, heads_q, len_q, head_dim)
+    if kind == "large_logits":  # |scale q.k| up to ~1e4
+        q, k = q * 100, k * 100
+    elif kind == "ties" and len_k > 1:  # duplicated keys: exactly equal scores
+        k = k[:, :, torch.arange(len_k) % max(1, len_k // 2)]
+    elif kind == "dominant":  # one key far above the rest in every row
+        q = q.abs()
+        k[:, :, int(torch.randint(len_k, (1,), generator=g))] = 30.0
+    elif kind == "all_negative":
+        q, k = q.abs() * 3, -k.abs() * 3
+    elif kind == "v_offset":
+        v = 1000 + v
+    return tuple(t.to(dtype) for t in (q, k, v, dout))
+
+
+@st.composite
+def attention_cases(draw, *, max_len: int = 5, max_dim: int = 5, kinds=KINDS):
+    """Return a strategy for small attention cases (dict of keyword arguments for make_inputs, plus
+    causal and alignment). Shapes are drawn first, then a seed; cost grows as B*Hq*Nq*Nk*D mpf ops."""
+    heads_kv = draw(st.integers(1, 2), label="heads_kv")
+    return dict(
+        batch=draw(st.integers(1, 2), label="batch"),
+        heads_kv=heads_kv,
+        heads_q=heads_kv * draw(st.integers(1, 2), label="group"),
+        len_q=draw(st.integers(1, max_len), label="len_q"),
+        len_k=draw(st.integers(1, max_len), label="len_k"),
+        head_dim=draw(st.integers(1, max_dim), label="head_dim"),
+        causal=draw(st.booleans(), label="causal"),
+        alignment=draw(st.sampled_from(ref_attention.ALIGNMENTS), label="alignment"),
+        kind=draw(st.sampled_from(kinds), label="kind"),
+        dtype=draw(st.sampled_from(DTYPES), label="dtype"),
+        seed=draw(st.integers(0, 2 ** 31 - 1), label="seed"),
+    )
+
+
+# --- tolerances ---------------------------------------------------------------------------------------
+
+def kappa(q, k, *, scale: float, len_k: int) -> float:
+    """First-order relative error of the float64 reference's P, in units of u (module docstring)."""
+    d = q.shape[-1]
+    ke = ref_attention.expand_kv(k.to(F64), q.shape[1])
+    a = float((abs(scale) * (q.to(F64).abs() @ ke.abs().transpose(-1, -2))).max()) if q.numel() and k.numel() else 0.0
+    log_n = math.log(len_k + 1)
+    return 2 * (d + 1) * a + (len_k + 2) + (a + log_n) + (2 * a + log_n) + (len_k + d + 4) + 2
+
+
+def magnitudes(exact, q, k, v, dout, *, scale: float):
+    """The magnitude M of each quantity: the same computation on absolute values (float64)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    aq, ak, av = q.to(F64).abs(), ref_attention.expand_kv(k.to(F64), hq).abs(), ref_attention.expand_kv(v.to(F64), hq).abs()
+    p = exact.p
+    m = {"p": p, "out": p @ av, "lse": torch.ones_like(exact.lse)}
+    if dout is not None:
+        ado = dout.to(F64).abs()
+        m_dp = ado @ av.transpose(-1, -2)
+        m["delta"] = (ado * m["out"]).sum(-1)
+        m_ds = p * (m_dp + m["delta"][..., None])
+        m["dq"] = abs(scale) * (m_ds @ ak)
+        m["dk"] = ref_attention.reduce_group(abs(scale) * (m_ds.transpose(-1, -2) @ aq), hkv)
+        m["dv"] = ref_attention.reduce_group(p.transpose(-1, -2) @ ado, hkv)
+    return m
+
+
+def assert_close(*, name: str, actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor, case: str):
+    """|actual - expected| <= tol elementwise; equal infinities count as no error."""
+    __tracebackhide__ = True
+    same_inf = torch.isinf(expected) & (actual == expected)
+    err = torch.where(same_inf, 0.0, (actual.to(F64) - expected).abs())
+    err = torch.where(torch.isnan(err), math.inf, err)
+    bad = err > tol
+    if bad.any():
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise AssertionError(
+            f"{name}: |float64 - mpmath| = {float(err[idx]):.3e} at {idx}, but should be <= {float(tol[idx]):.3e} "
+            f"(float64 {float(actual[idx])!r}, mpmath {float(expected[idx])!r}) [{case}]")
+
+
+def check_against_mp(*, q, k, v, dout, causal: bool, alignment: str, scale: float | None = None, case: str):
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    ref = ref_attention.attention(q, k, v, causal=causal, scale=scale, alignment=alignment, dout=dout)
+    exact = ref_mp.attention(q, k, v, causal=causal, scale=scale, alignment=alignment, dout=dout)
+    kap = kappa(q, k, scale=scale, len_k=k.shape[2])
+    mags = magnitudes(exact, q, k, v, dout, scale=scale)
+    names = ("p", "out", "lse") + (("delta", "dq", "dk", "dv") if dout is not None else ())
+    for name in names:
+        tol = SLACK * kap * U64 * mags[name]
+        assert_close(name=name, actual=getattr(ref, name), expected=getattr(exact, name), tol=tol, case=case)
+    return ref, exact
+
+
+# --- the mpmath reference itself --------------------------------------------------------------------
+
+def test_mp_softmax_and_logsumexp_basic():
+    inf = math.inf
+    assert ref_mp.logsumexp([-inf, -inf]) == -inf
+    assert ref_mp.logsumexp([]) == -inf
+    assert ref_mp.softmax([-inf, -inf]) == [0, 0]
+    p = ref_mp.softmax([0.0, -inf, 1.0])
+    with mpmath.workdps(60):
+        e = mpmath.e
+        assert abs(p[0] - 1 / (1 + e)) < mpmath.mpf(10) ** -48  # 50 digits, not 16
+        assert abs(p[2] - e / (1 + e)) < mpmath.mpf(10) ** -48
+    assert p[1] == 0
+    # Ties and huge magnitudes: exp(1e4) overflows float64 but not mpmath.
+    assert abs(float(ref_mp.logsumexp([1e4, 1e4])) - (1e4 + math.log(2))) <= 1e4 * U64 * 2
+    with pytest.raises(ValueError, match="NaN"):
+        ref_mp.softmax([0.0, math.nan])
+    with pytest.raises(ValueError, match=r"\+inf"):
+        ref_mp.logsumexp([0.0, math.inf])
+
+
+def test_mp_does_not_touch_global_precision():
+    before = mpmath.mp.dps
+    ref_mp.logsumexp([1.0, 2.0])
+    ref_mp.attention_row([1.0], [[1.0]], [[2.0]], scale=1.0, dout_i=[1.0])
+    assert mpmath.mp.dps == before
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mp_rows_match_float64_softmax(dtype):
+    g = torch.Generator().manual_seed(7)
+    rows = (torch.randn(6, 9, generator=g, dtype=F64) * torch.tensor([1, 10, 100, 1e3, 1e4, 1e-3], dtype=F64)[:, None]).to(dtype)
+    rows[0, 3] = -math.inf
+    rows[1, :] = -math.inf
+    ref_p = ref_attention.softmax(rows)
+    ref_lse = ref_attention.logsumexp(rows)
+    for r in range(rows.shape[0]):
+        exact_p = torch.tensor([float(x) for x in ref_mp.softmax(rows[r].tolist())], dtype=F64)
+        exact_lse = float(ref_mp.logsumexp(rows[r].tolist()))
+        amax = float(rows[r].to(F64).abs().nan_to_num(neginf=0.0).max())
+        kap = 2 * amax + rows.shape[1] + 8  # subtraction and log/sum roundings (module docstring)
+        assert_close(name="softmax", actual=ref_p[r], expected=exact_p, tol=SLACK * kap * U64 * exact_p,
+                     case=f"row {r}, {dtype}")
+        assert_close(name="logsumexp", actual=ref_lse[r], expected=torch.tensor(exact_lse, dtype=F64),
+                     tol=torch.tensor(SLACK * kap * U64, dtype=F64), case=f"row {r}, {dtype}")
+
+
+def test_attention_row_matches_whole_tensor_attention():
+    q, k, v, dout = make_inputs(seed=3, kind="normal", dtype=F64, batch=1, heads_q=1, heads_kv=1,
+                                len_q=3, len_k=4, head_dim=3)
+    exact = ref_mp.attention(q, k, v, causal=True, scale=0.7, dout=dout)
+    # Row 1 sees keys 0..2 (bottom-right: j <= i + Nk - Nq = i + 1).
+    row = ref_mp.attention_row(q[0, 0, 1], k[0, 0, :3], v[0, 0, :3], scale=0.7, dout_i=dout[0, 0, 1])
+    assert torch.equal(torch.tensor([float(x) for x in row.out], dtype=F64), exact.out[0, 0, 1])
+    assert float(row.lse) == float(exact.lse[0, 0, 1])
+    assert torch.equal(torch.tensor([float(x) for x in row.dq], dtype=F64), exact.dq[0, 0, 1])
+    # A row with no visible key.
+    empty = ref_mp.attention_row([1.0, 2.0], [], [], scale=1.0, dout_i=[1.0, 1.0])
+    assert empty.lse == -math.inf and all(x == 0 for x in empty.out + empty.dq) and empty.dk == []
+
+
+# --- float64 reference vs mpmath ------------------------------------------------------------------------
+
+@settings(**SETTINGS)
+@given(case=attention_cases())
+def test_float64_reference_matches_mpmath(case):
+    causal, alignment = case.pop("causal"), case.pop("alignment")
+    q, k, v, dout = make_inputs(**case)
+    check_against_mp(q=q, k=k, v=v, dout=dout, causal=causal, alignment=alignment,
+                     case=f"{case}, causal={causal}, alignment={alignment}")
+
+
+ADVERSARIAL = [
+    # (kind, dtype, Nq, Nk, D, causal, alignment)
+    ("large_logits", torch.float64, 4, 6, 5, False, "bottom_right"),
+    ("large_logits", torch.float16, 5, 3, 4, True, "bottom_right"),  # also 2 fully masked rows
+    ("ties", torch.bfloat16, 3, 6, 3, False, "bottom_right"),
+    ("dominant", torch.float32, 4, 5, 3, True, "top_left"),
+    ("all_negative", torch.float64, 4, 4, 2, True, "bottom_right"),
+    ("v_offset", torch.float16, 3, 5, 4, False, "bottom_right"),
+    ("normal", torch.float64, 6, 2, 3, True, "bottom_right"),  # rows 0..3 see no key
+    ("normal", torch.float32, 2, 6, 3, True, "top_left"),  # keys 2..5 seen by no row
+]
+
+
+@pytest.mark.parametrize("kind,dtype,len_q,len_k,head_dim,causal,alignment", ADVERSARIAL)
+def test_float64_reference_matches_mpmath_adversarial(kind, dtype, len_q, len_k, head_dim, causal, alignment):
+    q, k, v, dout = make_inputs(seed=11, kind=kind, dtype=dtype, batch=1, heads_q=2, heads_kv=1,
+                                len_q=len_q, len_k=len_k, head_dim=head_dim)
+    ref, exact = check_against_mp(q=q, k=k, v=v, dout=dout, causal=causal, alignment=alignment,
+                                  case=f"{kind}, {dtype}, Nq={len_q}, Nk={len_k}, D={head_dim}, {alignment}")
+    if kind == "large_logits":
+        assert float(ref.scores[ref.visible.expand_as(ref.scores)].abs().max()) > 1e3
+    empty = ~ref.rows_with_keys
+    assert torch.equal(empty, ~exact.p.sum(-1)[0, 0].bool())
+    if empty.any():
+        assert torch.all(ref.out[:, :, empty] == 0) and torch.all(ref.lse[:, :, empty] == -math.inf)
+        assert torch.all(ref.dq[:, :, empty] == 0) and torch.all(ref.delta[:, :, empty] == 0)
+
+
+def test_float64_reference_scores_far_beyond_float16_range():
+    # |scale q.k| ~ 1e5: a float16 or float32 exp overflows; the float64 reference must stay exact.
+    q = torch.tensor([[[[300.0, -200.0], [250.0, 100.0]]]], dtype=F64)
+    k = torch.tensor([[[[300.0, 10.0], [299.0, 12.0], [-300.0, 0.0]]]], dtype=F64)
+    v = torch.tensor([[[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]]], dtype=F64)
+    check_against_mp(q=q, k=k, v=v, dout=torch.ones_like(q), causal=False, alignment="bottom_right", scale=1.0,
+                     case="scores ~ 1e5")
+
+
+# --- identities of the float64 reference ------------------------------------------------------------------
+
+@settings(**SETTINGS)
+@given(case=attention_cases(max_len=24, max_dim=16))
+def test_delta_identity(case):
+    """rowsum(dO * O) = rowsum(P * dP) with dP = dO V^T, to float64 rounding."""
+    causal, alignment = case.pop("causal"), case.pop("alignment")
+    q, k, v, dout = make_inputs(**case)
+    ref = ref_attention.attention(q, k, v, causal=causal, alignment=alignment, dout=dout)
+    lhs = ref.delta
+    rhs = (ref.p * ref.dp).sum(-1)
+    hq = q.shape[1]
+    av = torch.where(ref.visible.any(0)[:, None], ref_attention.expand_kv(v.to(F64), hq).abs(), 0.0)
+    mag = (ref.dout.abs() * (ref.p @ av)).sum(-1)
+    kap = kappa(q, k, scale=ref.scale, len_k=k.shape[2])
+    # Both sides carry the P error (kappa u) and at most n + D roundings of their own sums.
+    tol = 2 * SLACK * (kap + k.shape[2] + q.shape[-1]) * U64 * mag
+    assert_close(name="delta identity", actual=lhs, expected=rhs, tol=tol, case=str(case))
+
+
+def naive_attention(q, k, v, *, causal: bool, alignment: str, scale: float):
+    """Float64 attention written the plain way, for autograd (fully masked rows give zeros)."""
+    hq = q.shape[1]
+    ke, ve = ref_attention.expand_kv(k, hq), ref_attention.expand_kv(v, hq)
+    vis = ref_attention.visible_mask(q.shape[2], k.shape[2], causal=causal, alignment=alignment)
+    s = (q @ ke.transpose(-1, -2)) * scale
+    empty = ~vis.any(-1)[:, None]
+    s = torch.where(vis & ~empty, s, torch.where(empty, 0.0, -math.inf))  # empty rows: finite dummy scores
+    p = torch.where(vis, torch.softmax(s, dim=-1), 0.0)
+    return p @ ve
+
+
+@settings(**SETTINGS)
+@given(case=attention_cases(max_len=12, max_dim=8, kinds=("normal", "ties", "dominant", "all_negative",
+                                                            "v_offset")))
+def test_reference_backward_matches_float64_autograd(case):
+    causal, alignment = case.pop("causal"), case.pop("alignment")
+    q, k, v, dout = (t.to(F64) for t in make_inputs(**case))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dq, dk, dv, _ = ref_attention.backward(q, k, v, dout, causal=causal, alignment=alignment)
+    qa, ka, va = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = naive_attention(qa, ka, va, causal=causal, alignment=alignment, scale=scale)
+    ga = torch.autograd.grad(out, (qa, ka, va), dout)
+    ref = ref_attention.attention(q, k, v, causal=causal, alignment=alignment, dout=dout)
+    kap = kappa(q, k, scale=scale, len_k=k.shape[2])
+    mags = magnitudes(ref, q, k, v, dout, scale=scale)
+    for name, mine, theirs in zip(("dq", "dk", "dv"), (dq, dk, dv), ga):
+        # Two float64 computations of the same gradient, each within kappa u M of the exact one.
+        tol = 2 * SLACK * kap * U64 * mags[name]
+        assert_close(name=name, actual=mine, expected=theirs, tol=tol, case=str(case))
