@@ -10,7 +10,7 @@ Magnitude classes (DESIGN.md, "Adversarial inputs"), applied to float64 draws be
 ``normal``         q, k, v ~ N(0, 1)
 ``large_logits``   q, k x 100: |scale q.k| ~ 1e4 (q.k itself beyond float16's range)
 ``outliers``       FA3-style: 0.1% of entries (at least one per tensor) get an extra N(0, 30^2)
-``all_negative``   q >= 0, k <= -1 element-wise, x4: every score is large and negative
+``all_negative``   q >= 0, k <= -1 element-wise, x8: every score is large and negative (exp underflows)
 ``ties``           keys drawn from two distinct rows: exact ties within each query row
 ``dominant_key``   q >= 0 and one key is 8 in every coordinate: it takes almost all the weight
 ``row_shift``      k + w with one large common w (|w_d| ~ 50): each row's scores shift by q_i.w
@@ -190,7 +190,7 @@ def _outliers(q, k, v, do, gen, dtype):
 
 
 def _all_negative(q, k, v, do, gen, dtype):
-    return 4.0 * q.abs(), -4.0 * (k.abs() + 1.0), v, do
+    return 8.0 * q.abs(), -8.0 * (k.abs() + 1.0), v, do
 
 
 def _ties(q, k, v, do, gen, dtype):
