@@ -84,6 +84,8 @@ class Implementation:
     sibling: str | None = None
     # How the user named it with --impl (for replay commands); None for registry names.
     spec: str | None = None
+    # Part of the default selection (shipped kernels); adapters to peers run when named.
+    in_default: bool = True
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -245,6 +247,6 @@ def load(spec: str, *, device: str) -> Implementation:
 
 
 def default_selection(*, device: str) -> list[Implementation]:
-    """Every shipped implementation that runs on this device."""
+    """Every shipped kernel that runs on this device (adapters to peers only when named)."""
     dev = torch.device(device).type
-    return [impl for impl in registry().values() if dev in impl.devices]
+    return [impl for impl in registry().values() if dev in impl.devices and impl.in_default]

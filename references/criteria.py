@@ -35,7 +35,11 @@ def stored_dtype(op: str, input_dtype: torch.dtype) -> torch.dtype:
 
 def summand_magnitude(op: str, ref) -> float:
     """The largest magnitude summed to form one entry of ``op``, from a float64
-    :class:`references.attention.Reference` computed with ``dout``."""
+    :class:`references.attention.Reference` computed with ``dout``.
+
+    ``dS = P (dP - Delta)`` is itself a difference that cancels (it sums to zero over each row), so
+    the gradients' magnitudes use ``P (|dO| |V|^T + rowsum |dO| |O|)`` in place of ``|dS|``.
+    """
     f64 = torch.float64
     if op == "out":
         mag = ref.p @ ref.v_expanded.abs()
@@ -46,13 +50,20 @@ def summand_magnitude(op: str, ref) -> float:
         mag = (ref.dout.abs() * ref.out.abs()).sum(dim=-1)
     elif op == "dv":
         mag = ref.p.transpose(-1, -2) @ ref.dout.abs()
-    elif op == "dq":
-        mag = ref.scale * (ref.ds.abs() @ ref.k_expanded.abs())
-    elif op == "dk":
-        mag = ref.scale * (ref.ds.abs().transpose(-1, -2) @ ref.q64.abs())
+    elif op in ("dq", "dk"):
+        ds_mag = ds_magnitude(ref)
+        mag = ref.scale * (ds_mag @ ref.k_expanded.abs() if op == "dq" else
+                           ds_mag.transpose(-1, -2) @ ref.q64.abs())
     else:
         raise ValueError(f"op={op!r}, but should be one of {tuple(FACTOR)}")
     return float(mag.to(f64).max()) if mag.numel() else 0.0
+
+
+def ds_magnitude(ref) -> torch.Tensor:
+    """``P (|dO| |V|^T + rowsum(|dO| |O|))``: the size of the terms that cancel in ``dS``."""
+    dp_mag = ref.dout.abs() @ ref.v_expanded.abs().transpose(-1, -2)
+    delta_mag = (ref.dout.abs() * ref.out.abs()).sum(dim=-1, keepdim=True)
+    return ref.p * (dp_mag + delta_mag)
 
 
 def floor(op: str, input_dtype: torch.dtype, magnitude: float, *, max_lse: float = 0.0) -> float:
