@@ -71,7 +71,7 @@ def _profile(config) -> str:
 
 
 def _device(config) -> str:
-    dev = config.getoption("--device")
+    dev = _xdist_worker_device(config, config.getoption("--device"))
     if dev is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -83,6 +83,29 @@ def _device(config) -> str:
     if parsed.type not in ("cpu", "cuda"):
         raise pytest.UsageError(f"--device {dev}: only cpu and cuda devices are supported")
     return dev
+
+
+def _xdist_worker(config) -> str | None:
+    """This process's pytest-xdist worker id (``gw0``, ...), or None in the controller or without xdist.
+
+    Read from the worker's config, not from ``PYTEST_XDIST_WORKER``: a ``pytest verify`` started as a
+    subprocess by a test running under xdist inherits that variable without being a worker.
+    """
+    return getattr(config, "workerinput", {}).get("workerid")
+
+
+def _xdist_worker_device(config, dev: str | None) -> str | None:
+    """Under pytest-xdist with several GPUs, worker ``gwN`` runs on ``cuda:(N mod device count)`` when the
+    device is unset or a bare ``cuda`` (and makes it the current CUDA device, which kernels that launch
+    on the current device, like Triton's, use). Any other ``--device`` is kept as given."""
+    worker = _xdist_worker(config) or ""
+    if dev not in (None, "cuda") or not worker.startswith("gw") or not worker[2:].isdigit():
+        return dev
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return dev
+    index = int(worker[2:]) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
 
 
 def _selection(config):
@@ -105,15 +128,18 @@ def _selection(config):
 def pytest_configure(config):
     config.addinivalue_line("markers", "requires(feature): the property needs a declared capability")
     config._flashverify_report = None
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    worker = _xdist_worker(config) or "main"
     if not config.getoption("--no-report") and _collects_verify(config):
         from reports.session import ReportSession, clear_report_dir
 
         if worker == "main":
             clear_report_dir(config.getoption("--report-dir"))
 
-        config._flashverify_report = ReportSession(config.getoption("--report-dir"), worker=worker,
-                                                   header=_header_data(config))
+        from reports.session import command_line
+
+        config._flashverify_report = ReportSession(
+            config.getoption("--report-dir"), worker=worker,
+            header={**_header_data(config), "command": command_line(config.invocation_params.args)})
 
 
 def _collects_verify(config) -> bool:
@@ -208,21 +234,41 @@ def pytest_runtest_makereport(item, call):
         return
     failures = list(_property_failures(call.excinfo.value))
     if not failures:
-        report.failure(test=item.nodeid, message=str(call.excinfo.value), replay=None, case=None,
-                       prop=None, implementation=None)
+        report.failure(test=item.nodeid, **_other_failure(item, call.excinfo.value))
     for i, f in enumerate(failures):
         report.failure(test=item.nodeid + (f"#{i}" if i else ""), message=str(f), replay=f.replay,
                        case=f.case.to_dict() if hasattr(f.case, "to_dict") else None, prop=f.prop,
                        implementation=f.impl)
 
 
+def _other_failure(item, exc) -> dict:
+    """Failure-file fields for a test that failed by an exception other than a PropertyFailure (a kernel
+    that raises): the case is read back from Hypothesis's notes when it can be, with its replay command."""
+    from reports.failures import drawn_case, exception_text, property_of_test
+    from reports.session import replay_command
+    from verify import properties
+
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    impl = params.get("impl") or params.get("softmax_impl")
+    known = set(properties.PROPERTIES) | set(properties.SOFTMAX_PROPERTIES)
+    prop = property_of_test(getattr(item, "originalname", item.name), known)
+    case, why = drawn_case(exc)
+    replay = None
+    if case is not None and prop is not None and impl is not None:
+        replay = replay_command(impl=impl.cli_name, prop=prop, case=case, device=_device(item.config))
+    elif case is not None:
+        why = "the test is not one property of one implementation"
+    return {"message": exception_text(exc), "replay": replay, "case": case, "prop": prop,
+            "implementation": getattr(impl, "name", None), "note": None if replay else why}
+
+
 def pytest_sessionfinish(session, exitstatus):
     report = session.config._flashverify_report
     if report is None:
         return
-    report.close()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # the controller writes the merged summary
+    if _xdist_worker(session.config):
+        report.close(exitstatus=exitstatus)
+        return  # the controller writes the merged summary once every worker has finished
     from reports.summary import write_summary
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -232,11 +278,24 @@ def pytest_sessionfinish(session, exitstatus):
             n = len(reporter.stats.get(key, []))
             if n:
                 outcomes[key] = n
-    write_summary(report.dir, outcomes=outcomes)
+    report.close(outcomes=outcomes, exitstatus=exitstatus)
+    try:
+        session.config._flashverify_summary = write_summary(report.dir, outcomes=outcomes)
+    except Exception as exc:  # noqa: BLE001 - a report bug must not turn the test outcome into an error
+        session.config._flashverify_summary = {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     report = config._flashverify_report
-    if report is not None:
-        terminalreporter.write_line(f"flashverify report: {report.dir / 'report.md'} "
-                                    f"(measurements in {report.dir}/measurements-*.jsonl)")
+    if report is None:
+        return
+    summary = getattr(config, "_flashverify_summary", None) or {}
+    terminalreporter.write_line(f"flashverify report: {report.dir / 'report.html'} (also report.md, summary.json; "
+                                f"measurements in {report.dir}/measurements-*.jsonl)")
+    failures = summary.get("failures") or []
+    if failures:
+        terminalreporter.write_line(f"flashverify report: {len(failures)} failing case(s) in {report.dir / 'failures'}"
+                                    f", each with its replay command")
+    for key in ("error", "html_error"):
+        if summary.get(key):
+            terminalreporter.write_line(f"flashverify report: writing the report failed: {summary[key]}", red=True)

@@ -2,24 +2,47 @@
 failing cases as replayable JSON files, and a summary written at the end.
 
 Nothing is lost if the run dies: each measurement is one line, flushed as soon as it is taken; every
-other file is written to a temporary name and renamed into place (atomic on POSIX).
+other file is written to a temporary name and renamed into place (atomic on POSIX). Under
+pytest-xdist each worker writes its own stream (``measurements-gw0.jsonl``, ...) and its own
+``run-<worker>.json``; the controller merges them at the end (:mod:`reports.summary`).
+
+Files of a report directory:
+
+``run-<worker>.json``          what ran (implementations, device, versions, command); ``finished`` is
+                               added when the worker ends normally, so a killed run shows as partial
+``measurements-<worker>.jsonl`` one JSON object per measurement, in the order they were taken
+``failures/*.json``            one per failing test: the shrunk case and the command that replays it
+``summary.json``, ``report.md``, ``report.html``  written at the end, or by ``python -m reports summarise``
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import shlex
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` atomically (write a sibling temp file, fsync, rename)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes the file private; a report is an ordinary file
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
@@ -34,8 +57,8 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return repr(value)  # JSON has no NaN/inf: keep them readable as strings
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # JSON has no NaN/inf: keep them readable as strings ("nan", "inf", "-inf")
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -43,8 +66,14 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def dumps(value: Any, **kwargs) -> str:
+    """``json.dumps`` of ``value`` with non-finite floats written as strings and anything else JSON
+    cannot hold written as its ``str`` (strict JSON out, never an exception mid-run)."""
+    return json.dumps(_jsonable(value), allow_nan=False, default=str, **kwargs)
+
+
 REPORT_FILES = ("measurements-*.jsonl", "run-*.json", "failures/*.json", "summary.json", "report.md",
-                "report.html")
+                "report.html", ".*.tmp", "failures/.*.tmp")
 
 
 def clear_report_dir(report_dir: str | os.PathLike) -> None:
@@ -53,6 +82,23 @@ def clear_report_dir(report_dir: str | os.PathLike) -> None:
     for pattern in REPORT_FILES:
         for path in root.glob(pattern):
             path.unlink(missing_ok=True)
+
+
+def replay_command(*, impl: str, prop: str, case: dict, device: str) -> str:
+    """The shell command that replays one case of one property (same form as the failure messages)."""
+    parts = ["python", "-m", "verify.replay", "--impl", impl, "--property", prop, "--device", device,
+             "--case", json.dumps(case, separators=(",", ":"))]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def command_line(args) -> str:
+    """The ``pytest`` command line of a run, quoted for a POSIX shell (``config.invocation_params.args``)."""
+    return " ".join(shlex.quote(str(a)) for a in ("pytest", *args))
+
+
+def safe_file_name(text: str, *, limit: int = 150) -> str:
+    """``text`` reduced to characters that are safe in a file name on every platform."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)[-limit:].lstrip(".") or "unnamed"
 
 
 class ReportSession:
@@ -65,13 +111,23 @@ class ReportSession:
         self.worker = worker
         self.stream_path = self.dir / f"measurements-{worker}.jsonl"
         self._stream = open(self.stream_path, "a", encoding="utf-8")
-        self.counts = {"measurements": 0, "failed_measurements": 0}
+        self.counts = {"measurements": 0, "failed_measurements": 0, "failures": 0}
         self.started = time.time()
-        if header is not None:
-            write_atomic(self.dir / f"run-{worker}.json", json.dumps(_jsonable(header), indent=2))
+        self.header = {"worker": worker, "pid": os.getpid(),
+                       "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
+                       **(header or {})}
+        self._write_run_file()
+
+    @property
+    def run_path(self) -> Path:
+        return self.dir / f"run-{self.worker}.json"
+
+    def _write_run_file(self, **extra) -> None:
+        write_atomic(self.run_path, dumps({**self.header, **extra}, indent=2))
 
     def record(self, measurement: dict[str, Any]) -> None:
-        line = json.dumps(_jsonable({"t": round(time.time() - self.started, 4), **measurement}))
+        """Append one measurement to the stream and flush it (one line, readable if the run dies)."""
+        line = dumps({"t": round(time.time() - self.started, 4), **measurement})
         self._stream.write(line + "\n")
         self._stream.flush()
         self.counts["measurements"] += 1
@@ -79,14 +135,26 @@ class ReportSession:
             self.counts["failed_measurements"] += 1
 
     def failure(self, *, test: str, message: str, replay: str | None, case: dict | None,
-                prop: str | None, implementation: str | None) -> Path:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in test)[-150:]
-        path = self.dir / "failures" / f"{safe}.json"
-        write_atomic(path, json.dumps(_jsonable({
-            "test": test, "implementation": implementation, "property": prop, "case": case,
-            "replay": replay, "message": message}), indent=2))
+                prop: str | None, implementation: str | None, note: str | None = None) -> Path:
+        """Write the failure file of one failing test (atomically) and return its path."""
+        path = self.dir / "failures" / f"{safe_file_name(test)}.json"
+        data = {"test": test, "implementation": implementation, "property": prop, "case": case,
+                "replay": replay, "message": message, "worker": self.worker}
+        if note:
+            data["note"] = note
+        write_atomic(path, dumps(data, indent=2))
+        self.counts["failures"] += 1
         return path
 
-    def close(self) -> None:
-        if not self._stream.closed:
-            self._stream.close()
+    def close(self, *, outcomes: dict | None = None, exitstatus: int | None = None) -> None:
+        """End the stream and mark this worker's run as finished (a killed run never gets here)."""
+        if self._stream.closed:
+            return
+        self._stream.close()
+        extra: dict[str, Any] = {"finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                 "duration_s": round(time.time() - self.started, 3), "counts": self.counts}
+        if outcomes is not None:
+            extra["outcomes"] = outcomes
+        if exitstatus is not None:
+            extra["exitstatus"] = int(exitstatus)
+        self._write_run_file(**extra)

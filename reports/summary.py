@@ -1,109 +1,328 @@
-"""Summaries of a report directory: read every measurement stream, aggregate, write JSON and Markdown.
+"""Summaries of a report directory: read every measurement stream, aggregate, write JSON, Markdown
+and HTML.
 
-Works on a finished run and on one killed half-way: a truncated last line is skipped, not fatal.
+Works on a finished run and on one killed half-way: a truncated or garbled line is counted and
+skipped, a worker whose ``run-<worker>.json`` was never marked finished makes the report *partial*
+(said at the top of every output), and failure files that cannot be read are listed, not fatal.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from reports.session import _jsonable, write_atomic
+from reports.session import dumps, replay_command, write_atomic
+
+# How many of the worst measurements the summary lists (with their replay commands).
+WORST_CASES = 25
+PER_CHECK = 3
 
 
-def _num(value: Any) -> float:
+def num(value: Any) -> float:
+    """A measurement field as a float: ``"inf"``/``"nan"`` strings (how JSON holds them) become floats,
+    missing values NaN."""
+    if isinstance(value, bool) or value is None:
+        return math.nan
     if isinstance(value, str):
         try:
             return float(value)
         except ValueError:
             return math.nan
-    return float(value) if value is not None else math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _largest(values) -> float | None:
+    """Largest value, NaN counting as the largest of all (a NaN error is never hidden); None if empty."""
+    values = list(values)
+    if not values:
+        return None
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return max(values)
 
 
 def read_measurements(report_dir: str | Path) -> tuple[list[dict], int]:
-    """All measurements of the run and the number of unreadable (truncated) lines."""
+    """All measurements of the run and the number of unreadable (truncated) lines.
+
+    Each measurement gets a ``worker`` field (from its stream's file name) if it has none.
+    """
     rows, bad = [], 0
     for path in sorted(Path(report_dir).glob("measurements-*.jsonl")):
-        with open(path, encoding="utf-8") as fh:
+        worker = path.stem.removeprefix("measurements-")
+        with open(path, encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 line = line.strip()
                 if not line:
                     continue
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError:
                     bad += 1
+                    continue
+                if not isinstance(row, dict):
+                    bad += 1
+                    continue
+                row.setdefault("worker", worker)
+                rows.append(row)
     return rows, bad
+
+
+def read_runs(report_dir: str | Path) -> list[dict]:
+    """The ``run-<worker>.json`` headers, one per worker (the xdist controller's is ``main``)."""
+    runs = []
+    for path in sorted(Path(report_dir).glob("run-*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            data = {"unreadable": True}
+        if not isinstance(data, dict):
+            data = {"unreadable": True}
+        data.setdefault("worker", path.stem.removeprefix("run-"))
+        runs.append(data)
+    return runs
 
 
 def read_failures(report_dir: str | Path) -> list[dict]:
     out = []
     for path in sorted((Path(report_dir) / "failures").glob("*.json")):
         try:
-            out.append(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, json.JSONDecodeError):
-            continue
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            data = {"test": path.name, "message": "unreadable failure file"}
+        if isinstance(data, dict):
+            data["file"] = str(Path("failures") / path.name)
+            out.append(data)
     return out
 
 
-def summarise(report_dir: str | Path, *, outcomes: dict | None = None) -> dict:
-    rows, bad = read_measurements(report_dir)
+def describe_case(case: Any) -> str:
+    """A case dict in the words of the failure messages (``B=1 Hq=2 ... seed=0``)."""
+    if not isinstance(case, dict):
+        return str(case)
+    try:
+        if "len_k" in case:
+            from strategies.cases import AttentionCase
+
+            return AttentionCase.from_dict(case).describe()
+        if "rows" in case:
+            from strategies.softmax import SoftmaxCase
+
+            return SoftmaxCase.from_dict(case).describe()
+    except (ValueError, TypeError):
+        pass
+    return " ".join(f"{k}={v}" for k, v in case.items())
+
+
+def _run_info(runs: list[dict]) -> dict:
+    """What every worker agrees on (device kind, profile, versions, implementations, command)."""
+    main = next((r for r in runs if r.get("worker") == "main"), runs[0] if runs else {})
+    devices = sorted({str(r.get("device")) for r in runs if r.get("device")})
+    specs: dict[str, str] = {}
+    for r in runs:
+        for impl in r.get("implementations") or []:
+            if isinstance(impl, dict) and impl.get("name"):
+                specs[str(impl["name"])] = str(impl.get("spec") or impl["name"])
+    return {"command": main.get("command"), "devices": devices, "device_name": main.get("device_name"),
+            "profile": main.get("profile"), "versions": main.get("versions") or {},
+            "triton_interpret": main.get("triton_interpret"), "started": main.get("started"),
+            "finished": main.get("finished"), "implementations": main.get("implementations") or [],
+            "specs": specs, "workers": [r.get("worker") for r in runs]}
+
+
+def _replay_for(row: dict, specs: dict[str, str], device_of: dict[str, str]) -> str | None:
+    case, prop, impl = row.get("case"), row.get("property"), row.get("implementation")
+    if not isinstance(case, dict) or not prop or not impl:
+        return None
+    device = device_of.get(str(row.get("worker")), next(iter(device_of.values()), "cpu"))
+    return replay_command(impl=specs.get(str(impl), str(impl)), prop=str(prop), case=case, device=device)
+
+
+def worst_cases(rows: list[dict], *, limit: int = WORST_CASES, specs: dict[str, str] | None = None,
+                device_of: dict[str, str] | None = None) -> list[dict]:
+    """The measurements with the largest error/bound (failed ones first), one per case and op and at
+    most :data:`PER_CHECK` per (implementation, property, op)."""
+    specs, device_of = specs or {}, device_of or {}
+
+    def key(r):
+        ratio = num(r.get("error_over_bound"))
+        ratio = math.inf if math.isnan(ratio) else ratio
+        err = num(r.get("max_abs"))
+        return (r.get("pass") is False, ratio, math.inf if math.isnan(err) else err)
+
+    seen, per_check, out = set(), defaultdict(int), []
+    for r in sorted(rows, key=key, reverse=True):
+        if r.get("pass") is not False and num(r.get("error_over_bound")) == 0 and num(r.get("max_abs")) == 0:
+            break  # exact results are not worth listing (and everything after them is exact too)
+        check = (r.get("implementation"), r.get("property"), r.get("op"))
+        ident = (*check, json.dumps(r.get("case"), sort_keys=True))
+        # A failure shrinks through many similar cases: show at most PER_CHECK of each check, so that
+        # the list covers every check that came close to its bound.
+        if ident in seen or per_check[check] >= PER_CHECK:
+            continue
+        seen.add(ident)
+        per_check[check] += 1
+        case = r.get("case") or {}
+        out.append({"implementation": r.get("implementation"), "property": r.get("property"), "op": r.get("op"),
+                    "dtype": case.get("dtype") if isinstance(case, dict) else None,
+                    "case": case, "case_text": describe_case(case), "max_abs": num(r.get("max_abs")),
+                    "max_rel": num(r.get("max_rel")), "max_ulp": num(r.get("max_ulp")),
+                    "error_over_bound": num(r.get("error_over_bound")),
+                    "error_over_baseline": num(r.get("error_over_baseline")), "pass": r.get("pass"),
+                    "replay": _replay_for(r, specs, device_of)})
+        if len(out) >= limit:
+            break
+    return out
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """One row per (implementation, op, dtype): counts and the largest errors."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
-        case = r.get("case") or {}
-        groups[(r.get("implementation"), r.get("op"), case.get("dtype"))].append(r)
+        case = r.get("case") if isinstance(r.get("case"), dict) else {}
+        groups[(str(r.get("implementation")), str(r.get("op")), str(case.get("dtype")))].append(r)
     table = []
-    for (impl, op, dtype), items in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
-        ratios = sorted(_num(i.get("error_over_bound")) for i in items)
-        base = sorted(_num(i.get("error_over_baseline")) for i in items if i.get("error_over_baseline") is not None)
+    from reports.plots import DTYPE_ORDER, OP_ORDER
+
+    def order(item):
+        (impl, op, dtype), _ = item
+        return (impl, OP_ORDER.index(op) if op in OP_ORDER else len(OP_ORDER), op,
+                DTYPE_ORDER.index(dtype) if dtype in DTYPE_ORDER else len(DTYPE_ORDER), dtype)
+
+    for (impl, op, dtype), items in sorted(groups.items(), key=order):
+        ratios = [num(i.get("error_over_bound")) for i in items if i.get("error_over_bound") is not None]
+        finite = sorted(x for x in ratios if not math.isnan(x))
         table.append({
             "implementation": impl, "op": op, "dtype": dtype, "measurements": len(items),
             "failed": sum(1 for i in items if i.get("pass") is False),
-            "max_abs": max(_num(i.get("max_abs")) for i in items),
-            "median_error_over_bound": ratios[len(ratios) // 2] if ratios else None,
-            "max_error_over_bound": ratios[-1] if ratios else None,
-            "max_error_over_baseline": base[-1] if base else None,
+            "max_abs": _largest(num(i.get("max_abs")) for i in items if "max_abs" in i),
+            "max_rel": _largest(num(i.get("max_rel")) for i in items if "max_rel" in i),
+            "max_rmse": _largest(num(i.get("rmse")) for i in items if "rmse" in i),
+            "max_ulp": _largest(num(i.get("max_ulp")) for i in items if "max_ulp" in i),
+            "median_error_over_bound": statistics.median(finite) if finite else None,
+            "max_error_over_bound": _largest(ratios),
+            "max_error_over_baseline": _largest(num(i.get("error_over_baseline")) for i in items
+                                                if i.get("error_over_baseline") is not None),
         })
-    return {"measurements": len(rows), "unreadable_lines": bad, "by_implementation_op_dtype": table,
-            "failures": read_failures(report_dir), "outcomes": outcomes or {}}
+    return table
 
 
-def _fmt(x: Any) -> str:
+def summarise(report_dir: str | Path, *, outcomes: dict | None = None, rows: list[dict] | None = None,
+              bad: int = 0) -> dict:
+    """The summary of a report directory (finished or partial) as a JSON-ready dict."""
+    if rows is None:
+        rows, bad = read_measurements(report_dir)
+    runs = read_runs(report_dir)
+    info = _run_info(runs)
+    unfinished = [str(r.get("worker")) for r in runs if not r.get("finished")]
+    if outcomes is None:
+        main = next((r for r in runs if r.get("worker") == "main"), {})
+        outcomes = main.get("outcomes") or {}
+    device_of = {str(r.get("worker")): str(r.get("device")) for r in runs if r.get("device")}
+    failures = read_failures(report_dir)
+    return {
+        "status": "partial" if (unfinished or not runs) else "complete",
+        "unfinished_workers": unfinished,
+        "run": info,
+        "measurements": len(rows), "unreadable_lines": bad,
+        "failed_measurements": sum(1 for r in rows if r.get("pass") is False),
+        "by_implementation_op_dtype": aggregate(rows),
+        "worst_cases": worst_cases(rows, specs=info["specs"], device_of=device_of),
+        "failures": failures,
+        "outcomes": outcomes,
+    }
+
+
+def fmt(x: Any) -> str:
+    """A table cell: 3 significant digits for floats, ``-`` for nothing."""
     if x is None:
         return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
     if isinstance(x, float):
         return f"{x:.3g}"
     return str(x)
 
 
+def _md(text: Any) -> str:
+    """Text for a Markdown table cell (pipes and newlines would break the table)."""
+    return fmt(text).replace("|", "\\|").replace("\n", " ")
+
+
+def status_line(summary: dict) -> str:
+    if summary["status"] == "complete":
+        return "Status: complete."
+    workers = ", ".join(summary.get("unfinished_workers") or []) or "no run header found"
+    return (f"Status: PARTIAL: the run did not finish (unfinished: {workers}); this summarises the "
+            "measurements written before it stopped.")
+
+
+TABLE_COLUMNS = (("implementation", "implementation"), ("op", "op"), ("dtype", "dtype"), ("measurements", "n"),
+                 ("failed", "failed"), ("max_abs", "max abs err"), ("max_rmse", "max RMSE"),
+                 ("max_ulp", "max ULP"), ("median_error_over_bound", "median err/bound"),
+                 ("max_error_over_bound", "max err/bound"), ("max_error_over_baseline", "max err/eager"))
+
+
 def markdown(summary: dict) -> str:
-    lines = ["# flashverify report", ""]
+    run = summary.get("run") or {}
+    lines = ["# flashverify report", "", status_line(summary), ""]
+    if run.get("command"):
+        lines += [f"Command: `{run['command']}`", ""]
+    if run.get("devices"):
+        lines += [f"Device: {', '.join(run['devices'])} ({run.get('device_name') or '?'}), profile "
+                  f"{run.get('profile')}" + (", TRITON_INTERPRET=1" if run.get("triton_interpret") else ""), ""]
     outcomes = summary.get("outcomes") or {}
     if outcomes:
         lines += ["Tests: " + ", ".join(f"{v} {k}" for k, v in sorted(outcomes.items())), ""]
-    lines += [f"Measurements: {summary['measurements']}"
-              + (f" ({summary['unreadable_lines']} unreadable lines skipped)" if summary["unreadable_lines"] else ""),
-              "", "| implementation | op | dtype | n | failed | max abs err | median err/bound | max err/bound "
-              "| max err/eager |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"Measurements: {summary['measurements']} ({summary.get('failed_measurements', 0)} failed)"
+              + (f"; {summary['unreadable_lines']} unreadable lines skipped" if summary["unreadable_lines"] else ""),
+              "", "| " + " | ".join(h for _, h in TABLE_COLUMNS) + " |",
+              "|" + "---|" * len(TABLE_COLUMNS)]
     for row in summary["by_implementation_op_dtype"]:
-        lines.append("| " + " | ".join(_fmt(row[k]) for k in (
-            "implementation", "op", "dtype", "measurements", "failed", "max_abs", "median_error_over_bound",
-            "max_error_over_bound", "max_error_over_baseline")) + " |")
+        lines.append("| " + " | ".join(_md(row.get(k)) for k, _ in TABLE_COLUMNS) + " |")
+    worst = summary.get("worst_cases") or []
+    if worst:
+        lines += ["", f"## Worst cases by error/bound ({len(worst)})", "",
+                  "| implementation | property | op | case | max abs err | err/bound | err/eager | pass |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for w in worst:
+            lines.append("| " + " | ".join(_md(w.get(k)) for k in (
+                "implementation", "property", "op", "case_text", "max_abs", "error_over_bound",
+                "error_over_baseline", "pass")) + " |")
     failures = summary.get("failures") or []
     lines += ["", f"## Failures ({len(failures)})", ""]
     for f in failures:
-        lines += [f"### {f.get('test')}", "", "```", str(f.get("message", "")).strip(), "```", ""]
+        lines += [f"### {f.get('test')}", "", "```", str(f.get("message", "")).strip().replace("```", "'''"), "```", ""]
         if f.get("replay"):
             lines += ["Replay:", "", "```", f["replay"], "```", ""]
+        elif f.get("note"):
+            lines += [f"No replay command: {f['note']}", ""]
     return "\n".join(lines) + "\n"
 
 
-def write_summary(report_dir: str | Path, *, outcomes: dict | None = None) -> dict:
+def write_summary(report_dir: str | Path, *, outcomes: dict | None = None, html: bool = True) -> dict:
+    """Write ``summary.json``, ``report.md`` and (unless ``html=False``) ``report.html``; return the summary.
+
+    The HTML comes last and its failure is reported in the summary's ``html_error``, never raised: the
+    JSON and Markdown must come out whatever the plotting library does.
+    """
     report_dir = Path(report_dir)
-    summary = summarise(report_dir, outcomes=outcomes)
-    write_atomic(report_dir / "summary.json", json.dumps(_jsonable(summary), indent=2))
+    rows, bad = read_measurements(report_dir)
+    summary = summarise(report_dir, outcomes=outcomes, rows=rows, bad=bad)
+    write_atomic(report_dir / "summary.json", dumps(summary, indent=2))
     write_atomic(report_dir / "report.md", markdown(summary))
+    if html:
+        try:
+            from reports.html import report_html
+
+            write_atomic(report_dir / "report.html", report_html(summary, rows))
+        except Exception as exc:  # noqa: BLE001 - the report must not take the run down with it
+            summary["html_error"] = f"{type(exc).__name__}: {exc}"
+            write_atomic(report_dir / "summary.json", dumps(summary, indent=2))
     return summary

@@ -1,0 +1,631 @@
+"""The accuracy report: a sweep of shapes x magnitude classes x dtypes x causal over chosen
+implementations, measured against the float64 reference.
+
+What is measured, per implementation and case, for ``out``, ``lse`` (when returned), ``dQ``, ``dK`` and
+``dV``: the RMSE against float64 (the FlashAttention-3 paper's measure), the max abs and max relative
+error, the max error in ULPs of the stored dtype, error/bound (criterion 2, the componentwise
+rounding-error bound of :mod:`references.bounds`) and error/eager (criterion 1, against the
+same-precision eager baseline of :mod:`references.baseline`). Every number comes from the suite's own
+code: cases are :class:`strategies.cases.AttentionCase` (inputs from the seed, magnitude classes
+included), the metrics are :func:`references.metrics.error_stats`/``max_ratio`` applied by
+:func:`verify.harness.assert_accurate`, which also decides pass/fail exactly as ``pytest verify`` does.
+Each measurement is therefore recorded under the property that checks it (``out_matches_reference``,
+``lse_matches_reference``, ``gradients_match_reference``) and replays with ``python -m verify.replay``.
+
+The reference follows each implementation's declared causal alignment (SDPA and FlexAttention align
+top-left); with ``Nq = Nk``, as in this sweep, both alignments give the same mask.
+
+Fault tolerance: measurements stream to ``accuracy-measurements.jsonl`` as they are taken, with a
+``done`` line after each (implementation, case); ``--resume`` skips what is done, ``--time-limit``
+stops starting new cases and writes a partial report, and ``python -m reports summarise DIR``
+re-renders the report of an interrupted sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import statistics
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SWEEP_MAGNITUDES = ("normal", "outliers", "large_logits")
+OPS = ("out", "lse", "dq", "dk", "dv")
+PROPERTY_OF = {"out": "out_matches_reference", "lse": "lse_matches_reference", "dq": "gradients_match_reference",
+               "dk": "gradients_match_reference", "dv": "gradients_match_reference"}
+METRICS = ("rmse", "max_abs", "max_rel", "max_ulp", "error_over_bound", "error_over_baseline")
+PRESETS = {
+    # Small enough for a CPU in about a minute (the Triton kernels too, in the interpreter).
+    "quick": {"lengths": (64, 128), "head_dims": (32,)},
+    # The GPU report in docs/: the sequence lengths and head dims of the FlashAttention papers' plots.
+    "gpu": {"lengths": (512, 1024, 2048, 4096), "head_dims": (64, 128)},
+}
+STREAM = "accuracy-measurements.jsonl"
+RUN_FILE = "accuracy-run.json"
+OUTPUTS = ("accuracy.json", "accuracy.md", "accuracy.html")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """The cases of a sweep: every combination, ``Nq = Nk = N``, ``Hq = Hkv = heads``."""
+
+    lengths: tuple[int, ...]
+    head_dims: tuple[int, ...]
+    dtypes: tuple[str, ...] = ("float16", "bfloat16")
+    magnitudes: tuple[str, ...] = SWEEP_MAGNITUDES
+    causal: tuple[bool, ...] = (False, True)
+    batch: int = 1
+    heads: int = 2
+    seeds: tuple[int, ...] = (0,)
+    backward: bool = True
+
+    def cases(self):
+        from strategies.cases import AttentionCase
+
+        return [AttentionCase(batch=self.batch, heads_q=self.heads, heads_kv=self.heads, len_q=n, len_k=n,
+                              head_dim=d, dtype=dtype, causal=causal, magnitude=magnitude, seed=seed)
+                for n in self.lengths for d in self.head_dims for dtype in self.dtypes
+                for magnitude in self.magnitudes for causal in self.causal for seed in self.seeds]
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Adapters to peers measured by default next to the shipped kernels, where they run on the device.
+PEERS = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex_attention")
+
+
+def select_implementations(specs: list[str], *, device: str) -> list:
+    """``--impl`` values plus ``eager`` (the criterion-1 baseline, for comparison); by default every shipped
+    attention kernel that runs on ``device``, ``eager`` and the peers of :data:`PEERS` that run there."""
+    import torch
+
+    from kernels import registry
+
+    shipped = registry.registry()
+    if specs:
+        impls = [registry.load(spec, device=device) for spec in specs]
+    else:
+        dev = torch.device(device).type
+        impls = [i for i in registry.default_selection(device=device) if i.kind == "attention"]
+        impls += [shipped[p] for p in PEERS if p in shipped and dev in shipped[p].devices]
+    if not any(i.name == "eager" for i in impls):
+        impls.append(shipped["eager"])
+    seen, unique = set(), []
+    for impl in impls:
+        if impl.cli_name not in seen:
+            seen.add(impl.cli_name)
+            unique.append(impl)
+    return unique
+
+
+def skip_reason(impl, case, *, device: str) -> str | None:
+    """Why ``impl`` does not run ``case`` here, in the words of its declaration (None: it runs)."""
+    if impl.kind != "attention":
+        return f"{impl.name} is a {impl.kind} kernel"
+    why = impl.unsupported(dtype=case.torch_dtype, device=device)
+    if why:
+        return why
+    limit = impl.environment_limit(case.torch_dtype)
+    if limit:
+        return f"environment limit: {limit}"
+    if not impl.supports_head_dim(case.head_dim):
+        dims = list(impl.head_dims)
+        return (f"{impl.name} declares head dims {dims[0]}..{dims[-1]} ({len(dims)} values); "
+                f"D={case.head_dim} is not among them")
+    if impl.max_seq_len is not None and max(case.len_q, case.len_k) > impl.max_seq_len:
+        return f"{impl.name} declares sequences up to {impl.max_seq_len}"
+    return None
+
+
+class _Truth:
+    """The float64 reference, the eager baseline and the forward bounds of one case for one causal
+    alignment, shared by every implementation that declares that alignment."""
+
+    def __init__(self, case, t, alignment: str, backward: bool):
+        from references import attention as reference
+        from references import baseline, bounds
+
+        kw = {"causal": case.causal, "scale": case.scale, "alignment": alignment}
+        self.ref = reference.attention(t.q, t.k, t.v, dout=t.dout if backward else None, **kw)
+        self.base_out, self.base_lse = baseline.forward(t.q, t.k, t.v, **kw)
+        self.out_bound, self.lse_bound = bounds.forward_bounds(self.ref, t.q, t.k, t.v, dtype=t.q.dtype)
+        self.base_grads = baseline.backward(t.q, t.k, t.v, t.dout, **kw)[:3] if backward else None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
+
+
+def measure(impl, case, t, truth: _Truth, *, device: str, backward: bool) -> tuple[list[dict], list[str]]:
+    """Measure ``impl`` on one case: the records (one per op, as ``pytest verify`` writes them) and the
+    problems met (a broken contract, an op that could not be compared)."""
+    import torch
+
+    from references import bounds
+    from references.criteria import max_finite_lse, summand_magnitude
+    from verify.harness import Context, PropertyFailure, assert_accurate, run_forward
+
+    records: list[dict] = []
+    problems: list[str] = []
+
+    def ctx(op: str) -> Context:
+        return Context(impl=impl, prop=PROPERTY_OF[op], device=device, record=records.append, case=case)
+
+    def check(op: str, **kw) -> None:
+        before = len(records)
+        try:
+            assert_accurate(ctx(op), op=op, input_dtype=t.q.dtype, **kw)
+        except PropertyFailure as exc:
+            if len(records) == before:  # failed before measuring: wrong dtype or shape
+                problems.append(f"{op}: {str(exc).splitlines()[0]}")
+
+    ref = truth.ref
+    with torch.no_grad():
+        out, lse = run_forward(ctx("out"), case, t.q, t.k, t.v)
+    check("out", actual=out, expected=ref.out, baseline=truth.base_out, bound=truth.out_bound,
+          magnitude=summand_magnitude("out", ref))
+    if lse is not None:
+        check("lse", actual=lse, expected=ref.lse, baseline=truth.base_lse, bound=truth.lse_bound,
+              magnitude=summand_magnitude("lse", ref))
+    if not backward:
+        return records, problems
+    if not impl.autograd:
+        problems.append(f"{impl.name} declares no autograd backward: gradients not measured")
+        return records, problems
+    q, k, v = (x.detach().requires_grad_(True) for x in (t.q, t.k, t.v))
+    out_g, _ = run_forward(ctx("dq"), case, q, k, v)
+    if not out_g.requires_grad:
+        problems.append("out does not require grad although q, k, v do: no gradient flows through out")
+        return records, problems
+    out_g.backward(t.dout)
+    dq_b, dk_b, dv_b, _ = bounds.backward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out_g.detach())
+    bdq, bdk, bdv = truth.base_grads
+    for op, got, exp, base, bnd in (("dq", q.grad, ref.dq, bdq, dq_b), ("dk", k.grad, ref.dk, bdk, dk_b),
+                                    ("dv", v.grad, ref.dv, bdv, dv_b)):
+        if got is None:
+            problems.append(f"{op} is None after out.backward(dout)")
+            continue
+        check(op, actual=got, expected=exp, baseline=base, bound=bnd, magnitude=summand_magnitude(op, ref),
+              max_lse=max_finite_lse(ref))
+    return records, problems
+
+
+# ------------------------------------------------------------------------------------ the sweep
+def _versions() -> dict:
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
+            "cuda": torch.version.cuda}
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
+
+
+def _impl_info(impl) -> dict:
+    return {"name": impl.name, "spec": impl.cli_name, "description": impl.description,
+            "causal_alignment": impl.causal_alignment, "returns_lse": impl.returns_lse,
+            "dtypes": [str(d).removeprefix("torch.") for d in impl.dtypes], "devices": list(impl.devices)}
+
+
+def _case_key(spec: str, case: dict) -> str:
+    return spec + " " + json.dumps(case, sort_keys=True, separators=(",", ":"))
+
+
+def read_stream(out_dir: Path) -> tuple[list[dict], int]:
+    """The lines of the sweep's stream (a truncated last line is skipped and counted)."""
+    path = Path(out_dir) / STREAM
+    lines, bad = [], 0
+    if not path.exists():
+        return lines, bad
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for raw in fh:
+            raw = raw.strip()
+            if not raw:
+                continue
+            try:
+                item = json.loads(raw)
+            except json.JSONDecodeError:
+                bad += 1
+                continue
+            if isinstance(item, dict):
+                lines.append(item)
+            else:
+                bad += 1
+    return lines, bad
+
+
+def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command: str, resume: bool = False,
+        time_limit: float | None = None, progress: bool | None = None, log: Callable[[str], None] = print) -> dict:
+    """Run the sweep, streaming measurements into ``out_dir``, then write the report; return its data."""
+    import torch
+
+    from reports.progress import Progress
+    from reports.session import dumps, write_atomic
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stream_path = out_dir / STREAM
+    cases = sweep.cases()
+    done: set[str] = set()
+    if resume:
+        for item in read_stream(out_dir)[0]:
+            if item.get("kind") == "done":
+                done.add(_case_key(str(item.get("spec")), item.get("case") or {}))
+    else:
+        stream_path.unlink(missing_ok=True)
+        for name in OUTPUTS:
+            (out_dir / name).unlink(missing_ok=True)
+    skipped: dict[tuple[str, str], int] = defaultdict(int)
+    plan = []  # (case, [impls still to run])
+    planned_pairs = []  # every (spec, case index) the sweep measures, done or not
+    for index, case in enumerate(cases):
+        run_here = []
+        for impl in impls:
+            why = skip_reason(impl, case, device=device)
+            if why:
+                skipped[(impl.name, why)] += 1
+                continue
+            planned_pairs.append([impl.cli_name, index])
+            if _case_key(impl.cli_name, case.to_dict()) not in done:
+                run_here.append(impl)
+        plan.append((case, run_here))
+    previous = {}
+    if resume and (out_dir / RUN_FILE).exists():
+        try:
+            previous = json.loads((out_dir / RUN_FILE).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            previous = {}
+    header = {
+        "command": command, "commands": [*(previous.get("commands") or []), command],
+        "device": device, "device_name": _device_name(device), "versions": _versions(),
+        "sweep": sweep.as_dict(), "implementations": [_impl_info(i) for i in impls],
+        "skipped": [{"implementation": n, "reason": r, "cases": c} for (n, r), c in sorted(skipped.items())],
+        "started": previous.get("started") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "cases": len(cases), "planned": len(planned_pairs), "planned_pairs": planned_pairs,
+    }
+    write_atomic(out_dir / RUN_FILE, dumps(header, indent=2))
+    total = sum(len(r) for _, r in plan)
+    bar = Progress(total, enabled=progress)
+    started = time.monotonic()
+    stopped_early = False
+    with open(stream_path, "a", encoding="utf-8") as stream:
+        def emit(item: dict) -> None:
+            stream.write(dumps(item) + "\n")
+            stream.flush()
+
+        for case, run_here in plan:
+            if not run_here:
+                continue
+            if time_limit is not None and time.monotonic() - started > time_limit:
+                stopped_early = True
+                break
+            t = case.build(device)
+            truths: dict[str, _Truth] = {}
+            for impl in run_here:
+                if time_limit is not None and time.monotonic() - started > time_limit:
+                    stopped_early = True
+                    break
+                label = f"{impl.name} {case.dtype} N={case.len_k} D={case.head_dim} {case.magnitude}" \
+                        f"{' causal' if case.causal else ''}"
+                bar.show(label)
+                same_mask = not case.causal or case.len_q == case.len_k
+                key = "any" if same_mask else impl.causal_alignment
+                tic = time.monotonic()
+                try:
+                    if key not in truths:
+                        truths[key] = _Truth(case, t, impl.causal_alignment, sweep.backward)
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        try:
+                            records, problems = measure(impl, case, t, truths[key], device=device,
+                                                        backward=sweep.backward)
+                        except Exception as exc:  # noqa: BLE001 - a kernel that raises is reported, not fatal
+                            said = sorted({str(w.message).strip().splitlines()[0] for w in caught
+                                           if str(w.message).strip()})[:3]
+                            records, problems = [], [_first_line(exc) + "".join(f" [warning: {s}]" for s in said)]
+                except torch.cuda.OutOfMemoryError as exc:
+                    records, problems = [], [_first_line(exc)]
+                    truths.clear()
+                    torch.cuda.empty_cache()
+                for r in records:
+                    emit({"kind": "measurement", "spec": impl.cli_name, **r})
+                for p in problems:
+                    emit({"kind": "error", "implementation": impl.name, "spec": impl.cli_name,
+                          "case": case.to_dict(), "error": p})
+                emit({"kind": "done", "implementation": impl.name, "spec": impl.cli_name, "case": case.to_dict(),
+                      "seconds": round(time.monotonic() - tic, 3)})
+                bar.update(label=label)
+            del truths, t
+            if stopped_early:
+                break
+    bar.close()
+    if stopped_early:
+        log(f"stopped after --time-limit {time_limit:g} s; rerun the same command with --resume to continue")
+    return write_report(out_dir)
+
+
+# ------------------------------------------------------------------------------------ aggregation
+def _num(x: Any) -> float:
+    from reports.summary import num
+
+    return num(x)
+
+
+def geomean(values: list[float]) -> float | None:
+    """Geometric mean of the positive values (an exact 0 says nothing about typical error: left out);
+    ``inf`` or NaN if any value is (a non-finite error is never averaged away)."""
+    if not values:
+        return None
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    if any(math.isinf(v) for v in values):
+        return math.inf
+    positive = [v for v in values if v > 0]
+    return statistics.geometric_mean(positive) if positive else 0.0
+
+
+def _largest(values: list[float]) -> float | None:
+    if not values:
+        return None
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
+def aggregate(header: dict, lines: list[dict], bad_lines: int = 0) -> dict:
+    """Turn the stream of a sweep into the report's data: one result per (implementation, case),
+    the RMSE tables, the criteria table, what was not measured, and the sweep's status."""
+    from reports.session import replay_command
+    from reports.summary import describe_case
+
+    sweep = header.get("sweep") or {}
+    planned = _planned_keys(header)
+    results: dict[str, dict] = {}
+    order: list[str] = []
+    errors: dict[tuple[str, str], int] = defaultdict(int)
+    done = set()
+    for item in lines:
+        kind = item.get("kind")
+        case = item.get("case") if isinstance(item.get("case"), dict) else {}
+        key = _case_key(str(item.get("spec")), case)
+        if planned is not None and key not in planned:
+            continue  # left in the stream by an earlier, different sweep resumed with other options
+        if kind == "done":
+            done.add(key)
+            continue
+        if kind == "error":
+            errors[(str(item.get("implementation")), str(item.get("error")))] += 1
+            continue
+        if kind != "measurement":
+            continue
+        if key not in results:
+            order.append(key)
+            results[key] = {"implementation": item.get("implementation"), "spec": item.get("spec"),
+                            "dtype": case.get("dtype"), "magnitude": case.get("magnitude"),
+                            "causal": case.get("causal"), "len": case.get("len_k"), "head_dim": case.get("head_dim"),
+                            "seed": case.get("seed"), "case": case, "ops": {}}
+        results[key]["ops"][str(item.get("op"))] = {
+            **{m: _num(item.get(m)) for m in METRICS}, "pass": item.get("pass"),
+            "property": item.get("property")}
+    rows = [results[k] for k in order]
+    for r in rows:
+        r["pass"] = all(o.get("pass") is not False for o in r["ops"].values())
+    impl_names = [i["name"] for i in header.get("implementations") or []]
+    columns = [(d, m) for d in sweep.get("dtypes", []) for m in sweep.get("magnitudes", [])]
+
+    rmse: dict[str, dict[str, dict[str, float | None]]] = {}
+    for op in OPS:
+        per_impl = {}
+        for name in impl_names:
+            cells = {}
+            for d, m in columns:
+                vals = [r["ops"][op]["rmse"] for r in rows if r["implementation"] == name and r["dtype"] == d
+                        and r["magnitude"] == m and op in r["ops"]]
+                cells[f"{d} {m}"] = geomean(vals)
+            if any(v is not None for v in cells.values()):
+                per_impl[name] = cells
+        if per_impl:
+            rmse[op] = per_impl
+
+    criteria = []
+    for name in impl_names:
+        for d in sweep.get("dtypes", []):
+            mine = [r for r in rows if r["implementation"] == name and r["dtype"] == d]
+            if not mine:
+                continue
+            entry = {"implementation": name, "dtype": d, "cases": len(mine),
+                     "failed_cases": sum(1 for r in mine if not r["pass"])}
+            for op in OPS:
+                entry[f"{op}_error_over_bound"] = _largest(
+                    [r["ops"][op]["error_over_bound"] for r in mine if op in r["ops"]])
+                entry[f"{op}_error_over_baseline"] = _largest(
+                    [r["ops"][op]["error_over_baseline"] for r in mine if op in r["ops"]])
+            criteria.append(entry)
+
+    worst = []
+    device = str(header.get("device") or "cpu")
+    for r in rows:
+        for op, o in r["ops"].items():
+            worst.append((o["error_over_bound"], r, op, o))
+    worst.sort(key=lambda x: (x[3].get("pass") is False, math.inf if math.isnan(x[0]) else x[0]), reverse=True)
+    worst_cases = [{"implementation": r["implementation"], "op": op, "case_text": describe_case(r["case"]),
+                    **{m: o[m] for m in METRICS}, "pass": o.get("pass"),
+                    "replay": replay_command(impl=str(r["spec"]), prop=str(o.get("property")), case=r["case"],
+                                             device=device)}
+                   for _, r, op, o in worst[:15]]
+
+    missing = len(planned - done) if planned is not None else 0
+    return {
+        "status": "complete" if not missing else "partial",
+        "missing": missing,
+        "meta": {k: header.get(k) for k in ("command", "commands", "device", "device_name", "versions", "sweep",
+                                             "started", "cases", "planned")},
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "implementations": header.get("implementations") or [],
+        "not_measured": [*header.get("skipped", []),
+                         *({"implementation": n, "reason": e, "cases": c} for (n, e), c in sorted(errors.items()))],
+        "unreadable_lines": bad_lines,
+        "rmse": rmse, "rmse_columns": [f"{d} {m}" for d, m in columns],
+        "criteria": criteria, "worst_cases": worst_cases,
+        "results": [{k: v for k, v in r.items() if k != "case"} for r in rows],
+    }
+
+
+def _planned_keys(header: dict) -> set[str] | None:
+    """The (implementation, case) keys the sweep of ``header`` measures, or None if it does not say."""
+    pairs, sweep = header.get("planned_pairs"), header.get("sweep")
+    if not isinstance(pairs, list) or not isinstance(sweep, dict):
+        return None
+    fields = {f.name for f in dataclasses.fields(Sweep)}
+    cases = Sweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in sweep.items() if k in fields}).cases()
+    return {_case_key(str(spec), cases[index].to_dict()) for spec, index in pairs if 0 <= index < len(cases)}
+
+
+def write_report(out_dir: str | Path) -> dict:
+    """(Re)write ``accuracy.json``, ``accuracy.md`` and ``accuracy.html`` from the sweep's files."""
+    from reports.session import dumps, write_atomic
+
+    out_dir = Path(out_dir)
+    header = json.loads((out_dir / RUN_FILE).read_text(encoding="utf-8"))
+    lines, bad = read_stream(out_dir)
+    result = aggregate(header, lines, bad)
+    write_atomic(out_dir / "accuracy.json", dumps(result, indent=1))
+    write_atomic(out_dir / "accuracy.md", markdown(result))
+    try:
+        from reports.html import accuracy_html
+
+        write_atomic(out_dir / "accuracy.html", accuracy_html(result))
+    except Exception as exc:  # noqa: BLE001 - the JSON and Markdown are written whatever the plots do
+        result["html_error"] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+# ------------------------------------------------------------------------------------ Markdown
+MAGNITUDE_WORDS = {
+    "normal": "q, k, v ~ N(0, 1)",
+    "outliers": "N(0, 1) plus FA3-style outliers: 0.1% of the entries of q, k, v get an extra N(0, 30^2)",
+    "large_logits": "q and k scaled by 100: |scale q.k| ~ 1e4 (q.k beyond float16's range)",
+}
+OP_WORDS = {"out": "O", "lse": "LSE", "dq": "dQ", "dk": "dK", "dv": "dV"}
+
+
+def _fmt(x: Any) -> str:
+    from reports.summary import fmt
+
+    return fmt(x).replace("|", "\\|")
+
+
+def _sweep_words(sweep: dict) -> list[str]:
+    n = ", ".join(map(str, sweep.get("lengths", [])))
+    d = ", ".join(map(str, sweep.get("head_dims", [])))
+    causal = {(False, True): "both", (True, False): "both", (False,): "no", (True,): "yes"}.get(
+        tuple(sweep.get("causal", [])), str(sweep.get("causal")))
+    return [f"- shapes: B={sweep.get('batch')}, H={sweep.get('heads')}, N = Nq = Nk in {{{n}}}, D in {{{d}}}",
+            f"- dtypes: {', '.join(sweep.get('dtypes', []))}; causal: {causal}; seeds: "
+            f"{', '.join(map(str, sweep.get('seeds', [])))}; backward: {'yes' if sweep.get('backward') else 'no'}",
+            "- magnitude classes: " + "; ".join(f"`{m}` ({MAGNITUDE_WORDS.get(m, 'see strategies/cases.py')})"
+                                                for m in sweep.get("magnitudes", []))]
+
+
+def title(result: dict) -> str:
+    """The report's title, naming the device (a CPU report must never pass for a GPU one)."""
+    meta = result.get("meta") or {}
+    device = str(meta.get("device") or "?")
+    kind = "GPU" if device.startswith("cuda") else device.upper()
+    return f"Attention accuracy against a float64 reference, {kind}: {meta.get('device_name') or device}"
+
+
+def status_words(result: dict) -> str:
+    if result["status"] == "complete":
+        return "Status: complete."
+    return (f"Status: PARTIAL: {result['missing']} of {result['meta'].get('planned')} (implementation, case) pairs "
+            "were not measured (interrupted or stopped by --time-limit; rerun with --resume).")
+
+
+def markdown(result: dict) -> str:
+    meta = result["meta"]
+    versions = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items() if v)
+    lines = [f"# {title(result)}", "",
+             status_words(result), "",
+             f"- device: {meta.get('device')} ({meta.get('device_name')}); {versions}",
+             f"- command: `{meta.get('command')}`",
+             *(f"- earlier command of this sweep: `{c}`" for c in (meta.get("commands") or [])[:-1]),
+             f"- started {meta.get('started')}, written {result.get('finished')}",
+             *_sweep_words(meta.get("sweep") or {}), "",
+             "How to read it: every input is rounded to the dtype first, and the float64 reference is computed from "
+             "those rounded inputs, so the numbers are the kernels' own error. RMSE is sqrt(mean((x - ref)^2)) over "
+             "all elements (the FlashAttention-3 paper's measure); ULP is the error in units of the stored dtype "
+             "at the reference value; err/bound is the largest error divided by the componentwise rounding-error "
+             "bound of references/bounds.py (criterion 2: at most 1); err/eager is the max error divided by that of "
+             "the same-precision eager attention (criterion 1: at most 2 for O and LSE, 3 for gradients, plus a "
+             "tiny floor). SDPA and FlexAttention return no LSE.", ""]
+    cols = result.get("rmse_columns") or []
+    for op, per_impl in (result.get("rmse") or {}).items():
+        lines += [f"## RMSE of {OP_WORDS.get(op, op)} (geometric mean over N, D, causal and seeds)", "",
+                  "| implementation | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+        for name, cells in per_impl.items():
+            lines.append(f"| {_fmt(name)} | " + " | ".join(_fmt(cells.get(c)) for c in cols) + " |")
+        lines.append("")
+    crit = result.get("criteria") or []
+    if crit:
+        ops = [op for op in OPS if any(c.get(f"{op}_error_over_bound") is not None for c in crit)]
+        lines += ["## Pass criteria: largest err/bound and err/eager over the sweep", "",
+                  "| implementation | dtype | cases | failed | " + " | ".join(f"{OP_WORDS[o]} err/bound" for o in ops)
+                  + " | " + " | ".join(f"{OP_WORDS[o]} err/eager" for o in ops) + " |",
+                  "|---|---|---|---|" + "---|" * (2 * len(ops))]
+        for c in crit:
+            lines.append(f"| {_fmt(c['implementation'])} | {c['dtype']} | {c['cases']} | {c['failed_cases']} | "
+                         + " | ".join(_fmt(c.get(f"{o}_error_over_bound")) for o in ops) + " | "
+                         + " | ".join(_fmt(c.get(f"{o}_error_over_baseline")) for o in ops) + " |")
+        lines.append("")
+    worst = result.get("worst_cases") or []
+    if worst:
+        lines += ["## Worst measurements by err/bound", "",
+                  "| implementation | op | case | RMSE | max abs | max ULP | err/bound | err/eager | pass |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for w in worst:
+            lines.append("| " + " | ".join(_fmt(w.get(k)) for k in (
+                "implementation", "op", "case_text", "rmse", "max_abs", "max_ulp", "error_over_bound",
+                "error_over_baseline", "pass")) + " |")
+        lines += ["", "Replay the worst one: `" + worst[0]["replay"].replace("`", "'") + "`", ""]
+    skipped = result.get("not_measured") or []
+    if skipped:
+        lines += ["## Not measured", "", "| implementation | reason | cases |", "|---|---|---|"]
+        for s in skipped:
+            lines.append(f"| {_fmt(s['implementation'])} | {_fmt(s['reason'])} | {s['cases']} |")
+        lines.append("")
+    res = result.get("results") or []
+    if res:
+        lines += ["## Every case", "", "<details><summary>" + f"{len(res)} (implementation, case) results"
+                  + "</summary>", "",
+                  "| implementation | dtype | magnitude | causal | N | D | " + " | ".join(
+                      f"{OP_WORDS[o]} RMSE" for o in OPS) + " | O max ULP | max err/bound | max err/eager | pass |",
+                  "|---|---|---|---|---|---|" + "---|" * (len(OPS) + 4)]
+        for r in res:
+            ops = r["ops"]
+            lines.append(
+                f"| {_fmt(r['implementation'])} | {r['dtype']} | {r['magnitude']} | {r['causal']} | {r['len']} | "
+                f"{r['head_dim']} | " + " | ".join(_fmt(ops[o]["rmse"]) if o in ops else "-" for o in OPS)
+                + f" | {_fmt(ops['out']['max_ulp']) if 'out' in ops else '-'}"
+                + f" | {_fmt(_largest([o['error_over_bound'] for o in ops.values()]))}"
+                + f" | {_fmt(_largest([o['error_over_baseline'] for o in ops.values()]))}"
+                + f" | {'yes' if r['pass'] else 'NO'} |")
+        lines += ["", "</details>", ""]
+    return "\n".join(lines) + "\n"

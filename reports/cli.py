@@ -1,0 +1,167 @@
+"""``python -m reports``: re-summarise a report directory, or run the accuracy sweep.
+
+    python -m reports summarise DIR        # a pytest verify report dir (finished or killed) or an accuracy dir
+    python -m reports accuracy [options]   # the fp16/bf16 accuracy report (see --help)
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from reports import accuracy
+
+ACCURACY_EPILOG = """\
+presets (explicit --len/--head-dim override them):
+  quick  N in {64, 128}, D = 32: under a minute on a CPU, Triton interpreter included (the default
+         without a GPU)
+  gpu    N in {512, 1024, 2048, 4096}, D in {64, 128} (the default on a GPU)
+
+the GPU report in docs/ is made with:
+  python -m reports accuracy --device cuda --preset gpu --out docs/accuracy
+which measures float16 and bfloat16 x {normal, outliers, large_logits} x causal {no, yes}, B=1, H=2, for
+every shipped kernel that runs on the GPU: fa2_blocked, fa1_blocked, triton_fa2, triton_fa1, eager and
+the SDPA backends sdpa_flash, sdpa_efficient, sdpa_cudnn, sdpa_math and flex_attention. A backend the
+GPU or the torch build lacks is listed under "Not measured" with torch's reason. Choose others with
+--impl (registry names, package.module:attr, path/to/file.py:attr; eager is always added).
+Under a per-command time limit add --time-limit SECONDS and rerun the same command with --resume
+until it says complete; `python -m reports summarise DIR` re-renders an interrupted sweep.
+On a CPU the Triton kernels take part only with TRITON_INTERPRET=1 set (bfloat16 then skipped: the
+interpreter's tl.dot does not support it).
+"""
+
+
+def _summarise(args) -> int:
+    root = Path(args.dir)
+    if not root.is_dir():
+        print(f"summarise: {root} is not a directory", file=sys.stderr)
+        return 2
+    if (root / accuracy.RUN_FILE).exists():
+        result = accuracy.write_report(root)
+        print(accuracy.status_words(result))
+        print(f"{len(result['results'])} (implementation, case) results"
+              + (f"; {result['unreadable_lines']} unreadable lines skipped" if result["unreadable_lines"] else ""))
+        print(f"wrote {', '.join(str(root / n) for n in accuracy.OUTPUTS)}")
+        return 0
+    if not any(root.glob("measurements-*.jsonl")) and not any(root.glob("run-*.json")):
+        print(f"summarise: {root} holds no report (no measurements-*.jsonl, run-*.json or {accuracy.RUN_FILE})",
+              file=sys.stderr)
+        return 2
+    from reports.summary import status_line, write_summary
+
+    summary = write_summary(root, html=not args.no_html)
+    print(status_line(summary))
+    print(f"{summary['measurements']} measurements ({summary['failed_measurements']} failed), "
+          f"{len(summary['failures'])} failing tests"
+          + (f"; {summary['unreadable_lines']} unreadable lines skipped" if summary["unreadable_lines"] else ""))
+    written = ["summary.json", "report.md"] + ([] if args.no_html or summary.get("html_error") else ["report.html"])
+    print(f"wrote {', '.join(str(root / n) for n in written)}")
+    if summary.get("html_error"):
+        print(f"report.html not written: {summary['html_error']}", file=sys.stderr)
+    return 0
+
+
+def _positive_ints(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} should be a positive integer")
+    return value
+
+
+def _accuracy(args, parser) -> int:
+    import torch
+
+    from kernels.registry import ImplementationError
+    from strategies.cases import DTYPES, MAGNITUDES
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        parser.error(f"--device {device!r}: {exc}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device}: torch sees no CUDA device")
+    preset = accuracy.PRESETS[args.preset or ("gpu" if parsed.type == "cuda" else "quick")]
+    for m in args.magnitude or []:
+        if m not in MAGNITUDES:
+            parser.error(f"--magnitude {m!r} is not a magnitude class; known: {', '.join(MAGNITUDES)}")
+    for d in args.dtype or []:
+        if d not in DTYPES:
+            parser.error(f"--dtype {d!r}; known: {', '.join(DTYPES)}")
+    sweep = accuracy.Sweep(
+        lengths=tuple(args.len or preset["lengths"]), head_dims=tuple(args.head_dim or preset["head_dims"]),
+        dtypes=tuple(args.dtype or ("float16", "bfloat16")),
+        magnitudes=tuple(args.magnitude or accuracy.SWEEP_MAGNITUDES),
+        causal={"both": (False, True), "yes": (True,), "no": (False,)}[args.causal],
+        batch=args.batch, heads=args.heads, seeds=tuple(args.seed or (0,)), backward=not args.no_backward)
+    try:
+        impls = accuracy.select_implementations(args.impl or [], device=device)
+    except ImplementationError as exc:
+        parser.error(str(exc))
+    command = " ".join(shlex.quote(a) for a in ["python", "-m", "reports", *args.argv])
+    names = ", ".join(i.name for i in impls)
+    print(f"accuracy sweep on {device}: {len(sweep.cases())} cases x {len(impls)} implementations ({names})",
+          file=sys.stderr)
+    result = accuracy.run(sweep, impls, device=device, out_dir=args.out, command=command, resume=args.resume,
+                          time_limit=args.time_limit, log=lambda s: print(s, file=sys.stderr))
+    print(accuracy.status_words(result))
+    failed = sum(c.get("failed_cases", 0) for c in result["criteria"])
+    print(f"{len(result['results'])} (implementation, case) results, {failed} with a failed criterion; "
+          f"{sum(s['cases'] for s in result['not_measured'])} not measured")
+    print(f"wrote {', '.join(str(Path(args.out) / n) for n in accuracy.OUTPUTS)}")
+    if result.get("html_error"):
+        print(f"accuracy.html not written: {result['html_error']}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m reports", description="flashverify reports")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("summarise", aliases=["summarize"],
+                       help="(re)write summary.json, report.md and report.html of a report directory",
+                       description="Summarise a report directory: a pytest verify --report-dir (also one left by "
+                                   "a killed run: truncated lines are skipped and the report says PARTIAL) or an "
+                                   "accuracy sweep's --out directory.")
+    s.add_argument("dir", help="the report directory")
+    s.add_argument("--no-html", action="store_true", help="write summary.json and report.md only")
+    a = sub.add_parser("accuracy",
+                       help="sweep shapes x magnitude classes x dtypes x causal; write accuracy.md/.json/.html",
+                       description="Measure implementations against the float64 reference over a sweep and write "
+                                   "accuracy.md, accuracy.json and accuracy.html (RMSE, max error, ULP, "
+                                   "error/bound, error/eager for O, LSE, dQ, dK, dV).",
+                       epilog=ACCURACY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a.add_argument("--impl", action="append", metavar="IMPL",
+                   help="implementation (repeatable): registry name, package.module:attr or path/file.py:attr "
+                        "(default: every shipped attention kernel that runs on the device)")
+    a.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    a.add_argument("--preset", choices=sorted(accuracy.PRESETS),
+                   help="sequence lengths and head dims (default: gpu on a GPU, quick otherwise)")
+    a.add_argument("--len", type=_positive_ints, nargs="+", metavar="N", help="sequence lengths (Nq = Nk = N)")
+    a.add_argument("--head-dim", type=_positive_ints, nargs="+", metavar="D", help="head dims")
+    a.add_argument("--dtype", nargs="+", metavar="DTYPE",
+                   help="float16 bfloat16 float32 float64 (default: float16 bfloat16)")
+    a.add_argument("--magnitude", nargs="+", metavar="CLASS",
+                   help="magnitude classes of strategies/cases.py (default: normal outliers large_logits)")
+    a.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="causal masking (default: both)")
+    a.add_argument("--batch", type=_positive_ints, default=1, help="batch size (default 1)")
+    a.add_argument("--heads", type=_positive_ints, default=2, help="heads (default 2)")
+    a.add_argument("--seed", type=int, nargs="+", metavar="SEED", help="input seeds (default: 0)")
+    a.add_argument("--no-backward", action="store_true", help="measure the forward only (no dQ, dK, dV)")
+    a.add_argument("--out", default="flashverify-report/accuracy", metavar="DIR",
+                   help="output directory (default: flashverify-report/accuracy, git-ignored)")
+    a.add_argument("--resume", action="store_true", help="keep the measurements already in --out and do the rest")
+    a.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="start no new case after this long; write a partial report (continue with --resume)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = argv
+    if args.command in ("summarise", "summarize"):
+        return _summarise(args)
+    return _accuracy(args, parser)

@@ -1,0 +1,369 @@
+"""Self-contained HTML pages for the run report and the accuracy report.
+
+One file, no external resource: the style sheet is inline and the plots (:mod:`reports.plots`) are
+embedded PNGs. Without matplotlib the page says so and still shows every table. Every string that
+comes from the data (implementation names, cases, messages, commands) goes through :func:`esc`: the
+suite runs kernels it has never seen, and their names end up here.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from reports import plots
+from reports.summary import TABLE_COLUMNS, fmt, num, status_line
+
+STYLE = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto; max-width: 1400px;
+       padding: 0 16px; color: #1d1d1f; }
+h1 { margin-bottom: 4px; } h2 { margin-top: 32px; border-bottom: 1px solid #ddd; padding-bottom: 4px; }
+table { border-collapse: collapse; margin: 8px 0 16px; font-size: 13px; }
+th, td { border: 1px solid #d6d6d6; padding: 3px 7px; text-align: left; vertical-align: top; }
+th { background: #f3f4f6; position: sticky; top: 0; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+tr.fail td { background: #fdecea; }
+.banner { padding: 8px 12px; border-radius: 4px; margin: 12px 0; }
+.ok { background: #e8f5e9; border: 1px solid #a5d6a7; }
+.partial, .bad { background: #fff4e5; border: 1px solid #ffb74d; }
+.bad { background: #fdecea; border-color: #ef9a9a; }
+code, pre { font: 12px/1.4 ui-monospace, "SFMono-Regular", Menlo, Consolas, monospace; }
+pre { background: #f6f8fa; padding: 8px; overflow-x: auto; white-space: pre-wrap; word-break: break-all; }
+td code { overflow-wrap: anywhere; } td.below { border-top: none; padding-left: 24px; }
+figure { margin: 12px 0 24px; } figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption { color: #555; font-size: 13px; max-width: 1000px; }
+.muted { color: #666; }
+details > summary { cursor: pointer; }
+"""
+
+
+def esc(value: Any) -> str:
+    """``value`` as HTML text (quotes escaped too, so it is safe in attributes)."""
+    return html.escape(str(value), quote=True)
+
+
+class Raw(str):
+    """Markup built here from escaped parts: :func:`table` inserts it as is."""
+
+
+def code(text: Any) -> Raw:
+    return Raw(f"<code>{esc(text)}</code>")
+
+
+def cell(value: Any) -> str:
+    if isinstance(value, Raw):
+        return f"<td>{value}</td>"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f'<td class="num">{esc(fmt(value))}</td>'
+    return f"<td>{esc(fmt(value))}</td>"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, failed: Iterable[bool] | None = None,
+          below: Iterable[Any] | None = None) -> str:
+    """An HTML table; every cell is escaped unless it is :class:`Raw`. ``failed`` marks rows red;
+    ``below`` gives each row a full-width second line (a replay command), or None for none."""
+    marks = list(failed) if failed is not None else None
+    extra = list(below) if below is not None else None
+    out = ["<table><thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in headers) + "</tr></thead><tbody>"]
+    for i, row in enumerate(rows):
+        cls = ' class="fail"' if marks is not None and i < len(marks) and marks[i] else ""
+        out.append(f"<tr{cls}>" + "".join(cell(v) for v in row) + "</tr>")
+        if extra is not None and i < len(extra) and extra[i] is not None:
+            content = extra[i] if isinstance(extra[i], Raw) else esc(extra[i])
+            out.append(f'<tr{cls}><td class="below" colspan="{len(headers)}">{content}</td></tr>')
+    out.append("</tbody></table>")
+    return "\n".join(out)
+
+
+def figure(png: str | None, *, alt: str, caption: str) -> str:
+    """An embedded plot with its caption (or the caption alone when there was nothing to plot)."""
+    if png is None:
+        return f'<p class="muted">{esc(alt)}: nothing to plot.</p>'
+    return (f'<figure><img alt="{esc(alt)}" src="data:image/png;base64,{png}">'
+            f"<figcaption>{esc(caption)}</figcaption></figure>")
+
+
+def plot_or_reason(draw, *, alt: str, caption: str) -> str:
+    """Draw one plot with ``draw()``; without matplotlib, or if drawing fails, say why instead."""
+    reason = plots.unavailable()
+    if reason:
+        return f'<p class="muted">{esc(alt)}: not drawn, {esc(reason)}. The tables below hold the same data.</p>'
+    try:
+        return figure(draw(), alt=alt, caption=caption)
+    except Exception as exc:  # noqa: BLE001 - a plot that fails must not cost the report
+        return f'<p class="muted">{esc(alt)}: drawing failed ({esc(type(exc).__name__)}: {esc(exc)}).</p>'
+
+
+def page(title: str, body: Iterable[str]) -> str:
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+            f"<title>{esc(title)}</title><style>{STYLE}</style></head><body>\n"
+            + "\n".join(body) + "\n</body></html>\n")
+
+
+def key_values(pairs: Iterable[tuple[str, Any]]) -> str:
+    return table(("", ""), ((k, v) for k, v in pairs if v not in (None, "", [], {})))
+
+
+# ------------------------------------------------------------------------------------ run report
+def _points_error_vs_len(rows: list[dict]):
+    points: dict[tuple[str, str], dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        case = r.get("case")
+        if not isinstance(case, dict) or "len_k" not in case or "max_abs" not in r:
+            continue
+        points[(str(case.get("dtype")), str(r.get("op")))][str(r.get("implementation"))].append(
+            (num(case.get("len_k")), num(r.get("max_abs"))))
+    return points
+
+
+def _ratios_by_dtype(rows: list[dict]):
+    values: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r.get("error_over_bound") is None:
+            continue
+        case = r.get("case") if isinstance(r.get("case"), dict) else {}
+        values[str(case.get("dtype"))][str(r.get("implementation"))].append(num(r.get("error_over_bound")))
+    return values
+
+
+def run_plots(rows: list[dict], names: Sequence[str] = ()) -> list[str]:
+    points = _points_error_vs_len(rows)
+    dtypes = plots.ordered({d for d, _ in points}, plots.DTYPE_ORDER)
+    ops = plots.ordered({op for _, op in points}, plots.OP_ORDER)
+    ratios = _ratios_by_dtype(rows)
+    panels = plots.ordered(ratios, plots.DTYPE_ORDER)
+    return [
+        "<h2>Error against Nk</h2>",
+        plot_or_reason(lambda: plots.scatter_panels(points, rows=dtypes, cols=ops, xlabel="Nk (keys)",
+                                                    ylabel="max abs error", names=names,
+                                                    title="Max abs error vs float64, by op (columns) and dtype (rows), "
+                                                          "one colour per implementation"),
+                       alt="Error against Nk",
+                       caption="Each point is one measurement (one drawn case, one op). Each row of panels has its "
+                               "own scale; open circles on the bottom edge are errors below it (exact results, "
+                               "near-subnormal inputs); crosses on the top edge are NaN or infinite errors."),
+        "<h2>Error / bound</h2>",
+        plot_or_reason(lambda: plots.ratio_histograms(ratios, panels=panels, names=names,
+                                                      title="Distribution of error / rounding-error bound"),
+                       alt="Distribution of error/bound ratios",
+                       caption="Criterion 2: every measurement's largest error divided by its componentwise "
+                               "bound (log scale). Right of the dashed line the bound is exceeded. A correct "
+                               "kernel far left of 1 means the bound is loose for it."),
+    ]
+
+
+def _run_section(summary: dict) -> list[str]:
+    run = summary.get("run") or {}
+    versions = ", ".join(f"{k} {v}" for k, v in (run.get("versions") or {}).items() if v)
+    out = ["<h2>Run</h2>", key_values([
+        ("command", code(run["command"]) if run.get("command") else None),
+        ("device", ", ".join(map(str, run.get("devices") or [])) + (f" ({run.get('device_name')})"
+                                                                   if run.get("device_name") else "")),
+        ("profile", run.get("profile")), ("versions", versions),
+        ("TRITON_INTERPRET", "1" if run.get("triton_interpret") else None),
+        ("started", run.get("started")), ("finished", run.get("finished")),
+        ("workers", ", ".join(map(str, run.get("workers") or []))),
+    ])]
+    impls = [i for i in run.get("implementations") or [] if isinstance(i, dict)]
+    if impls:
+        out += ["<h3>Implementations under test</h3>", table(
+            ("name", "--impl", "kind", "dtypes", "causal alignment", "gqa", "backward+Delta", "description"),
+            ([i.get("name"), code(i.get("spec")), i.get("kind"), ", ".join(map(str, i.get("dtypes") or [])),
+              i.get("causal_alignment"), i.get("gqa"), i.get("backward"), i.get("description")] for i in impls))]
+    return out
+
+
+def report_html(summary: dict, rows: list[dict]) -> str:
+    """The run report as one self-contained HTML page."""
+    partial = summary.get("status") != "complete"
+    failures = summary.get("failures") or []
+    banner_cls = "partial" if partial else ("bad" if failures or summary.get("failed_measurements") else "ok")
+    outcomes = summary.get("outcomes") or {}
+    counts = (f"{summary['measurements']} measurements ({summary.get('failed_measurements', 0)} failed), "
+              f"{len(failures)} failing tests"
+              + (f"; {summary['unreadable_lines']} unreadable lines skipped"
+                 if summary.get("unreadable_lines") else ""))
+    body = ["<h1>flashverify report</h1>",
+            f'<div class="banner {banner_cls}">{esc(status_line(summary))}<br>{esc(counts)}'
+            + (f"<br>Tests: {esc(', '.join(f'{v} {k}' for k, v in sorted(outcomes.items())))}" if outcomes else "")
+            + "</div>"]
+    body += _run_section(summary)
+    names = [str(i.get("name")) for i in (summary.get("run") or {}).get("implementations") or []
+             if isinstance(i, dict)]
+    body += run_plots(rows, names)
+    table_rows = summary.get("by_implementation_op_dtype") or []
+    body += ["<h2>By implementation, op and dtype</h2>",
+             '<p class="muted">err/bound: error divided by the componentwise rounding-error bound (criterion 2, '
+             "must be at most 1). err/eager: max error divided by the same-precision eager baseline's "
+             "(criterion 1 allows 2 for out/lse/Delta and 3 for gradients, plus a tiny floor).</p>",
+             table([h for _, h in TABLE_COLUMNS], ([r.get(k) for k, _ in TABLE_COLUMNS] for r in table_rows),
+                   failed=[bool(r.get("failed")) for r in table_rows])]
+    worst = summary.get("worst_cases") or []
+    body += [f"<h2>Worst cases ({len(worst)})</h2>",
+             '<p class="muted">The measurements with the largest error/bound, failed ones first; each replays on '
+             "its own with the command shown (run it from the repository root).</p>",
+             table(("implementation", "property", "op", "case", "max abs", "max ULP", "err/bound", "err/eager",
+                    "pass"),
+                   ([w.get("implementation"), w.get("property"), w.get("op"), w.get("case_text"), w.get("max_abs"),
+                     w.get("max_ulp"), w.get("error_over_bound"), w.get("error_over_baseline"), w.get("pass")]
+                    for w in worst),
+                   failed=[w.get("pass") is False for w in worst],
+                   below=[Raw("replay: " + code(w["replay"])) if w.get("replay") else None for w in worst])]
+    body.append(f"<h2>Failures ({len(failures)})</h2>")
+    if not failures:
+        body.append('<p class="muted">No test failed.</p>')
+    for f in failures:
+        body.append(f"<details open><summary><code>{esc(f.get('test'))}</code></summary>"
+                    f"<pre>{esc(str(f.get('message', '')).strip())}</pre>"
+                    + (f"<p>Replay:</p><pre>{esc(f['replay'])}</pre>" if f.get("replay") else
+                       f"<p class=\"muted\">No replay command{': ' + esc(f['note']) if f.get('note') else ''}</p>")
+                    + f"<p class=\"muted\">File: <code>{esc(f.get('file', ''))}</code></p></details>")
+    return page("flashverify report", body)
+
+
+
+# ------------------------------------------------------------------------------------ accuracy report
+def _accuracy_plots(result: dict) -> list[str]:
+    from reports.accuracy import OP_WORDS, OPS, geomean
+
+    res = result.get("results") or []
+    sweep = (result.get("meta") or {}).get("sweep") or {}
+    dtypes = list(sweep.get("dtypes") or plots.ordered({r["dtype"] for r in res}, plots.DTYPE_ORDER))
+    mags = list(sweep.get("magnitudes") or sorted({r["magnitude"] for r in res}))
+    ops = [op for op in OPS if any(op in r["ops"] for r in res)]
+    bars: dict[tuple[str, str], dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    for op, per_impl in (result.get("rmse") or {}).items():
+        for name, cells in per_impl.items():
+            for d in dtypes:
+                for m in mags:
+                    v = cells.get(f"{d} {m}")
+                    if v is not None:
+                        bars[(OP_WORDS.get(op, op), d)][name][m] = v
+    lines: dict[tuple[str, str], dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    by_point: dict[tuple, list[float]] = defaultdict(list)
+    for r in res:
+        if "out" in r["ops"]:
+            by_point[(r["magnitude"], r["dtype"], r["implementation"], r["len"])].append(r["ops"]["out"]["rmse"])
+    for (m, d, name, n), vals in by_point.items():
+        gm = geomean(vals)
+        if gm is not None:
+            lines[(m, d)][name].append((float(n), gm))
+    ratios: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in res:
+        for o in r["ops"].values():
+            ratios[r["dtype"]][r["implementation"]].append(o["error_over_bound"])
+    op_rows = [OP_WORDS.get(op, op) for op in ops]
+    names = [str(i.get("name")) for i in result.get("implementations") or []]
+    return [
+        "<h2>RMSE by implementation, magnitude class and dtype</h2>",
+        plot_or_reason(lambda: plots.grouped_bars(bars, rows=op_rows, cols=dtypes, groups=mags,
+                                                  ylabel="RMSE vs float64", names=names,
+                                                  title="RMSE against float64 (geometric mean over N, D, causal)"),
+                       alt="RMSE by implementation, magnitude class and dtype",
+                       caption="One panel per output (rows) and dtype (columns); bars grouped by magnitude class, "
+                               "one colour per implementation. Lower is better; log scale."),
+        "<h2>RMSE of O against N</h2>",
+        plot_or_reason(lambda: plots.line_panels(lines, rows=mags, cols=dtypes, xlabel="N (= Nq = Nk)",
+                                                 ylabel="RMSE of O", names=names,
+                                                 title="RMSE of the output against sequence length"),
+                       alt="RMSE of O against N",
+                       caption="Geometric mean over head dims, causal flags and seeds; one panel per magnitude class "
+                               "(rows) and dtype (columns)."),
+        "<h2>Error / bound</h2>",
+        plot_or_reason(lambda: plots.ratio_histograms(ratios, panels=dtypes, names=names,
+                                                      title="Distribution of error / rounding-error bound, all ops"),
+                       alt="Distribution of error/bound ratios",
+                       caption="Criterion 2 for every measurement of the sweep (O, LSE, dQ, dK, dV). Right of the "
+                               "dashed line the bound is exceeded."),
+    ]
+
+
+def accuracy_html(result: dict) -> str:
+    """The accuracy report as one self-contained HTML page."""
+    from reports.accuracy import MAGNITUDE_WORDS, OP_WORDS, OPS, status_words, title
+
+    meta = result.get("meta") or {}
+    sweep = meta.get("sweep") or {}
+    versions = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items() if v)
+    partial = result.get("status") != "complete"
+    failed = sum(c.get("failed_cases", 0) for c in result.get("criteria") or [])
+    body = [f"<h1>{esc(title(result))}</h1>",
+            f'<div class="banner {"partial" if partial else ("bad" if failed else "ok")}">'
+            f"{esc(status_words(result))}<br>{esc(len(result.get('results') or []))} (implementation, case) results, "
+            f"{esc(failed)} with a failed criterion.</div>",
+            "<h2>Run</h2>",
+            key_values([("command", code(meta.get("command"))),
+                        ("device", f"{meta.get('device')} ({meta.get('device_name')})"), ("versions", versions),
+                        ("started", meta.get("started")), ("written", result.get("finished")),
+                        ("shapes", f"B={sweep.get('batch')}, H={sweep.get('heads')}, N = Nq = Nk in "
+                                   f"{sweep.get('lengths')}, D in {sweep.get('head_dims')}"),
+                        ("dtypes", ", ".join(map(str, sweep.get("dtypes") or []))),
+                        ("causal", ", ".join(map(str, sweep.get("causal") or []))),
+                        ("seeds", ", ".join(map(str, sweep.get("seeds") or [])))]),
+            table(("magnitude class", "inputs"), ((m, MAGNITUDE_WORDS.get(m, "see strategies/cases.py"))
+                                                  for m in sweep.get("magnitudes") or [])),
+            '<p class="muted">Inputs are rounded to the dtype first and the float64 reference is computed from the '
+            "rounded inputs. RMSE = sqrt(mean((x - ref)^2)), the FlashAttention-3 paper's measure. err/bound: largest "
+            "error over the componentwise rounding-error bound (criterion 2, at most 1). err/eager: max error over "
+            "that of the same-precision eager attention (criterion 1: at most 2 for O and LSE, 3 for gradients, "
+            "plus a tiny floor).</p>",
+            "<h3>Implementations</h3>",
+            table(("name", "--impl", "causal alignment", "returns LSE", "dtypes", "description"),
+                  ([i.get("name"), code(i.get("spec")), i.get("causal_alignment"), i.get("returns_lse"),
+                    ", ".join(map(str, i.get("dtypes") or [])), i.get("description")]
+                   for i in result.get("implementations") or []))]
+    body += _accuracy_plots(result)
+    cols = result.get("rmse_columns") or []
+    for op, per_impl in (result.get("rmse") or {}).items():
+        body += [f"<h2>RMSE of {esc(OP_WORDS.get(op, op))}</h2>",
+                 '<p class="muted">Geometric mean over N, D, causal and seeds.</p>',
+                 table(["implementation", *cols], ([name, *(cells.get(c) for c in cols)]
+                                                  for name, cells in per_impl.items()))]
+    crit = result.get("criteria") or []
+    if crit:
+        ops = [op for op in OPS if any(c.get(f"{op}_error_over_bound") is not None for c in crit)]
+        body += ["<h2>Pass criteria: largest err/bound and err/eager</h2>",
+                 table(["implementation", "dtype", "cases", "failed", *(f"{OP_WORDS[o]} err/bound" for o in ops),
+                        *(f"{OP_WORDS[o]} err/eager" for o in ops)],
+                       ([c["implementation"], c["dtype"], c["cases"], c["failed_cases"],
+                         *(c.get(f"{o}_error_over_bound") for o in ops),
+                         *(c.get(f"{o}_error_over_baseline") for o in ops)] for c in crit),
+                       failed=[bool(c["failed_cases"]) for c in crit])]
+    worst = result.get("worst_cases") or []
+    if worst:
+        body += ["<h2>Worst measurements by err/bound</h2>",
+                 table(("implementation", "op", "case", "RMSE", "max abs", "max ULP", "err/bound", "err/eager", "pass"),
+                       ([w.get("implementation"), w.get("op"), w.get("case_text"), w.get("rmse"), w.get("max_abs"),
+                         w.get("max_ulp"), w.get("error_over_bound"), w.get("error_over_baseline"), w.get("pass")]
+                        for w in worst),
+                       failed=[w.get("pass") is False for w in worst],
+                       below=[Raw("replay: " + code(w["replay"])) for w in worst])]
+    skipped = result.get("not_measured") or []
+    if skipped:
+        body += ["<h2>Not measured</h2>",
+                 table(("implementation", "reason", "cases"),
+                       ([s.get("implementation"), s.get("reason"), s.get("cases")] for s in skipped))]
+    res = result.get("results") or []
+    if res:
+        body += [f"<h2>Every case ({len(res)})</h2>", "<details><summary>show the table</summary>",
+                 table(["implementation", "dtype", "magnitude", "causal", "N", "D",
+                        *(f"{OP_WORDS[o]} RMSE" for o in OPS), "O max ULP", "max err/bound", "max err/eager", "pass"],
+                       ([r["implementation"], r["dtype"], r["magnitude"], r["causal"], r["len"], r["head_dim"],
+                         *(r["ops"][o]["rmse"] if o in r["ops"] else None for o in OPS),
+                         r["ops"]["out"]["max_ulp"] if "out" in r["ops"] else None,
+                         _max_of(o["error_over_bound"] for o in r["ops"].values()),
+                         _max_of(o["error_over_baseline"] for o in r["ops"].values()), r["pass"]] for r in res),
+                       failed=[not r["pass"] for r in res]),
+                 "</details>"]
+    return page(title(result), body)
+
+
+def _max_of(values: Iterable[float]) -> float | None:
+    values = list(values)
+    if not values:
+        return None
+    return math.nan if any(v != v for v in values) else max(values)

@@ -1,0 +1,317 @@
+"""The report writers: the JSON-lines stream, atomic files, summaries of finished and killed runs,
+failure files whose replay command fails again, HTML that escapes what kernels put in it, pytest-xdist
+runs that merge into one report, and the accuracy sweep."""
+
+import io
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from reports import accuracy, cli, html, plots, summary
+from reports.failures import drawn_case
+from reports.progress import Progress
+from reports.session import ReportSession, clear_report_dir, write_atomic
+
+ROOT = Path(__file__).resolve().parent.parent
+BROKEN = "tests/fixtures/outside_kernels.py:attention_broken_drops_last_key"
+HOSTILE = "<script>alert(1)</script>"
+CASE = {"batch": 1, "heads_q": 1, "heads_kv": 1, "len_q": 3, "len_k": 5, "head_dim": 4, "dtype": "float16",
+        "causal": False, "magnitude": "normal", "seed": 0, "layout": "contiguous", "scale": None,
+        "block_m": None, "block_n": None}
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _measurement(impl="k", op="out", ratio=0.5, passed=True, len_k=5, dtype="float16"):
+    return {"implementation": impl, "property": "out_matches_reference", "op": op,
+            "case": {**CASE, "len_k": len_k, "dtype": dtype}, "max_abs": 1e-3 * ratio, "max_rel": 1e-3,
+            "rmse": 1e-4, "max_ulp": 2.0, "error_over_bound": ratio, "error_over_baseline": 1.0, "pass": passed}
+
+
+# ------------------------------------------------------------------------------------ writers
+def test_stream_is_readable_line_by_line_while_the_run_goes(tmp_path):
+    session = ReportSession(tmp_path, worker="gw3", header={"device": "cpu"})
+    session.record(_measurement(ratio=math.inf))
+    session.record({**_measurement(), "max_abs": math.nan, "odd": object()})
+    lines = (tmp_path / "measurements-gw3.jsonl").read_text().splitlines()  # before close: flushed
+    assert len(lines) == 2
+    first, second = (json.loads(line) for line in lines)
+    assert first["error_over_bound"] == "inf" and second["max_abs"] == "nan"
+    assert second["odd"].startswith("<object")
+    run = json.loads((tmp_path / "run-gw3.json").read_text())
+    assert run["worker"] == "gw3" and "finished" not in run
+    session.close(outcomes={"passed": 2})
+    run = json.loads((tmp_path / "run-gw3.json").read_text())
+    assert run["finished"] and run["counts"]["measurements"] == 2 and run["outcomes"] == {"passed": 2}
+
+
+def test_atomic_write_replaces_whole_files_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    target = tmp_path / "summary.json"
+    write_atomic(target, "old")
+    write_atomic(target, "new")
+    assert target.read_text() == "new"
+
+    def crash(src, dst):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        write_atomic(target, "half-written")
+    assert target.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_clear_removes_only_report_files(tmp_path):
+    session = ReportSession(tmp_path)
+    session.record(_measurement())
+    session.close()
+    (tmp_path / "notes.txt").write_text("keep me")
+    (tmp_path / ".summary.json.abc.tmp").write_text("stale temp file of a killed run")
+    summary.write_summary(tmp_path)
+    clear_report_dir(tmp_path)
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["notes.txt"]
+
+
+def test_summary_of_a_killed_run_skips_the_truncated_line_and_says_partial(tmp_path):
+    session = ReportSession(tmp_path, header={"device": "cpu", "implementations": [{"name": "k", "spec": "k"}]})
+    for ratio in (0.1, 0.7, 3.0):
+        session.record(_measurement(ratio=ratio, passed=ratio <= 1))
+    session._stream.write('{"implementation": "k", "op": "out", "max_a')  # the process died here
+    session._stream.flush()
+    result = summary.write_summary(tmp_path)
+    assert result["status"] == "partial" and result["unfinished_workers"] == ["main"]
+    assert result["measurements"] == 3 and result["unreadable_lines"] == 1
+    (row,) = result["by_implementation_op_dtype"]
+    assert row["max_error_over_bound"] == 3.0 and row["failed"] == 1
+    worst = result["worst_cases"][0]
+    assert worst["error_over_bound"] == 3.0 and worst["replay"].startswith("python -m verify.replay --impl k ")
+    assert "PARTIAL" in (tmp_path / "report.md").read_text()
+    assert "PARTIAL" in (tmp_path / "report.html").read_text()
+
+
+def test_failure_file_holds_the_case_and_its_replay_command(tmp_path):
+    session = ReportSession(tmp_path)
+    path = session.failure(test="verify/test_forward.py::test_x[k-float16]", message="out differs",
+                           replay="python -m verify.replay --impl k --property p --case '{}'", case=CASE,
+                           prop="out_matches_reference", implementation="k")
+    data = json.loads(path.read_text())
+    assert data["case"] == CASE and data["replay"].startswith("python -m verify.replay")
+    assert path.parent.name == "failures" and "/" not in path.name
+
+
+def test_html_escapes_hostile_names_messages_and_commands(tmp_path, monkeypatch):
+    session = ReportSession(tmp_path, header={"command": f"pytest --impl '{HOSTILE}'", "device": "cpu",
+                                              "implementations": [{"name": HOSTILE, "spec": HOSTILE}]})
+    for ratio in (0.2, 5.0):
+        session.record(_measurement(impl=HOSTILE, ratio=ratio, passed=ratio < 1))
+    session.record(_measurement(impl="$\\frac{1}{0}$ _hidden", ratio=0.3))  # matplotlib math mode, legend '_'
+    session.failure(test=f"verify/test_x.py::test_y[{HOSTILE}]", message=f"{HOSTILE} broke & \"quoted\"",
+                    replay=f"python -m verify.replay --impl '{HOSTILE}'", case=CASE, prop="p", implementation=HOSTILE)
+    session.close()
+    result = summary.write_summary(tmp_path)
+    page = (tmp_path / "report.html").read_text()
+    assert "html_error" not in result
+    assert HOSTILE not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert page.count("<script") == 0 and "data:image/png;base64," in page
+
+    monkeypatch.setattr(plots, "unavailable", lambda: "matplotlib is not available (test)")
+    page = html.report_html(result, summary.read_measurements(tmp_path)[0])
+    assert "data:image/png" not in page and "not drawn, matplotlib is not available" in page
+    assert "&lt;script&gt;" in page and HOSTILE not in page
+
+
+def test_drawn_case_is_read_from_hypothesis_notes_without_evaluating_them():
+    exc = RuntimeError("kernel crashed")
+    exc.add_note("Falsifying example: run(\n    data=data(...),\n)\nDraw 1 (case): AttentionCase(batch=1,\n "
+                 "heads_q=1,\n heads_kv=1,\n len_q=3,\n len_k=5,\n head_dim=4,\n dtype='float16',\n causal=False,\n "
+                 "magnitude='normal',\n seed=0,\n layout='contiguous',\n scale=None,\n block_m=None,\n block_n=None)")
+    assert drawn_case(exc) == (CASE, None)
+    adjusted = RuntimeError("x")
+    adjusted.add_note("Draw 1 (case): AttentionCase(batch=1)\nDraw 2 (group): 2")
+    case, why = drawn_case(adjusted)
+    assert case is None and "group" in why
+    evil = RuntimeError("x")
+    evil.add_note("Draw 1 (case): AttentionCase(batch=__import__('os').system('exit 3'))")
+    assert drawn_case(evil)[0] is None
+
+
+def test_progress_bar_draws_on_a_terminal_only():
+    quiet = io.StringIO()
+    bar = Progress(3, stream=quiet)
+    bar.update(label="fa2_blocked")
+    bar.close()
+    assert quiet.getvalue() == ""
+    loud = io.StringIO()
+    bar = Progress(2, stream=loud, enabled=True, min_interval=0)
+    bar.update(label="fa2_blocked float16")
+    bar.update(label="eager")
+    bar.close()
+    assert "1/2" in loud.getvalue() and "2/2 100%" in loud.getvalue() and loud.getvalue().endswith("\n")
+
+
+def test_xdist_workers_get_their_own_gpu(monkeypatch):
+    import types
+
+    import torch
+
+    import conftest
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    worker = types.SimpleNamespace(workerinput={"workerid": "gw3"})
+    assert conftest._xdist_worker_device(worker, None) == "cuda:1" and calls == [1]
+    assert conftest._xdist_worker_device(worker, "cuda") == "cuda:1"
+    assert conftest._xdist_worker_device(worker, "cuda:0") == "cuda:0"
+    assert conftest._xdist_worker_device(worker, "cpu") == "cpu"
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")  # inherited by a subprocess: not a worker
+    assert conftest._xdist_worker_device(types.SimpleNamespace(), None) is None
+
+
+# ------------------------------------------------------------------------------------ whole runs
+def test_failing_case_is_written_and_its_replay_fails_again_on_its_own(tmp_path):
+    report = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "verify", "--impl", BROKEN, "-x", "--hypothesis-profile=ci",
+                           "-p", "no:cacheprovider", "-q", "--report-dir", str(report)],
+                          cwd=ROOT, capture_output=True, text=True, env=_env())
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    (path,) = (report / "failures").glob("*.json")
+    failure = json.loads(path.read_text())
+    assert failure["implementation"] == BROKEN and failure["case"]["len_k"] >= 2
+    assert failure["replay"].startswith("python -m verify.replay ")
+    result = json.loads((report / "summary.json").read_text())
+    assert result["status"] == "complete" and result["outcomes"] == {"failed": 1} and result["failures"]
+    assert (report / "report.html").exists() and (report / "report.md").exists()
+    replay = subprocess.run(failure["replay"], shell=True, cwd=ROOT, capture_output=True, text=True, env=_env())
+    assert replay.returncode == 1, replay.stdout + replay.stderr
+    first_line = failure["message"].splitlines()[0]
+    assert "FAILED" in replay.stdout and first_line in replay.stdout
+
+
+def test_run_killed_half_way_leaves_a_report_that_summarises(tmp_path):
+    report = tmp_path / "report"
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "verify", "--hypothesis-profile=ci", "--impl",
+                             "fa2_blocked", "-p", "no:cacheprovider", "-q", "--report-dir", str(report)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    stream = report / "measurements-main.jsonl"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if stream.exists() and stream.read_text().count("\n") >= 40:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert stream.exists(), "no measurement within 60 s"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (report / "summary.json").exists()
+    out = subprocess.run([sys.executable, "-m", "reports", "summarise", str(report)], cwd=ROOT,
+                         capture_output=True, text=True, env=_env())
+    assert out.returncode == 0, out.stderr
+    assert "PARTIAL" in out.stdout
+    result = json.loads((report / "summary.json").read_text())
+    assert result["status"] == "partial" and result["measurements"] >= 40
+    assert {row["implementation"] for row in result["by_implementation_op_dtype"]} == {"fa2_blocked"}
+    assert "data:image/png;base64," in (report / "report.html").read_text()
+
+
+def test_xdist_workers_write_their_own_streams_and_one_merged_report(tmp_path):
+    pytest.importorskip("xdist")
+    report = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "verify", "-n", "2", "--impl", BROKEN,
+                           "-k", "out_matches_reference or lse_matches_reference", "--hypothesis-profile=ci",
+                           "-p", "no:cacheprovider", "-q", "--report-dir", str(report)],
+                          cwd=ROOT, capture_output=True, text=True, env=_env())
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    streams = {p.name: p.read_text().count("\n") for p in report.glob("measurements-*.jsonl")}
+    assert streams.get("measurements-gw0.jsonl") and streams.get("measurements-gw1.jsonl"), streams
+    runs = {p.name: json.loads(p.read_text()) for p in report.glob("run-*.json")}
+    assert {"run-main.json", "run-gw0.json", "run-gw1.json"} <= set(runs)
+    assert all(r.get("finished") for r in runs.values())
+    result = json.loads((report / "summary.json").read_text())
+    assert result["status"] == "complete" and result["measurements"] == sum(streams.values())
+    assert result["outcomes"]["failed"] == len(result["failures"]) >= 2
+    assert {f["worker"] for f in result["failures"]} <= {"gw0", "gw1"}
+    assert all(f["replay"] for f in result["failures"])
+
+
+# ------------------------------------------------------------------------------------ accuracy
+def test_accuracy_sweep_writes_all_three_outputs_and_resumes(tmp_path, capsys):
+    out = tmp_path / "acc"
+    args = ["accuracy", "--device", "cpu", "--len", "16", "--head-dim", "8", "--dtype", "float16",
+            "--magnitude", "normal", "outliers", "--causal", "yes", "--impl", "fa2_blocked", "--out", str(out)]
+    assert cli.main([*args, "--time-limit", "0"]) == 0
+    partial = json.loads((out / "accuracy.json").read_text())
+    assert partial["status"] == "partial" and partial["missing"] == 2 * 2
+    assert cli.main([*args, "--resume"]) == 0
+    result = json.loads((out / "accuracy.json").read_text())
+    assert result["status"] == "complete" and len(result["results"]) == 2 * 2
+    assert {r["implementation"] for r in result["results"]} == {"fa2_blocked", "eager"}
+    ops = result["results"][0]["ops"]
+    assert set(ops) == {"out", "lse", "dq", "dk", "dv"}
+    assert all(ops[op]["rmse"] > 0 and ops[op]["error_over_bound"] >= 0 for op in ops)
+    assert set(result["rmse"]["out"]["fa2_blocked"]) == {"float16 normal", "float16 outliers"}
+    assert "fa2_blocked" in (out / "accuracy.md").read_text()
+    assert "data:image/png;base64," in (out / "accuracy.html").read_text()
+    assert len(result["meta"]["commands"]) == 2
+    capsys.readouterr()
+    assert cli.main(["summarise", str(out)]) == 0 and "complete" in capsys.readouterr().out
+
+
+def test_accuracy_reports_unrunnable_implementations_instead_of_crashing(tmp_path):
+    from kernels.registry import registry
+
+    impls = accuracy.select_implementations([f"{BROKEN.rsplit(':', 1)[0]}:attention_out_only", "sdpa_flash"],
+                                            device="cpu")
+    sweep = accuracy.Sweep(lengths=(8,), head_dims=(8,), dtypes=("float16",), magnitudes=("normal",),
+                           causal=(False,))
+    result = accuracy.run(sweep, impls, device="cpu", out_dir=tmp_path, command="test", progress=False)
+    skipped = {s["implementation"]: s["reason"] for s in result["not_measured"]}
+    assert "cpu is not among them" in skipped["sdpa_flash"]
+    plain = next(r for r in result["results"] if r["implementation"].endswith("attention_out_only"))
+    assert "lse" not in plain["ops"] and "out" in plain["ops"]
+    assert registry()["sdpa_flash"].causal_alignment == "top_left"
+
+
+def test_accuracy_records_a_kernel_that_raises_as_not_measured(tmp_path):
+    from kernels.registry import Implementation
+
+    def explode(q, k, v, *, causal=False, scale=None):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    impl = Implementation(name="exploding", forward=explode)
+    sweep = accuracy.Sweep(lengths=(8,), head_dims=(8,), dtypes=("float16",), magnitudes=("normal",),
+                           causal=(False,))
+    result = accuracy.run(sweep, [impl], device="cpu", out_dir=tmp_path, command="test", progress=False)
+    (entry,) = result["not_measured"]
+    assert entry["implementation"] == "exploding" and "No available kernel" in entry["reason"]
+    assert result["status"] == "complete" and result["results"] == []
+
+
+def test_kernel_that_raises_gets_its_drawn_case_and_a_replay_that_raises_again(tmp_path):
+    report = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "verify/test_forward.py", "-k",
+                           "test_out_matches_reference and float32", "--impl",
+                           "tests/fixtures/raising_kernels.py:attention_raises_on_long_keys",
+                           "--hypothesis-profile=ci", "-p", "no:cacheprovider", "-q", "--report-dir", str(report)],
+                          cwd=ROOT, capture_output=True, text=True, env=_env())
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    (path,) = (report / "failures").glob("*.json")
+    failure = json.loads(path.read_text())
+    assert failure["message"].startswith("RuntimeError: kernel gave up on Nk=4")
+    assert failure["case"]["len_k"] == 4 and failure["property"] == "out_matches_reference"
+    replay = subprocess.run(failure["replay"], shell=True, cwd=ROOT, capture_output=True, text=True, env=_env())
+    assert replay.returncode == 1 and "kernel gave up on Nk=4" in replay.stderr
