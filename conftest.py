@@ -127,6 +127,10 @@ def _selection(config):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "requires(feature): the property needs a declared capability")
+    if torch.device(_device(config)).type == "cpu":
+        # The suite's tensors are small: one intra-op thread is several times faster than many
+        # (thread start-up dominates), and pytest-xdist workers then share the cores cleanly.
+        torch.set_num_threads(int(os.environ.get("FLASHVERIFY_CPU_THREADS", "1")))
     config._flashverify_report = None
     worker = _xdist_worker(config) or "main"
     if not config.getoption("--no-report") and _collects_verify(config):

@@ -37,7 +37,7 @@ EAGER = register(Implementation(
 ))
 SDPA_MATH = register(Implementation(
     name="sdpa_math", forward=sdpa_math_forward, gqa=True, causal_alignment="top_left",
-    returns_lse=False, description="torch scaled_dot_product_attention, math backend",
+    returns_lse=False, in_default=False, description="torch scaled_dot_product_attention, math backend",
 ))
 
 
