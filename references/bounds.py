@@ -1,0 +1,565 @@
+r"""Componentwise first-order rounding-error bounds for attention kernels that follow the contract.
+
+API
+---
+``forward_bounds(ref, q, k, v, *, dtype) -> (out_bound, lse_bound)``
+    ``[B, Hq, Nq, D]`` and ``[B, Hq, Nq]`` float64 tensors: a correct kernel given inputs of ``dtype``
+    satisfies ``|out - ref.out| <= out_bound`` and ``|lse - ref.lse| <= lse_bound`` elementwise.
+``backward_bounds(ref, q, k, v, *, dtype, out) -> (dq_bound, dk_bound, dv_bound, delta_bound)``
+    The same for the gradients (``dk``, ``dv`` in key/value-head layout ``[B, Hkv, Nk, D]``) and for
+    ``Delta = rowsum(dO * O)`` ``[B, Hq, Nq]``. ``ref`` must be computed with ``dout``; ``out`` is the
+    kernel's own rounded forward output, from which it computes Delta.
+
+``ref`` is the :class:`references.attention.Reference` of the same (already low-precision) inputs. Both
+functions take an optional ``model=`` (a :class:`Model`, default ``kernel_model(dtype)``; variants:
+``kernel_model(dtype, autograd_eager=True)`` for gradients from PyTorch autograd through the eager
+forward, section 11, and ``truncating_dots=True``, section 12).
+A bound is exactly 0 only where the error must be 0: rows that see no key (``out = 0``, ``dq = 0``,
+``Delta = 0``; ``lse = -inf`` in both, which the metrics count as no error), and keys that no row
+sees (``dk = dv = 0``). Everything is vectorised float64 torch: matrix products of absolute values,
+a sort per score row, and one ``[rows, Nk, D]`` tensor per chunk of rows for the centred term.
+
+1. The model of a kernel
+------------------------
+Notation, per query row ``i`` of one head (row index dropped where clear): visible keys ``j``, ``n``
+of them; ``sigma`` the softmax scale; exact scores ``s_j = sigma q . k_j``, row max ``m``,
+``lse = log sum_j exp(s_j)``, ``P_j = exp(s_j - lse)``, ``o = sum_j P_j v_j``. ``u`` is the unit
+roundoff of the accumulator (float32, ``2^-24``; float64 for float64 inputs), ``u_in`` that of the
+input dtype (``references.metrics.unit_roundoff``). A kernel that follows the contract:
+
+(M1) computes the scores in the accumulator precision: ``s^_j = fl(fl(q . k_j) * fl(sigma))``;
+     products of two float16 or bfloat16 numbers are exact in float32;
+(M2) keeps the softmax statistics in the accumulator precision, one block of keys at a time in any
+     order and any blocking: a running max ``m^(t)``, ``p_j = exp(s^_j - m^(t))``, rescaling factors
+     ``alpha = exp(m_old - m_new)``, ``l = alpha l + rowsum(p)``; FA2 keeps ``acc = alpha acc + p V``
+     and divides once, FA1 renormalises every step ``o = ((alpha l_old) o + p V) / l_new``; eager
+     attention normalises ``P = exp(s^ - m) / l`` first;
+(M3) casts the probabilities to the input dtype before ``P @ V`` (a no-op for float32 and float64):
+     FA2/FA1 cast the *unnormalised* ``p <= 1`` (relative to the running max), eager attention the
+     normalised ``P``;
+(M4) accumulates every sum in the accumulator, in any order, over at most ``n`` terms (``Nk`` for a
+     query row, ``G * Nq`` for a key in a group of ``G`` query heads);
+(M5) rounds ``out`` once to the input dtype after one division; ``lse = m + log(l)`` in the
+     accumulator, stored in float32 (float64 for float64 inputs), possibly through base 2;
+(M6) backward: ``P^ = exp(s^ - lse_stored)`` (``baseline.backward``: ``softmax(s^)`` in float32;
+     autograd through the eager forward is the variant of section 11),
+     ``dV = sum_i fl_in(P^) dO``, ``dP = dO . v_j``, ``Delta = rowsum(dO * O)`` from its own rounded
+     ``O``, ``dS = fl_in(P^ (dP - Delta))``, ``dQ = sigma sum_j dS k_j``, ``dK = sigma sum_i dS q_i``,
+     each accumulated in the accumulator and rounded once to the input dtype.
+
+Arithmetic: the standard model ``fl(a op b) = (a op b)(1 + d)``, ``|d| <= u``, for results in the
+normal range; a result below it has an absolute error of at most ``eta``. For the casts ``eta_in`` is
+half the smallest subnormal spacing (``u_in * tiny``: ``2^-25`` for float16, ``2^-134`` for
+bfloat16); for accumulator results ``eta = tiny`` (``2^-126``), which also covers flush-to-zero.
+So every accumulator operation may add an absolute ``eta``, and the bounds add ``eta`` times the
+number of operations behind each value: ``2D + 2`` per score, ``3n + 4`` per output element (section
+5), ``2D`` per ``dP`` and per Delta, 2 per ``dS``, ``3n + 3`` per ``dQ`` element, ``3 G c_j + 3`` per
+``dK`` and ``2 G c_j + 2`` per ``dV`` element (section 7). These terms only matter when values approach
+the accumulator's underflow threshold (inputs near float32's or bfloat16's subnormal range, or
+products of small values); subnormal *inputs* are assumed to be read as they are.
+Rounding a value of magnitude at most ``x`` errs by at most ``r(x) = min(x, max(u x, eta))`` (below
+``eta`` the value may round to 0). Elementary functions: ``fl(exp x) = exp(x)(1 + d)``,
+``|d| <= C_EXP u``, and ``fl(log x) = log(x)(1 + d) + d'``, ``|d| <= C_LOG u``, ``|d'| <= LOG_ABS u``
+(2 ulps, and an absolute term for approximate ``log2``; this covers correctly rounded libms, SLEEF,
+CUDA's ``expf``/``logf`` and PTX ``ex2.approx``/``lg2.approx``). ``gamma_n = n u / (1 - n u)``; a sum
+of ``n`` terms in any order errs by at most ``gamma_{n-1} sum |terms|`` and a dot product of length
+``D`` by ``gamma_D sum |x_t y_t|`` (``gamma_{D-1}`` when the products are exact).
+
+2. Scores
+---------
+``|s^_j - s_j| <= E_j = gamma_{D+1} sigma sum_t |q_t| |k_jt|`` for float16/bfloat16 inputs (``D - 1``
+additions, the rounding of ``sigma`` to float32, the multiply) and ``gamma_{D+2}`` for float32/float64
+(``D`` products as well). A kernel that folds ``log2(e)`` into ``sigma`` and uses ``exp2`` rounds
+``sigma log2(e)`` instead of ``sigma``: the same count.
+
+3. Forward: perturbed softmax weights (shared by numerator and denominator)
+--------------------------------------------------------------------------
+Whatever the blocking, key ``j``'s float32 weight in both ``acc`` and ``l`` is
+``exp(s^_j - m^) * (1 + theta_j)`` for the final running max ``m^``, where ``theta_j`` collects
+
+* the rounding of the exponent arguments: ``s^_j - m^(t)`` (relative ``u``, so ``u |s^_j - m^(t)| <=
+  u (m^ - s^_j)`` absolute in the exponent), a possible multiply by ``log2(e)``, and the arguments of
+  the rescaling factors applied after ``j``'s block, whose magnitudes telescope to at most
+  ``m^ - m^(t) <= m^ - s^_j``: in all at most ``C_ARG u (m - s_j)`` to first order;
+* ``C_EXP u`` for ``exp`` of ``p_j``, and ``C_EXP u + u`` for each rescaling factor applied after
+  ``j``'s block (its ``exp``, and in FA1 the product ``alpha l_old`` used by both numerator and
+  ``l``). ``alpha = exp(0) = 1`` is exact and multiplies exactly, so only rescalings where the running
+  max grows count; each is caused by a key whose perturbed score beats ``s^_j``, so there are fewer
+  than ``R_j = #{k : s_k >= s_j - 2 max_k E_k}`` (``j`` counted) of them, in any order.
+
+So ``|log((1 + theta_j) exp(s^_j - s_j))| <= Phi_j = E_j + C_ARG u (m - s_j) + (C_EXP + 1) u R_j``.
+As the same factor multiplies key ``j`` in ``acc`` and in ``l``, the output sees normalised weights
+``P^_j = P_j e^{phi_j} / Z``, ``Z = sum_k P_k e^{phi_k}``, ``|phi_j| <= Phi_j``, and since
+``sum_j P^_j = sum_j P_j = 1``, exactly (not only to first order)::
+
+    sum_j (P^_j - P_j) v_j = (1/Z) sum_j P_j (e^{phi_j} - 1) (v_j - o)
+    (A)  |.| <= sum_j P_j expm1(Phi_j) |v_j - o| / Z_- ,   Z_- = sum_k P_k e^{-Phi_k}
+
+Centring on ``o`` is what keeps the bound tight for V with a large common offset: a perturbation shared
+by all weights changes nothing. (A) holds for large ``Phi`` (logits of 1e4). The kernel's normalised
+float32 weights are at most ``P~_j = P_j e^{Phi_j} / Z_- + eta``.
+
+4. Forward: the cast of p (numerator only)
+------------------------------------------
+FA2/FA1 cast ``x = exp(s^_j - m^(t))`` and scale it afterwards by ``alpha``'s and ``1 / l``; its
+normalised contribution is ``x / R`` with ``R = l exp(m^ - m^(t)) >= 1`` (``l >= 1`` because the
+maximal key contributes ``exp(0) = 1``). Eager attention casts the normalised ``P^_j`` (``R = 1``). In
+both cases the normalised cast error is ``r_in(x) / R = min(x/R, max(u_in x/R, eta_in/R)) <=
+r_in(P~_j)``, so one term covers both::
+
+    (B)  sum_j r_in(P~_j) |v_j|
+
+Relative ``u_in`` for normal probabilities; for probabilities below float16's normal range (6.1e-5)
+an absolute ``eta_in = 2^-25`` per key (subnormal underflow; unnormalised ``p`` is larger, so FA2
+underflows less than eager attention and the eager case is the binding one).
+
+5. Forward: accumulation, division, output rounding
+---------------------------------------------------
+Each term of ``acc`` passes through at most ``3n + 1`` roundings in the accumulator (its block's dot
+product, one addition per later block plus the rescaling multiply in FA2; in FA1 three per later step:
+``(alpha l) o``, ``+ p V``, ``/ l_new``); the error of ``l`` scales the output by at most the same
+relative amount. Underflow of ``p`` or ``alpha`` in the accumulator loses at most ``eta`` per key in
+numerator and denominator::
+
+    (U)  eta (sum_j (|v_j| + |o|) + 3n + 4)
+    (C)  gamma_{3n+2} (sum_j P~_j |v_j| + |o| + A + B + U)
+
+Then one division (or a reciprocal and a multiply: ``2u x``) and one rounding to the input dtype
+(``r_in``), with ``x = |o| + A + B + C + U``.
+
+6. LSE
+------
+``m^ + log(l^) = lse + log(sum_j P_j e^{phi_j} (1 + sigma_j))`` where ``|sigma_j| <= gamma_{n + R_j}``
+is the summation error of ``l`` (``n - 1`` additions and fewer than ``R_j`` rescaling multiplies on
+key ``j``'s path) and underflow adds at most ``n eta`` relative (``l >= 1``). With
+``Phi^L_j = Phi_j - log(1 - gamma_{n+R_j})``::
+
+    dlog <= max(log sum_j P_j e^{Phi^L_j} + n eta, -log sum_j P_j e^{-Phi^L_j} + n eta)
+
+plus the ``log`` (``C_LOG u log(l) + LOG_ABS u``, ``log(l) <= lse - m + dlog``) and three roundings of
+size ``u |lse|`` (the addition of ``m``, a base-2 conversion, the store to float32).
+
+7. Backward
+-----------
+* ``P^ = exp(s^ - lse_stored)``: relative error ``pi = E + L + C_ARG u (lse - s) + u |lse| +
+  (C_EXP + 2) u`` with ``L`` the forward LSE bound of section 6 (``u |lse|``: converting the stored
+  LSE to base 2; the eager backward normalises by its own ``l``, whose error is the same ``dlog``,
+  through a reciprocal and a multiply). ``|P^ - P| <= dP_err = P expm1(pi) + eta``,
+  ``|P^| <= P~ = P e^{pi} + eta``.
+* ``dP^ = fl(dO . v_j)``: ``E_dP = gamma_D sum_t |dO_t| |v_jt|``.
+* ``Delta^``: ``|Delta^ - Delta| <= |sum_t dO_t (O_t - o_t)| + sum_t |dO_t| B^ref_t + gamma_D
+  sum_t |dO_t| |O_t|``: the first term is *measured* from the kernel's own output ``O`` (this is why
+  ``out`` is an argument; with a large V offset it dominates, as it dominates the kernel's actual
+  error), ``B^ref`` is the reference output's own bound (section 8).
+* ``dS``, exact in the perturbations: ``|P^ (dP^ - Delta^) - P (dP - Delta)| <= dP_err |dP - Delta|
+  + P~ (E_dP + E_Delta)``, plus ``2u`` of ``x = P~ (|dP - Delta| + E_dP + E_Delta)`` for the
+  subtraction and the product, plus ``r_in(x)`` for the cast.
+* ``dQ_i = sigma sum_j dS_ij k_j``: ``sigma (sum_j |dS error| |k_j| + gamma_{n+3} sum_j |dS^| |k_j|)``
+  then ``r_in``; ``dK_j`` likewise over the ``G c_j`` rows of its group that see it (``c_j`` rows per
+  head), ``dV_j = sum_i fl_in(P^) dO_i``: ``sum_i (dP_err + r_in(P~)) |dO_i| + gamma_{G c_j + 2}
+  sum_i (P~ + r_in(P~)) |dO_i|`` then ``r_in``.
+* The returned Delta bound compares with ``ref.delta`` (from the same reference output), so it is
+  ``|sum_t dO_t (O_t - ref.out_t)| + gamma_D sum_t |dO_t| |O_t|`` plus float64 rounding.
+
+8. The float64 reference is rounded too
+---------------------------------------
+Every bound adds the reference's own error against exact attention, from the same analysis with
+``u = 2^-53`` and no casts. The reference forms ``exp(s - lse)`` without renormalising, so its
+perturbations are bounded uncentred: ``pi^ref = E^ref + L^ref + u (lse - s) + C_EXP u`` and
+``B^ref = sum_j (P expm1(pi^ref) + eta) |v_j| + gamma_{n+1} sum_j P~^ref |v_j|``. It matters only
+for float64 inputs, where it roughly doubles the bound.
+
+9. Which terms dominate; how tight it is
+----------------------------------------
+Measured ``max err/bound`` per example (medians over ~800 random and adversarial examples with
+Nq, Nk <= 48, D <= 64, blocks 1..64, for the blocked FA2/FA1 and the eager baseline):
+
+* float16/bfloat16 forward: (B) and the output rounding, ``u_in (sum_j P_j |v_j| + |o|)``, dominate.
+  The bound adds the cast errors of all keys with one sign; the kernel's errors partly cancel. Medians
+  0.4-0.6 (max 0.93). In the subnormal range ``eta_in`` dominates.
+* float16/bfloat16 backward: the dS and P casts and the final rounding; medians 0.45-0.75 for dQ, dK,
+  dV. With a large V offset the measured Delta term dominates dS. Where the final rounding alone
+  dominates, the ratio is capped at ``1/SAFETY = 0.94`` and correct kernels get close to it; the
+  Delta bound is the measured term plus one rounded sum, so its ratio sits near 0.94 too.
+* The LSE is a float32 quantity for every input dtype: ``E_j`` and ``gamma_{n+R_j}`` dominate. These
+  are worst-case sums (``D`` and ``n`` roundings of one sign) while a correct kernel's rounding errors
+  grow like ``sqrt(D)`` and ``sqrt(n)`` and average over keys, so the LSE bound is loose by roughly
+  ``sqrt(D n)``: medians 0.03-0.05 for these sizes, about 0.01 at D = 64, Nk = 128.
+* float32 (everything) and float64: the worst-case ``gamma_{3n+2}`` and ``gamma_D`` terms dominate, so
+  the bound is loose by about ``sqrt(n)`` (float32 medians: out 0.03, LSE 0.05, gradients 0.013-0.025;
+  for long rows more: out about 0.002 at Nk = 400, because ``3n + 2`` is FA1's worst case at
+  ``block_n = 1``). For float64 the kernel and the reference run nearly the same operations and their
+  errors correlate, so ratios are lower still (out 0.014, gradients 0.002-0.006): the bounds are still
+  about 1e-13 relative, far below any algorithmic mistake.
+* Large logits: ``E_j`` (relative score error times ``|s|``) dominates Phi, the LSE and P^.
+
+10. What is not first order
+---------------------------
+Sections 3, 6 and the dS perturbation are exact in the perturbations (exponentials instead of
+first-order sums). Dropped are products of two rounding errors, e.g. ``u u_in`` when a rounded value
+is rounded again, relative size at most ``max(u_in, gamma_{3n+2}) <= 4e-3`` for the sizes this suite
+draws; ``SAFETY`` covers them about fifteen times over. Bounds on inputs at overflow (``inf`` scores
+or outputs) are not meaningful.
+
+11. Variant: PyTorch autograd through the eager forward
+-------------------------------------------------------
+Differentiating ``references.baseline.forward`` with autograd (the ``eager`` implementation) is not the
+contract's backward: the gradient of the cast ``P.to(dtype)`` rounds ``dP = dO V^T`` to the input
+dtype; ``Delta`` becomes ``sum_k P_k dP_k`` (the softmax backward, from the rounded ``dP``) instead of
+``rowsum(dO * O)``; ``dS`` comes through the ``e / l`` chain; the gradient of the row max ``m``
+(``-sum_j dS_j``, zero in exact arithmetic but not after rounding) lands on the keys that may be the
+row max; and the gradient of ``expand_kv(k).to(float32)`` rounds each query head's ``dK``, ``dV`` to the
+input dtype before the group sum. ``kernel_model(dtype, autograd_eager=True)`` adds these terms:
+``E_dP += r_in(|dP| + E_dP)``; ``E_Delta = sum_k (dP_err_k |dP_k| + P~_k E_dP_k) + gamma_{n+2}
+sum_k P~_k (|dP_k| + E_dP_k)``; ``6u (P~ (|dP| + E_dP) + P~ sum_k P~_k (|dP_k| + E_dP_k))`` for the
+chain; ``sum_j |dS error| + gamma_{n+2} sum_j |dS^|`` on the keys within ``2 max E`` of the row max;
+a rounding per head and ``gamma_{G-1}`` in the input dtype for the group sum. The variant's bound is
+wider, and has to be: autograd eager exceeds the contract's dQ and dK bounds by up to ~100x in
+bfloat16 and ~5x in float32 (the rounded ``dP`` costs ``u_in |dP|``, and Delta and the row max's
+gradient formed from it cost ``gamma_n sum_k P_k |dP_k|``, where the contract's backward pays
+``gamma_D |dO| |v|`` and a Delta measured from ``O``). In float16 it overflows when ``|dP|`` passes
+65504, which no bound excuses.
+
+12. Variant: truncating matrix units
+-----------------------------------
+``kernel_model(dtype, truncating_dots=True)`` doubles the unit roundoff of the
+accumulator inside dot products (``P @ V``, ``Q K^T``, ``dO V^T``, ``dS K``, ``dS^T Q``,
+``P^T dO``): a simple allowance for matrix units that truncate instead of rounding to nearest when
+they accumulate (as published measurements report for NVIDIA tensor cores with float16/bfloat16
+operands), not a validated model of any one unit. The default is the standard model of the contract,
+which is what the CPU runs here and IEEE float32 dots on GPUs follow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from references.attention import Reference, expand_kv, reduce_group
+from references.metrics import unit_roundoff
+
+F64 = torch.float64
+
+C_EXP = 4.0  # exp within 2 ulps: relative error <= 4u
+C_LOG = 4.0  # log within 2 ulps
+LOG_ABS = 4.0  # absolute allowance of an approximate log2, in u
+C_ARG = 4.0  # roundings that land in an exponent argument, per unit of |argument| (section 3)
+SAFETY = 1.0625  # dropped second-order terms (section 10)
+# The centred term (A) is computed exactly, in row chunks, when B * Hq * Nq * Nk * D is at most this;
+# above it, a matmul bound centred at a column mean of V (never smaller) is used.
+EXACT_CENTRED_LIMIT = 2 ** 25
+_CHUNK_ELEMENTS = 2 ** 22
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """Rounding parameters of one computation that follows the contract (module docstring, section 1).
+
+    ``u_acc``/``eta_acc``: the accumulator and statistics; ``u_dot``: inside dot products (``u_acc``,
+    or ``2 u_acc`` for truncating matrix units); ``score_roundings``: roundings of a score beyond the
+    ``D - 1`` additions; ``u_cast``/``eta_cast``: the cast of ``p`` and ``dS`` (0 without a cast);
+    ``u_out``/``eta_out``: the final rounding to the input dtype (0 when it is the accumulator);
+    ``autograd_eager``: the backward is PyTorch autograd through the eager forward (section 11).
+    """
+
+    name: str
+    u_acc: float
+    eta_acc: float
+    u_dot: float
+    score_roundings: int
+    u_cast: float = 0.0
+    eta_cast: float = 0.0
+    u_out: float = 0.0
+    eta_out: float = 0.0
+    autograd_eager: bool = False
+
+
+def kernel_model(dtype: torch.dtype, *, truncating_dots: bool = False, autograd_eager: bool = False) -> Model:
+    """The contract's rounding model for inputs of ``dtype`` (module docstring, section 1);
+    ``truncating_dots`` and ``autograd_eager`` select the variants of sections 10 and 11."""
+    u_in = unit_roundoff(dtype)
+    dots = 2.0 if truncating_dots else 1.0
+    name = str(dtype).removeprefix("torch.")
+    if dtype == torch.float64:
+        return Model(name, u_in, torch.finfo(F64).tiny, dots * u_in, 3, autograd_eager=autograd_eager)
+    u_a = unit_roundoff(torch.float32)
+    eta_a = torch.finfo(torch.float32).tiny  # float32 underflow, flush-to-zero included
+    if dtype == torch.float32:
+        return Model(name, u_a, eta_a, dots * u_a, 3, autograd_eager=autograd_eager)
+    eta_in = torch.finfo(dtype).tiny * u_in  # half the smallest subnormal spacing
+    # float16/bfloat16 products are exact in float32: D - 1 additions, sigma's rounding, the multiply.
+    return Model(name, u_a, eta_a, dots * u_a, 2, u_in, eta_in, u_in, eta_in, autograd_eager=autograd_eager)
+
+
+# The float64 reference: products rounded, sigma exact, no casts (section 8).
+REFERENCE_MODEL = Model("float64 reference", unit_roundoff(F64), torch.finfo(F64).tiny, unit_roundoff(F64), 2)
+
+
+def gamma(n, u: float):
+    """``gamma_n = n u / (1 - n u)`` (elementwise for tensors); ``inf`` once ``n u >= 1``."""
+    if isinstance(n, torch.Tensor):
+        nu = n.to(F64) * u
+        return torch.where(nu < 1, nu / (1 - nu), math.inf)
+    nu = n * u
+    return nu / (1 - nu) if nu < 1 else math.inf
+
+
+def rounding_error(x: torch.Tensor, u: float, eta: float) -> torch.Tensor:
+    """``r(x) = min(x, max(u x, eta))``: the largest error of rounding a value of magnitude at most
+    ``x`` (nearest, or to zero below the normal range). Zero where ``x`` is zero."""
+    return torch.minimum(x, torch.clamp(u * x, min=eta))
+
+
+@dataclasses.dataclass
+class _Case:
+    """Float64 magnitudes shared by the forward and backward bounds (query-head layout)."""
+
+    vis: torch.Tensor  # bool [Nq, Nk]
+    rows: torch.Tensor  # bool [Nq]: rows that see a key
+    keys: torch.Tensor  # bool [Nk]: keys some row sees
+    n_rows: torch.Tensor  # visible keys per row [Nq]
+    n_keys: torch.Tensor  # rows that see each key [Nk]
+    group: int
+    heads_kv: int
+    d: int
+    scale: float
+    p: torch.Tensor  # [B, Hq, Nq, Nk]
+    s: torch.Tensor  # scores, 0 where hidden
+    m: torch.Tensor  # row max, 0 on empty rows [B, Hq, Nq]
+    lse: torch.Tensor  # 0 on empty rows
+    qk: torch.Tensor  # |sigma| |q_i| . |k_j|, 0 where hidden
+    aq: torch.Tensor  # |q| [B, Hq, Nq, D]
+    ak: torch.Tensor  # |k| expanded to query heads, 0 for keys no row sees
+    av: torch.Tensor  # |v| likewise
+    v: torch.Tensor  # v likewise
+    o: torch.Tensor  # reference output
+
+
+def _case(ref: Reference, q, k, v) -> _Case:
+    hq, hkv = q.shape[1], k.shape[1]
+    if tuple(ref.p.shape) != (q.shape[0], hq, q.shape[2], k.shape[2]):
+        raise ValueError(f"ref.p.shape={tuple(ref.p.shape)} does not fit q.shape={tuple(q.shape)} and "
+                         f"k.shape={tuple(k.shape)}: the reference should come from these inputs")
+    vis = ref.visible
+    keys, rows = vis.any(dim=0), vis.any(dim=-1)
+    # Keys no row sees may hold anything (inf, NaN): zero them before any product.
+    ke = torch.where(keys[:, None], expand_kv(k.detach().to(F64), hq), 0.0)
+    ve = torch.where(keys[:, None], expand_kv(v.detach().to(F64), hq), 0.0)
+    aq = q.detach().to(F64).abs()
+    qk = torch.where(vis, abs(ref.scale) * (aq @ ke.abs().transpose(-1, -2)), 0.0)
+    return _Case(
+        vis=vis, rows=rows, keys=keys, n_rows=vis.sum(dim=-1).to(F64), n_keys=vis.sum(dim=0).to(F64),
+        group=hq // hkv, heads_kv=hkv, d=q.shape[-1], scale=ref.scale, p=ref.p,
+        s=torch.where(vis, ref.scores, 0.0),
+        m=torch.where(rows, ref.row_max, 0.0), lse=torch.where(rows, ref.lse, 0.0),
+        qk=qk, aq=aq, ak=ke.abs(), av=ve.abs(), v=ve, o=ref.out,
+    )
+
+
+def _score_error(c: _Case, model: Model) -> torch.Tensor:
+    """E_ij (section 2), with an absolute eta per product, addition and the scaling (underflow)."""
+    return gamma(c.d - 1 + model.score_roundings, model.u_dot) * c.qk + (2 * c.d + 2) * model.eta_acc
+
+
+def _ranks(c: _Case, tol: torch.Tensor) -> torch.Tensor:
+    """R_ij = #{visible k : s_ik >= s_ij - tol_i} (j counted), 0 where hidden (section 3)."""
+    s = torch.where(c.vis, c.s, -math.inf)
+    ordered, _ = torch.sort(s, dim=-1)
+    below = torch.searchsorted(ordered.contiguous(), (s - tol[..., None]).contiguous(), right=False)
+    return torch.where(c.vis, (s.shape[-1] - below).to(F64), 0.0)
+
+
+def _centred(c: _Case, w: torch.Tensor) -> torch.Tensor:
+    """``sum_j w_ij |v_j - o_i|`` for ``w >= 0`` (0 where hidden), or an upper bound of it."""
+    b, h, nq, nk = w.shape
+    if b * h * nq * nk * c.d <= EXACT_CENTRED_LIMIT:
+        step = max(1, _CHUNK_ELEMENTS // max(1, b * h * nk * c.d))
+        parts = [torch.einsum("bhij,bhijd->bhid", w[:, :, i0:i0 + step],
+                              (c.v[:, :, None] - c.o[:, :, i0:i0 + step, None]).abs())
+                 for i0 in range(0, nq, step)]
+        return torch.cat(parts, dim=2) if parts else torch.zeros_like(c.o)
+    # |v_j - o_i| <= |v_j - a| + |o_i - a| for any a: the better of a = 0 and a = the mean of v.
+    wsum = w.sum(dim=-1, keepdim=True)
+    at_zero = w @ c.av + wsum * c.o.abs()
+    mean = c.v.sum(dim=-2, keepdim=True) / c.keys.sum().clamp(min=1)
+    at_mean = w @ torch.where(c.keys[:, None], (c.v - mean).abs(), 0.0) + wsum * (c.o - mean).abs()
+    return torch.minimum(at_zero, at_mean)
+
+
+def _ranks_for(c: _Case, model: Model) -> torch.Tensor:
+    """R_ij with the kernel model's tolerance; the reference's is smaller, and a wider tolerance only
+    counts more keys, so one sort serves both."""
+    err = _score_error(c, model)
+    tol = 2 * err.amax(dim=-1) + 4 * unit_roundoff(F64) * (c.s.abs().amax(dim=-1) + 1)
+    return _ranks(c, tol)
+
+
+def _phi(c: _Case, model: Model, ranks: torch.Tensor) -> torch.Tensor:
+    """Phi_ij (section 3), 0 where hidden."""
+    u = model.u_acc
+    phi = _score_error(c, model) + C_ARG * u * (c.m[..., None] - c.s) + (C_EXP + 1) * u * ranks
+    return torch.where(c.vis, phi, 0.0)
+
+
+def _lse_kernel(c: _Case, model: Model, phi: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """LSE error bound of a contract-following kernel against exact attention (section 6)."""
+    u, p = model.u_acc, c.p
+    g = gamma(c.n_rows[:, None] + ranks, u)
+    phi_l = torch.where(c.vis, phi + torch.where(g < 1, -torch.log1p(-torch.where(g < 1, g, 0.0)), math.inf), 0.0)
+    up = torch.log(torch.where(c.rows, (p * torch.exp(phi_l)).sum(dim=-1), 1.0))
+    down = -torch.log(torch.where(c.rows, (p * torch.exp(-phi_l)).sum(dim=-1), 1.0))
+    dlog = torch.maximum(up, down) + c.n_rows * model.eta_acc
+    log_err = C_LOG * u * (c.lse - c.m + dlog) + LOG_ABS * u
+    lse = dlog + log_err + 3 * u * (c.lse.abs() + dlog + log_err)
+    return torch.where(c.rows, lse, 0.0)
+
+
+def _out_kernel(c: _Case, model: Model, phi: torch.Tensor) -> torch.Tensor:
+    """Output error bound of a contract-following kernel against exact attention (sections 3-5)."""
+    p, vis = c.p, c.vis.to(F64)
+    z_low = torch.where(c.rows, (p * torch.exp(-phi)).sum(dim=-1), 1.0)[..., None]
+    p_hat = p * torch.exp(phi) / z_low + model.eta_acc * vis
+    term_a = _centred(c, p * torch.expm1(phi) / z_low)
+    term_b = rounding_error(p_hat, model.u_cast, model.eta_cast) @ c.av
+    # Underflow: of p or alpha (an absolute eta per key in numerator and l), and of each operation on
+    # the accumulator (products, additions, rescaling multiplies, FA1's steps).
+    term_u = model.eta_acc * (vis @ c.av + c.n_rows[:, None] * c.o.abs() + (3 * c.n_rows + 4)[:, None])
+    pre = term_a + term_b + term_u
+    pre = pre + gamma(3 * c.n_rows + 2, model.u_dot)[:, None] * (p_hat @ c.av + c.o.abs() + pre)
+    x = c.o.abs() + pre
+    div = rounding_error(x, 2 * model.u_acc, model.eta_acc)  # a division, or a reciprocal and a multiply
+    out = pre + div + rounding_error(x + div, model.u_out, model.eta_out)
+    return torch.where(c.rows[:, None], out, 0.0)
+
+
+def _forward_reference(c: _Case, ranks: torch.Tensor):
+    """(out, lse) error bounds of the float64 reference against exact attention (section 8)."""
+    model = REFERENCE_MODEL
+    u = model.u_acc
+    lse = _lse_kernel(c, model, _phi(c, model, ranks), ranks)
+    pi = _score_error(c, model) + lse[..., None] + u * (c.lse[..., None] - c.s) + C_EXP * u
+    pi = torch.where(c.vis, pi, 0.0)
+    eta = model.eta_acc * c.vis.to(F64)
+    out = ((c.p * torch.expm1(pi) + eta) @ c.av
+           + gamma(c.n_rows + 1, u)[:, None] * ((c.p * torch.exp(pi) + eta) @ c.av)
+           + (2 * c.n_rows + 2)[:, None] * model.eta_acc)
+    return torch.where(c.rows[:, None], out, 0.0), lse
+
+
+def forward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, model: Model | None = None):
+    """Elementwise bounds on ``|out - ref.out|`` ``[B, Hq, Nq, D]`` and ``|lse - ref.lse|`` ``[B, Hq, Nq]``
+    (float64) for a kernel that follows the contract with inputs of ``dtype``."""
+    c = _case(ref, q, k, v)
+    model = kernel_model(dtype) if model is None else model
+    ranks = _ranks_for(c, model)
+    phi = _phi(c, model, ranks)
+    out_r, lse_r = _forward_reference(c, ranks)
+    return SAFETY * (_out_kernel(c, model, phi) + out_r), SAFETY * (_lse_kernel(c, model, phi, ranks) + lse_r)
+
+
+def _backward_terms(c: _Case, model: Model, *, dout_abs, lse_err, delta_err, dp_minus_delta, dp_abs, near_max,
+                    grads):
+    """(dq, dk, dv) error bounds of one contract-following backward against exact gradients, given its
+    LSE and Delta errors against exact values (section 7)."""
+    u, eta = model.u_acc, model.eta_acc
+    vis = c.vis.to(F64)
+    pi = (_score_error(c, model) + lse_err[..., None] + C_ARG * u * (c.lse[..., None] - c.s)
+          + u * c.lse.abs()[..., None] + (C_EXP + 2) * u)
+    pi = torch.where(c.vis, pi, 0.0)
+    dp_err = c.p * torch.expm1(pi) + model.eta_acc * vis
+    p_hat = c.p * torch.exp(pi) + model.eta_acc * vis
+    e_dp = torch.where(c.vis, gamma(c.d, model.u_dot) * (dout_abs @ c.av.transpose(-1, -2)) + 2 * c.d * eta, 0.0)
+    g, e_delta, chain = dp_minus_delta, delta_err[..., None], 0.0
+    if model.autograd_eager:  # section 11
+        e_dp = e_dp + torch.where(c.vis, rounding_error(dp_abs + e_dp, model.u_cast, model.eta_cast), 0.0)
+        mag = torch.where(c.vis, p_hat * (dp_abs + e_dp), 0.0)
+        e_delta = ((dp_err * dp_abs + p_hat * e_dp).sum(-1) + gamma(c.n_rows + 2, u) * mag.sum(-1)
+                   + (2 * c.n_rows + 2) * eta)[..., None]
+        chain = 6 * u * (mag + p_hat * mag.sum(-1, keepdim=True))
+    x = p_hat * (g + e_dp + e_delta) * (1 + 2 * u)
+    cast = rounding_error(x, model.u_cast, model.eta_cast)
+    ds_err = torch.where(c.vis, dp_err * g + p_hat * (e_dp + e_delta) + 2 * u * x + 2 * eta + cast + chain, 0.0)
+    ds_abs = torch.where(c.vis, x + 2 * eta + cast + chain, 0.0)
+    if model.autograd_eager:  # the row max's gradient, -sum_j dS_j, lands on the keys that may be the max
+        m_grad = ds_err.sum(-1, keepdim=True) + gamma(c.n_rows + 2, u)[:, None] * ds_abs.sum(-1, keepdim=True)
+        ds_err = ds_err + torch.where(near_max, m_grad, 0.0)
+        ds_abs = ds_abs + torch.where(near_max, m_grad, 0.0)
+    sc = abs(c.scale)
+    ref_dq, ref_dk, ref_dv = grads
+
+    dq = (sc * (ds_err @ c.ak + gamma(c.n_rows + 3, model.u_dot)[:, None] * (ds_abs @ c.ak))
+          + (3 * c.n_rows + 3)[:, None] * eta)
+    dq = dq + rounding_error(ref_dq.abs() + dq, model.u_out, model.eta_out)
+
+    dk = sc * (reduce_group(ds_err.transpose(-1, -2) @ c.aq, c.heads_kv)
+               + gamma(c.group * c.n_keys + 3, model.u_dot)[:, None]
+               * reduce_group(ds_abs.transpose(-1, -2) @ c.aq, c.heads_kv)) + (3 * c.group * c.n_keys + 3)[:, None] * eta
+    dk = dk + rounding_error(ref_dk.abs() + dk, model.u_out, model.eta_out)
+    if model.autograd_eager:
+        dk = dk + _per_head_rounding(c, model, sc * (ds_abs.transpose(-1, -2) @ c.aq))
+
+    p_cast = rounding_error(p_hat, model.u_cast, model.eta_cast)
+    dv = (reduce_group((dp_err + p_cast).transpose(-1, -2) @ dout_abs, c.heads_kv)
+          + gamma(c.group * c.n_keys + 2, model.u_dot)[:, None]
+          * reduce_group((p_hat + p_cast).transpose(-1, -2) @ dout_abs, c.heads_kv)
+          + (2 * c.group * c.n_keys + 2)[:, None] * eta)
+    dv = dv + rounding_error(ref_dv.abs() + dv, model.u_out, model.eta_out)
+    if model.autograd_eager:
+        dv = dv + _per_head_rounding(c, model, (p_hat + p_cast).transpose(-1, -2) @ dout_abs)
+    return dq, dk, dv
+
+
+def _per_head_rounding(c: _Case, model: Model, per_head: torch.Tensor) -> torch.Tensor:
+    """Autograd through ``expand_kv(k).to(float32)`` rounds each query head's dK/dV to the input dtype
+    and then sums the group in it: a rounding per head and ``G - 1`` additions (section 11)."""
+    if c.group == 1:
+        return torch.zeros_like(reduce_group(per_head, c.heads_kv))
+    rounded = reduce_group(rounding_error(per_head, model.u_out, model.eta_out), c.heads_kv)
+    return rounded + gamma(c.group - 1, model.u_out) * (reduce_group(per_head, c.heads_kv) + rounded)
+
+
+def backward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, out: torch.Tensor,
+                    model: Model | None = None):
+    """Elementwise bounds on the errors of a contract-following backward against ``ref`` (computed with
+    ``dout``): ``(dq [B, Hq, Nq, D], dk [B, Hkv, Nk, D], dv [B, Hkv, Nk, D], delta [B, Hq, Nq])``,
+    float64. ``out`` is the kernel's own rounded forward output, from which it computes Delta."""
+    if ref.dout is None:
+        raise ValueError("backward_bounds: ref has no backward; compute it with attention(..., dout=dout)")
+    if tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"backward_bounds: out.shape={tuple(out.shape)}, but should equal q.shape={tuple(q.shape)}")
+    c = _case(ref, q, k, v)
+    model = kernel_model(dtype) if model is None else model
+    ref_model = REFERENCE_MODEL
+    ranks = _ranks_for(c, model)
+    lse_k = _lse_kernel(c, model, _phi(c, model, ranks), ranks)
+    out_r, lse_r = _forward_reference(c, ranks)
+    rows = c.rows[:, None]
+    do = torch.where(rows, ref.dout, 0.0)
+    do_abs = do.abs()
+    o_k = torch.where(rows, out.detach().to(F64), 0.0)
+    diff = o_k - ref.out
+    d = c.d
+    measured = (do * diff).sum(-1).abs() + gamma(d + 2, ref_model.u_acc) * (do_abs * diff.abs()).sum(-1)
+    from_ref_out = (do_abs * out_r).sum(-1)
+    # Delta: D products and D - 1 additions, each with an absolute eta for underflow.
+    kernel_sum = gamma(d, model.u_acc) * (do_abs * o_k.abs()).sum(-1) + 2 * d * model.eta_acc
+    ref_sum = gamma(d, ref_model.u_acc) * (do_abs * ref.out.abs()).sum(-1) + 2 * d * ref_model.eta_acc
+    g = torch.where(c.vis, (ref.dp - ref.delta[..., None]).abs(), 0.0)
+    dp_abs = torch.where(c.vis, ref.dp.abs(), 0.0)
+    err = _score_error(c, model)
+    near_max = c.vis & (c.s >= (c.m - 2 * err.amax(dim=-1))[..., None])
+    grads = (ref.dq, ref.dk, ref.dv)
+    extra = dict(dp_minus_delta=g, dp_abs=dp_abs, near_max=near_max, grads=grads)
+    k_terms = _backward_terms(c, model, dout_abs=do_abs, lse_err=lse_k,
+                              delta_err=measured + from_ref_out + kernel_sum, **extra)
+    r_terms = _backward_terms(c, ref_model, dout_abs=do_abs, lse_err=lse_r, delta_err=from_ref_out + ref_sum,
+                              **extra)
+    keys = c.keys[:, None]
+    dq = torch.where(rows, SAFETY * (k_terms[0] + r_terms[0]), 0.0)
+    dk = torch.where(keys, SAFETY * (k_terms[1] + r_terms[1]), 0.0)
+    dv = torch.where(keys, SAFETY * (k_terms[2] + r_terms[2]), 0.0)
+    # Against ref.delta (from the same reference output): the reference output's error cancels.
+    delta = torch.where(c.rows, SAFETY * (measured + kernel_sum + ref_sum), 0.0)
+    return dq, dk, dv, delta

@@ -1,0 +1,237 @@
+"""Arbitrary-precision (mpmath, 50 digits) attention reference for small cases.
+
+The float64 reference in :mod:`references.attention` is itself rounded; this module checks it. Every
+function converts its inputs to ``mpmath.mpf`` exactly (``float(x)`` is exact for float16, bfloat16,
+float32 and float64 values), computes inside a local ``mpmath.workdps(50)`` context (the global mpmath
+precision is never touched) and returns mpf values, or, for :func:`attention`, float64 tensors rounded
+once from the 50-digit results. At 50 digits the result is exact to far below float64's resolution
+for any input this suite draws (scores up to ~1e5 lose at most 6 of the 50 digits in ``exp``).
+
+Functions
+
+``softmax(row)``, ``logsumexp(row)``
+    One row of floats; ``-inf`` entries are allowed and an all ``-inf`` (or empty) row gives zeros and
+    ``-inf``.
+``attention_row(q_i, keys, values, *, scale, dout_i=None)``
+    One query row against its visible keys: the output row, the LSE, the probabilities and, given the
+    upstream gradient ``dout_i``, ``Delta_i = dout_i . out_i``, ``dq_i`` and the per-key contributions
+    ``dk_j``, ``dv_j`` of this row (summing them over the rows that see key ``j`` gives ``dK_j``, ``dV_j``).
+``attention(q, k, v, *, causal, scale, alignment, dout)``
+    Whole tiny tensors in the ``[B, H, N, D]`` layout with grouped-query attention and the masking
+    conventions of :mod:`references.attention` (bottom-right causal unless ``alignment="top_left"``,
+    a row with no visible key gives ``out = 0``, ``lse = -inf``, zero gradients). Only values that a
+    visible (row, key) pair reads are converted, so inf or NaN elsewhere is allowed. Cost grows as
+    ``B * Hq * Nq * Nk * D`` mpf operations: keep it to a few thousand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import mpmath
+import torch
+
+DPS = 50
+ALIGNMENTS = ("bottom_right", "top_left")
+
+
+def _mpf(x) -> mpmath.mpf:
+    """Exact conversion of one float (any torch float dtype, Python float or int) to mpf."""
+    if isinstance(x, torch.Tensor):
+        x = x.item()
+    x = float(x)
+    if math.isnan(x):
+        raise ValueError("mpmath reference: NaN input has no reference value")
+    return mpmath.mpf(x)
+
+
+def _check_row(row) -> list:
+    vals = [_mpf(x) for x in row]
+    if any(mpmath.isinf(x) and x > 0 for x in vals):
+        raise ValueError("mpmath reference: a row holds +inf; only -inf (masked) entries are allowed")
+    return vals
+
+
+def _lse(vals: list) -> mpmath.mpf:
+    finite = [x for x in vals if mpmath.isfinite(x)]
+    if not finite:
+        return mpmath.mpf("-inf")
+    m = max(finite)
+    return m + mpmath.log(mpmath.fsum(mpmath.exp(x - m) for x in finite))
+
+
+def logsumexp(row: Sequence[float]) -> mpmath.mpf:
+    """Natural-log logsumexp of ``row`` at 50 digits; ``-inf`` for an all ``-inf`` or empty row."""
+    with mpmath.workdps(DPS):
+        return _lse(_check_row(row))
+
+
+def softmax(row: Sequence[float]) -> list:
+    """Softmax of ``row`` at 50 digits (list of mpf); zeros for an all ``-inf`` row."""
+    with mpmath.workdps(DPS):
+        vals = _check_row(row)
+        lse = _lse(vals)
+        if mpmath.isinf(lse):
+            return [mpmath.mpf(0) for _ in vals]
+        return [mpmath.exp(x - lse) if mpmath.isfinite(x) else mpmath.mpf(0) for x in vals]
+
+
+@dataclasses.dataclass
+class RowResult:
+    """One query row at 50 digits (lists of mpf). Gradient fields are None without ``dout_i``."""
+
+    out: list
+    lse: mpmath.mpf
+    p: list  # probability of each visible key, in the order given
+    delta: mpmath.mpf | None = None  # dout_i . out_i
+    dq: list | None = None  # d<dout_i, out_i>/d q_i
+    dk: list | None = None  # per visible key j: this row's contribution to dK_j
+    dv: list | None = None  # per visible key j: this row's contribution to dV_j
+
+
+def _dot(a: list, b: list) -> mpmath.mpf:
+    return mpmath.fsum(x * y for x, y in zip(a, b))
+
+
+def _row(q: list, keys: list, values: list, scale: mpmath.mpf, dout: list | None) -> RowResult:
+    d = len(q)
+    n = len(keys)
+    scores = [scale * _dot(q, kj) for kj in keys]
+    lse = _lse(scores)
+    if n == 0:
+        zeros = [mpmath.mpf(0)] * d
+        if dout is None:
+            return RowResult(out=list(zeros), lse=lse, p=[])
+        return RowResult(out=list(zeros), lse=lse, p=[], delta=mpmath.mpf(0), dq=list(zeros), dk=[], dv=[])
+    p = [mpmath.exp(s - lse) for s in scores]
+    out = [mpmath.fsum(p[j] * values[j][t] for j in range(n)) for t in range(d)]
+    res = RowResult(out=out, lse=lse, p=p)
+    if dout is None:
+        return res
+    # <dout, out> with out = sum_j P_j v_j and P = softmax(scale q.k_j):
+    #   dP_j = dout . v_j,  Delta = dout . out = sum_j P_j dP_j,  dS_j = P_j (dP_j - Delta)
+    #   dq = scale sum_j dS_j k_j,  dk_j = scale dS_j q,  dv_j = P_j dout
+    delta = _dot(dout, out)
+    ds = [p[j] * (_dot(dout, values[j]) - delta) for j in range(n)]
+    res.delta = delta
+    res.dq = [scale * mpmath.fsum(ds[j] * keys[j][t] for j in range(n)) for t in range(d)]
+    res.dk = [[scale * ds[j] * q[t] for t in range(d)] for j in range(n)]
+    res.dv = [[p[j] * dout[t] for t in range(d)] for j in range(n)]
+    return res
+
+
+def _vectors(rows) -> list:
+    if isinstance(rows, torch.Tensor):
+        rows = rows.detach().to("cpu").tolist()
+    return [[_mpf(x) for x in r] for r in rows]
+
+
+def attention_row(q_i, keys, values, *, scale: float, dout_i=None) -> RowResult:
+    """One query row against its visible ``keys`` and ``values`` (``[n, D]``; ``n = 0`` allowed).
+
+    ``q_i`` and ``dout_i`` are length-``D`` sequences or 1-D tensors. Returns a :class:`RowResult`
+    of mpf values computed at 50 digits.
+    """
+    with mpmath.workdps(DPS):
+        q = _vectors([q_i])[0]
+        ks, vs = _vectors(keys), _vectors(values)
+        if len(ks) != len(vs):
+            raise ValueError(f"attention_row: {len(ks)} keys but {len(vs)} values; they should be equal")
+        for label, rows in (("keys", ks), ("values", vs)):
+            if any(len(r) != len(q) for r in rows):
+                raise ValueError(f"attention_row: every row of {label} should have length D={len(q)}")
+        do = None if dout_i is None else _vectors([dout_i])[0]
+        return _row(q, ks, vs, _mpf(scale), do)
+
+
+@dataclasses.dataclass
+class MpAttention:
+    """50-digit attention rounded once to float64 tensors (layouts as in :mod:`references.attention`)."""
+
+    out: torch.Tensor  # [B, Hq, Nq, D]
+    lse: torch.Tensor  # [B, Hq, Nq]
+    p: torch.Tensor  # [B, Hq, Nq, Nk], 0 where not visible
+    delta: torch.Tensor | None = None  # [B, Hq, Nq]
+    dq: torch.Tensor | None = None  # [B, Hq, Nq, D]
+    dk: torch.Tensor | None = None  # [B, Hkv, Nk, D], summed over the query heads of each group
+    dv: torch.Tensor | None = None  # [B, Hkv, Nk, D]
+
+
+def _visible(i: int, j: int, len_q: int, len_k: int, causal: bool, alignment: str) -> bool:
+    if not causal:
+        return True
+    offset = len_k - len_q if alignment == "bottom_right" else 0
+    return j <= i + offset
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              scale: float | None = None, alignment: str = "bottom_right",
+              dout: torch.Tensor | None = None) -> MpAttention:
+    """Whole-tensor attention at 50 digits; returns float64 tensors (gradients when ``dout`` is given)."""
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment={alignment!r}, but should be one of {ALIGNMENTS}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v should be 4-D [batch, heads, seq_len, head_dim]")
+    b, hq, len_q, d = q.shape
+    hkv, len_k = k.shape[1], k.shape[2]
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or hq % hkv:
+        raise ValueError(f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
+                         " do not fit the [B, H, N, D] layout with Hq a multiple of Hkv")
+    if dout is not None and dout.shape != q.shape:
+        raise ValueError(f"dout.shape={tuple(dout.shape)}, but should equal q.shape={tuple(q.shape)}")
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    f64 = dict(dtype=torch.float64)
+    out = torch.zeros(b, hq, len_q, d, **f64)
+    lse = torch.full((b, hq, len_q), -math.inf, **f64)
+    p = torch.zeros(b, hq, len_q, len_k, **f64)
+    grads = dout is not None
+    if grads:
+        delta = torch.zeros(b, hq, len_q, **f64)
+        dq = torch.zeros(b, hq, len_q, d, **f64)
+    # Convert lazily: values no visible (row, key) pair reads may be anything, even inf or NaN.
+    qt, kt, vt = (t.detach().to("cpu", torch.float64) for t in (q, k, v))
+    dt = dout.detach().to("cpu", torch.float64) if grads else None
+    cache: dict = {}
+
+    def row_of(name, t, bi, h, i):
+        key = (name, bi, h, i)
+        if key not in cache:
+            cache[key] = [_mpf(x) for x in t[bi, h, i].tolist()]
+        return cache[key]
+
+    with mpmath.workdps(DPS):
+        s = _mpf(scale)
+        zero = mpmath.mpf(0)
+        dk_acc = [[[[zero] * d for _ in range(len_k)] for _ in range(hkv)] for _ in range(b)]
+        dv_acc = [[[[zero] * d for _ in range(len_k)] for _ in range(hkv)] for _ in range(b)]
+        for bi in range(b):
+            for h in range(hq):
+                g = h // group
+                for i in range(len_q):
+                    cols = [j for j in range(len_k) if _visible(i, j, len_q, len_k, causal, alignment)]
+                    if not cols:  # out = 0, lse = -inf, zero gradients: already in place
+                        continue
+                    r = _row(row_of("q", qt, bi, h, i), [row_of("k", kt, bi, g, j) for j in cols],
+                             [row_of("v", vt, bi, g, j) for j in cols], s,
+                             row_of("dout", dt, bi, h, i) if grads else None)
+                    out[bi, h, i] = torch.tensor([float(x) for x in r.out], **f64)
+                    lse[bi, h, i] = float(r.lse)
+                    for j, pj in zip(cols, r.p):
+                        p[bi, h, i, j] = float(pj)
+                    if grads:
+                        delta[bi, h, i] = float(r.delta)
+                        dq[bi, h, i] = torch.tensor([float(x) for x in r.dq], **f64)
+                        for n, j in enumerate(cols):
+                            dk_acc[bi][g][j] = [a + c for a, c in zip(dk_acc[bi][g][j], r.dk[n])]
+                            dv_acc[bi][g][j] = [a + c for a, c in zip(dv_acc[bi][g][j], r.dv[n])]
+        res = MpAttention(out=out, lse=lse, p=p)
+        if grads:
+            res.delta, res.dq = delta, dq
+            res.dk = torch.tensor([[[[float(x) for x in row] for row in hd] for hd in bd] for bd in dk_acc],
+                                  **f64).reshape(b, hkv, len_k, d)
+            res.dv = torch.tensor([[[[float(x) for x in row] for row in hd] for hd in bd] for bd in dv_acc],
+                                  **f64).reshape(b, hkv, len_k, d)
+    return res
