@@ -15,10 +15,30 @@ from kernels.registry import ALL_DTYPES, Implementation, register
 from references import baseline
 
 
+class _Eager(torch.autograd.Function):
+    """Forward and backward exactly as the criterion-1 baseline defines them (references/baseline.py),
+    so that the kernel checked here is the baseline the other kernels are measured against."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        out, lse = baseline.forward(q, k, v, causal=causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.settings = (causal, scale)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out = ctx.saved_tensors
+        causal, scale = ctx.settings
+        dq, dk, dv, _ = baseline.backward(q, k, v, dout, causal=causal, scale=scale, out=out)
+        return dq, dk, dv, None, None
+
+
 def eager_forward(q, k, v, *, causal: bool = False, scale: float | None = None):
-    """Eager attention at the inputs' precision; gradients flow through autograd."""
+    """Eager attention at the inputs' precision, with the baseline's own backward."""
     _validate.check_attention_inputs(q, k, v, kernel="eager", dtypes=ALL_DTYPES, scale=scale)
-    return baseline.forward(q, k, v, causal=causal, scale=scale)
+    return _Eager.apply(q, k, v, causal, scale)
 
 
 def sdpa_math_forward(q, k, v, *, causal: bool = False, scale: float | None = None):

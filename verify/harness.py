@@ -122,7 +122,7 @@ def assert_accurate(ctx: Context, *, op: str, actual: torch.Tensor, expected: to
     if actual.shape != expected.shape:
         ctx.fail(f"{op}.shape={tuple(actual.shape)}, but should be {tuple(expected.shape)}")
     stats = error_stats(actual, expected, dtype=stored)
-    err = abs_error(actual, expected)
+    err = abs_error(actual, expected, dtype=stored)
     base_err = float(abs_error(baseline, expected).max()) if baseline.numel() else 0.0
     allowed = criteria.allowed_error(op, input_dtype, baseline_error=base_err, magnitude=magnitude,
                                      max_lse=max_lse)
@@ -163,7 +163,7 @@ def assert_close(ctx: Context, *, what: str, actual: torch.Tensor, expected: tor
     __tracebackhide__ = True
     if actual.shape != expected.shape:
         ctx.fail(f"{what}: shapes {tuple(actual.shape)} and {tuple(expected.shape)} differ")
-    err = abs_error(actual, expected)
+    err = abs_error(actual, expected, dtype=actual.dtype)
     if exact:
         same = (actual == expected) | (torch.isnan(actual) & torch.isnan(expected))
         bad = ~same

@@ -201,6 +201,9 @@ def _grid(t: torch.Tensor, headroom: float) -> tuple[torch.Tensor, float]:
     finite = x[torch.isfinite(x)]
     top = float(finite.abs().max()) if finite.numel() else 1.0
     top = max(top, 1e-30)
+    # Keep |t A + b| (up to headroom * top) inside the dtype's range: halving is exact.
+    while top * headroom > torch.finfo(t.dtype).max / 2:
+        x, top = x / 2, top / 2
     bits = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}[t.dtype]
     span = 2.0 ** math.ceil(math.log2(top * headroom))
     smallest_subnormal = torch.finfo(t.dtype).tiny * 2.0 ** (1 - bits)
