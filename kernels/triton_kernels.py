@@ -19,6 +19,8 @@ INTERPRET = triton_attention.INTERPRET
 _BF16_DOT_LIMIT = ((torch.bfloat16, "Triton interpreter: tl.dot on bfloat16 operands is unsupported "
                                     "(bf16 held as int16); bf16 is verified on GPU only"),)
 _ENVIRONMENT_LIMITS = _BF16_DOT_LIMIT if INTERPRET else ()
+# The interpreter runs every program instance in Python: cap the examples per property there.
+_MAX_EXAMPLES = 10 if INTERPRET else None
 # Tile sizes the suite draws. The launchers accept powers of two from 16 to 256, but float32 tiles of
 # 128 rows do not fit a GPU's shared memory for large head dims, and every dtype must run every tile.
 _ATTENTION_BLOCKS = (16, 32) if INTERPRET else (16, 32, 64)
@@ -36,7 +38,7 @@ TRITON_FA2 = register(Implementation(
     dtypes=triton_attention.DTYPES, devices=triton_attention.DEVICES,
     head_dims=triton_attention.HEAD_DIMS, gqa=True,
     block_m=_ATTENTION_BLOCKS, block_n=_ATTENTION_BLOCKS, deterministic=True, sibling="triton_fa1",
-    environment_limits=_ENVIRONMENT_LIMITS,
+    environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
     description="Triton FlashAttention-2: outer-scaled forward, Delta/dK-dV/dQ backward without atomics",
 ))
 
@@ -45,6 +47,6 @@ TRITON_FA1 = register(Implementation(
     dtypes=triton_attention.DTYPES, devices=triton_attention.DEVICES,
     head_dims=triton_attention.HEAD_DIMS, gqa=True,
     block_m=_ATTENTION_BLOCKS, block_n=_ATTENTION_BLOCKS, deterministic=True,
-    environment_limits=_ENVIRONMENT_LIMITS,
+    environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
     description="Triton FlashAttention-1: inner-scaled forward (renormalised every KV step); FA2 backward",
 ))
