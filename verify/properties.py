@@ -375,6 +375,19 @@ def gqa_equals_repeated_heads(ctx: Context, case: AttentionCase) -> None:
 
 
 # ------------------------------------------------------------------------------------ backward
+def _backward_bounds(ctx: Context, ref, q, k, v, *, dtype, out):
+    """The rounding bound of the gradients. A kernel that declares its own backward follows the
+    FlashAttention algorithm the default model describes (Delta from O, P recomputed from the LSE);
+    for one differentiated by autograd through unknown code the bound also covers autograd's eager
+    algorithm (Delta from P and dP, per-op rounding): the elementwise larger of the two."""
+    default = bounds.backward_bounds(ref, q, k, v, dtype=dtype, out=out)
+    if ctx.impl.backward is not None:
+        return default
+    autograd = bounds.backward_bounds(ref, q, k, v, dtype=dtype, out=out,
+                                      model=bounds.kernel_model(dtype, autograd_eager=True))
+    return tuple(torch.maximum(a, b) for a, b in zip(default, autograd))
+
+
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(True)
 
@@ -404,7 +417,7 @@ def gradients_match_reference(ctx: Context, case: AttentionCase) -> None:
     ref = _reference(ctx, case, t.q, t.k, t.v, dout=t.dout)
     bdq, bdk, bdv, _ = baseline.backward(t.q, t.k, t.v, t.dout, causal=case.causal, scale=case.scale,
                                          alignment=ctx.impl.causal_alignment)
-    dq_b, dk_b, dv_b, _ = bounds.backward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
+    dq_b, dk_b, dv_b, _ = _backward_bounds(ctx, ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
     for op, got, exp, base, bnd in (("dv", dv, ref.dv, bdv, dv_b), ("dk", dk, ref.dk, bdk, dk_b),
                                     ("dq", dq, ref.dq, bdq, dq_b)):
         assert_accurate(ctx, op=op, actual=got, expected=exp, baseline=base, bound=bnd,
@@ -437,7 +450,7 @@ def delta_matches_reference(ctx: Context, case: AttentionCase) -> None:
     _, _, _, base_delta = baseline.backward(t.q, t.k, t.v, t.dout, causal=case.causal, scale=case.scale,
                                             alignment=ctx.impl.causal_alignment, out=base_out)
     base_exact = (do64 * base_out.to(torch.float64)).sum(dim=-1)
-    *_, delta_b = bounds.backward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
+    *_, delta_b = _backward_bounds(ctx, ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
     assert_accurate(ctx, op="delta", actual=delta, expected=exact, baseline=base_delta + (exact - base_exact),
                     bound=delta_b, input_dtype=t.q.dtype, magnitude=summand_magnitude("delta", ref))
 
@@ -459,7 +472,7 @@ def gradient_sums(ctx: Context, case: AttentionCase) -> None:
     t = case.build(ctx.device)
     out, (dq, dk, dv) = _run_backward(ctx, case, t.q, t.k, t.v, t.dout)
     ref = _reference(ctx, case, t.q, t.k, t.v, dout=t.dout)
-    _, dk_b, dv_b, _ = bounds.backward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
+    _, dk_b, dv_b, _ = _backward_bounds(ctx, ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
     f64 = torch.float64
     sum_dk = dk.to(f64).sum(dim=2)
     _same(ctx, what="sum over keys of dK (should be 0)", a=sum_dk, b=torch.zeros_like(sum_dk),
@@ -501,11 +514,11 @@ def gqa_gradients_sum_over_group(ctx: Context, case: AttentionCase) -> None:
     k_full, v_full = reference.expand_kv(t.k, case.heads_q), reference.expand_kv(t.v, case.heads_q)
     _, (dq_f, dk_f, dv_f) = _run_backward(ctx, case, t.q, k_full, v_full, t.dout)
     ref = _reference(ctx, case, t.q, t.k, t.v, dout=t.dout)
-    dq_b, dk_b, dv_b, _ = bounds.backward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
+    dq_b, dk_b, dv_b, _ = _backward_bounds(ctx, ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
     # Each per-head gradient of the repeated-heads run is within its own bound of its own reference,
     # and those references sum over the group to the GQA reference: the tolerance adds both bounds.
     ref_full = _reference(ctx, case, t.q, k_full, v_full, dout=t.dout)
-    _, dk_bf, dv_bf, _ = bounds.backward_bounds(ref_full, t.q, k_full, v_full, dtype=t.q.dtype, out=out)
+    _, dk_bf, dv_bf, _ = _backward_bounds(ctx, ref_full, t.q, k_full, v_full, dtype=t.q.dtype, out=out)
     f64 = torch.float64
     group_sum = lambda g: reference.reduce_group(g.to(f64), case.heads_kv)  # noqa: E731
     # Compared in the kernel's dtype: a group sum beyond its range is the infinity it rounds to.
