@@ -104,12 +104,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if dout is None:
         return ref
     do = dout.to(F64)
-    vt = torch.where(visible.any(dim=0)[:, None], ve, 0.0).transpose(-1, -2)
+    seen = visible.any(dim=0)[:, None]  # keys some row sees; the others never enter a product
+    vt = torch.where(seen, ve, 0.0).transpose(-1, -2)
     dp = do @ vt
     delta = (do * out).sum(dim=-1)
     ds = p * (dp - delta[..., None])
     ref.dout, ref.dp, ref.delta, ref.ds = do, dp, delta, ds
-    ref.dq = scale * (ds @ ke)
+    ref.dq = scale * (ds @ torch.where(seen, ke, 0.0))
     ref.dk = reduce_group(scale * (ds.transpose(-1, -2) @ q64), hkv)
     ref.dv = reduce_group(p.transpose(-1, -2) @ do, hkv)
     return ref
