@@ -109,8 +109,3 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                          len_k=len_k, head_dim=head_dim, dtype=dtype, causal=is_causal,
                          magnitude=magnitude, seed=seed, layout=layout, scale=scale,
                          block_m=bm, block_n=bn)
-
-
-def block_pairs(block_m: Sequence[int], block_n: Sequence[int]):
-    """Return a strategy for a second ``(block_m, block_n)`` tiling (for block-size invariance)."""
-    return st.tuples(st.sampled_from(list(block_m)), st.sampled_from(list(block_n)))

@@ -12,7 +12,6 @@ import dataclasses
 from collections.abc import Callable, Iterable
 
 import pytest
-import torch
 from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 
@@ -157,10 +156,6 @@ def at_least(field: str, n: int) -> Adjust:
         return case.replace(**{field: max(n, getattr(case, field))})
 
     return adjust
-
-
-def dtype_of(name: str) -> torch.dtype:
-    return DTYPES[name]
 
 
 __all__ = ["DTYPE_NAMES", "Env", "check_attention", "check_softmax", "longer", "at_least", "dtype_name"]

@@ -2,6 +2,7 @@
 
 import pytest
 
+from strategies.attention import Limits
 from verify.runner import DTYPE_NAMES, check_attention, longer
 
 pytestmark = pytest.mark.parametrize("dtype", DTYPE_NAMES)
@@ -35,7 +36,7 @@ def test_gqa_gradients_sum_over_group(impl, dtype, env):
 def test_gradcheck_float64(impl, dtype, env):
     if dtype != "float64":
         pytest.skip("finite-difference gradcheck runs in float64 only")
-    small = env.limits.__class__(max_len=5, max_head_dim=4, max_batch=1, max_heads_kv=1, max_group=2)
+    small = Limits(max_len=5, max_head_dim=4, max_batch=1, max_heads_kv=1, max_group=2)
     check_attention("gradcheck_float64", impl, dtype, env, requires=["autograd"], limits=small,
                     magnitudes=["normal", "ties", "dominant_key", "outliers", "all_negative"],
                     layouts=["contiguous"])
