@@ -14,10 +14,20 @@ the terms summed, whatever the summation order: two correct kernels that sum in 
 differ by about one rounding of that magnitude, and a baseline that is exact by luck says nothing
 about the other order.
 
+The scores are sums too: ``s_ij = scale * sum_d q_id k_jd`` carries an absolute error of about one
+rounding of ``scale * sum_d |q_id| |k_jd|`` (the *score magnitude*), whatever the order, and
+``P = exp(s - m)`` turns it into a relative error of every P. So the floor also holds one rounding of
+the score magnitude, relative, for everything computed from P (out and the gradients), and absolute
+for the LSE. In float32 this channel dominates: with head dim 120 and N(0, 1) inputs the score
+magnitude is about 10, and a GPU kernel's FMA-chain dot differs from cuBLAS's order by more than
+twice eager's whole output error.
+
 Criterion 2 (the componentwise rounding-error bound) lives in :mod:`references.bounds`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +35,27 @@ from references.metrics import unit_roundoff
 
 FACTOR = {"out": 2.0, "lse": 2.0, "delta": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
 EXTRA_ROUNDINGS = 4
+GRADIENTS = ("dq", "dk", "dv")
+# Ops computed from P, whose every entry inherits the scores' relative error.
+FROM_P = ("out",) + GRADIENTS
+
+
+@dataclass(frozen=True)
+class Magnitudes:
+    """What criterion 1's floor of one op scales with (see :func:`magnitudes`)."""
+
+    summands: float
+    scores: float = 0.0
+    lse: float = 0.0
+
+
+def magnitudes(op: str, ref) -> Magnitudes:
+    """The floor's magnitudes of ``op`` from a float64 :class:`references.attention.Reference`:
+    the op's largest summand magnitude, the score magnitude (ops that depend on the scores) and the
+    largest finite |LSE| (gradients)."""
+    return Magnitudes(summands=summand_magnitude(op, ref),
+                      scores=score_magnitude(ref) if op != "delta" else 0.0,
+                      lse=max_finite_lse(ref) if op in GRADIENTS else 0.0)
 
 
 def stored_dtype(op: str, input_dtype: torch.dtype) -> torch.dtype:
@@ -67,34 +98,49 @@ def ds_magnitude(ref) -> torch.Tensor:
     return ref.p * (dp_mag + delta_mag)
 
 
-def floor(op: str, input_dtype: torch.dtype, magnitude: float, *, max_lse: float = 0.0) -> float:
-    """The tiny absolute floor of criterion 1 for ``op`` whose summands reach ``magnitude``.
+def floor(op: str, input_dtype: torch.dtype, magnitude: Magnitudes) -> float:
+    """The tiny absolute floor of criterion 1 for ``op`` with the given magnitudes.
 
     For the gradients it adds the price of the contract's float32 LSE: a backward that recomputes
     ``P = exp(s - lse)`` from the stored LSE (FlashAttention's backward does) sees every ``P`` with a
     relative error of up to ``u32 * |lse|``, which eager autograd, keeping P, never pays.
     """
+    if not isinstance(magnitude, Magnitudes):
+        raise TypeError(f"magnitude is a {type(magnitude).__name__}, but should be a "
+                        "references.criteria.Magnitudes (see criteria.magnitudes(op, ref))")
     dtype = stored_dtype(op, input_dtype)
     u_acc = unit_roundoff(stored_dtype("lse", input_dtype))
     # One rounding in the stored dtype, plus EXTRA_ROUNDINGS in the accumulator: fast kernels use the
     # hardware's approximate exp2 (up to 2 ulp where eager's exp is within 1) and fold the scale into
     # log2(e), converting scores to base 2 and the LSE back, each one more rounding eager never does.
     relative = unit_roundoff(dtype) + EXTRA_ROUNDINGS * u_acc
-    if op in ("dq", "dk", "dv"):
-        relative += u_acc * (max_lse + 1.0)
-    return relative * magnitude + torch.finfo(dtype).tiny
+    absolute = torch.finfo(dtype).tiny
+    if op in FROM_P:
+        relative += u_acc * magnitude.scores
+    elif op == "lse":
+        absolute += u_acc * magnitude.scores
+    if op in GRADIENTS:
+        relative += u_acc * (magnitude.lse + 1.0)
+    return relative * magnitude.summands + absolute
 
 
-def allowed_error(op: str, input_dtype: torch.dtype, *, baseline_error: float, magnitude: float,
-                  max_lse: float = 0.0) -> float:
+def allowed_error(op: str, input_dtype: torch.dtype, *, baseline_error: float, magnitude: Magnitudes) -> float:
     """Criterion 1's limit on the max absolute error of ``op``."""
     try:
         factor = FACTOR[op]
     except KeyError:
         raise ValueError(f"op={op!r}, but should be one of {tuple(FACTOR)}") from None
-    return factor * baseline_error + floor(op, input_dtype, magnitude, max_lse=max_lse)
+    return factor * baseline_error + floor(op, input_dtype, magnitude)
 
 
 def max_finite_lse(ref) -> float:
     finite = ref.lse[torch.isfinite(ref.lse)]
     return float(finite.abs().max()) if finite.numel() else 0.0
+
+
+def score_magnitude(ref) -> float:
+    """``max scale * sum_d |q_id| |k_jd|`` over the pairs with ``P_ij > 0``: the size of the terms
+    summed into the scores that matter."""
+    mag = abs(ref.scale) * (ref.q64.abs() @ ref.k_expanded.abs().transpose(-1, -2))
+    mag = torch.where(ref.p > 0, mag, 0.0)
+    return float(mag.max()) if mag.numel() else 0.0

@@ -150,7 +150,7 @@ def measure(impl, case, t, truth: _Truth, *, device: str, backward: bool) -> tup
     import torch
 
     from references import bounds
-    from references.criteria import max_finite_lse, summand_magnitude
+    from references.criteria import magnitudes
     from verify.harness import Context, PropertyFailure, assert_accurate, run_forward
 
     records: list[dict] = []
@@ -171,10 +171,10 @@ def measure(impl, case, t, truth: _Truth, *, device: str, backward: bool) -> tup
     with torch.no_grad():
         out, lse = run_forward(ctx("out"), case, t.q, t.k, t.v)
     check("out", actual=out, expected=ref.out, baseline=truth.base_out, bound=truth.out_bound,
-          magnitude=summand_magnitude("out", ref))
+          magnitude=magnitudes("out", ref))
     if lse is not None:
         check("lse", actual=lse, expected=ref.lse, baseline=truth.base_lse, bound=truth.lse_bound,
-              magnitude=summand_magnitude("lse", ref))
+              magnitude=magnitudes("lse", ref))
     if not backward:
         return records, problems
     if not impl.autograd:
@@ -193,8 +193,7 @@ def measure(impl, case, t, truth: _Truth, *, device: str, backward: bool) -> tup
         if got is None:
             problems.append(f"{op} is None after out.backward(dout)")
             continue
-        check(op, actual=got, expected=exp, baseline=base, bound=bnd, magnitude=summand_magnitude(op, ref),
-              max_lse=max_finite_lse(ref))
+        check(op, actual=got, expected=exp, baseline=base, bound=bnd, magnitude=magnitudes(op, ref))
     return records, problems
 
 

@@ -8,7 +8,7 @@ import torch
 
 from kernels.registry import Implementation
 from references import attention as reference
-from references import baseline, bounds
+from references import baseline, bounds, criteria
 from strategies.cases import AttentionCase
 from verify.harness import Context, PropertyFailure, assert_accurate, assert_close, check_tensor, run_forward
 
@@ -25,7 +25,7 @@ def _setup():
     ref = reference.attention(t.q, t.k, t.v, causal=True)
     base, _ = baseline.forward(t.q, t.k, t.v, causal=True)
     bound, _ = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
-    mag = float((ref.p @ ref.v_expanded.abs()).max())
+    mag = criteria.magnitudes("out", ref)
     return t, ref, base, bound, mag
 
 

@@ -105,12 +105,12 @@ def _fmt_index(idx: tuple[int, ...]) -> str:
 
 def assert_accurate(ctx: Context, *, op: str, actual: torch.Tensor, expected: torch.Tensor,
                     baseline: torch.Tensor, bound: torch.Tensor, input_dtype: torch.dtype,
-                    magnitude: float, max_lse: float = 0.0) -> ErrorStats:
+                    magnitude: criteria.Magnitudes) -> ErrorStats:
     """Both pass criteria for one op (``out``, ``lse``, ``delta``, ``dq``, ``dk``, ``dv``).
 
     ``actual`` is the kernel's result, ``expected`` the float64 reference, ``baseline`` the
     same-precision eager result, ``bound`` the componentwise rounding-error bound and ``magnitude``
-    the largest summand magnitude of the op (it scales criterion 1's floor).
+    what criterion 1's floor scales with (:func:`references.criteria.magnitudes`).
     """
     __tracebackhide__ = True
     if expected.dtype != torch.float64:
@@ -124,8 +124,7 @@ def assert_accurate(ctx: Context, *, op: str, actual: torch.Tensor, expected: to
     stats = error_stats(actual, expected, dtype=stored)
     err = abs_error(actual, expected, dtype=stored)
     base_err = float(abs_error(baseline, expected).max()) if baseline.numel() else 0.0
-    allowed = criteria.allowed_error(op, input_dtype, baseline_error=base_err, magnitude=magnitude,
-                                     max_lse=max_lse)
+    allowed = criteria.allowed_error(op, input_dtype, baseline_error=base_err, magnitude=magnitude)
     ratio, ratio_at = max_ratio(err, bound)
     passed = stats.max_abs <= allowed and ratio <= 1.0 and stats.nan_count == 0
     ctx.record({

@@ -17,7 +17,7 @@ import torch
 from kernels.registry import registry
 from references import attention as reference
 from references import baseline, bounds, mp
-from references.criteria import ds_magnitude, max_finite_lse, summand_magnitude
+from references.criteria import ds_magnitude, magnitudes
 from references.metrics import abs_error, max_ratio, unit_roundoff
 from references.softmax_bounds import softmax_bounds
 from strategies.cases import DTYPES, AttentionCase
@@ -73,7 +73,7 @@ def out_matches_reference(ctx: Context, case: AttentionCase) -> None:
                                    alignment=ctx.impl.causal_alignment)
     out_bound, _ = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
     assert_accurate(ctx, op="out", actual=out, expected=ref.out, baseline=base_out, bound=out_bound,
-                    input_dtype=t.q.dtype, magnitude=summand_magnitude("out", ref))
+                    input_dtype=t.q.dtype, magnitude=magnitudes("out", ref))
 
 
 @prop
@@ -87,7 +87,7 @@ def lse_matches_reference(ctx: Context, case: AttentionCase) -> None:
                                    alignment=ctx.impl.causal_alignment)
     _, lse_bound = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
     assert_accurate(ctx, op="lse", actual=lse, expected=ref.lse, baseline=base_lse, bound=lse_bound,
-                    input_dtype=t.q.dtype, magnitude=summand_magnitude("lse", ref))
+                    input_dtype=t.q.dtype, magnitude=magnitudes("lse", ref))
 
 
 @prop
@@ -421,7 +421,7 @@ def gradients_match_reference(ctx: Context, case: AttentionCase) -> None:
     for op, got, exp, base, bnd in (("dv", dv, ref.dv, bdv, dv_b), ("dk", dk, ref.dk, bdk, dk_b),
                                     ("dq", dq, ref.dq, bdq, dq_b)):
         assert_accurate(ctx, op=op, actual=got, expected=exp, baseline=base, bound=bnd,
-                        input_dtype=t.q.dtype, magnitude=summand_magnitude(op, ref), max_lse=max_finite_lse(ref))
+                        input_dtype=t.q.dtype, magnitude=magnitudes(op, ref))
 
 
 @prop
@@ -452,7 +452,7 @@ def delta_matches_reference(ctx: Context, case: AttentionCase) -> None:
     base_exact = (do64 * base_out.to(torch.float64)).sum(dim=-1)
     *_, delta_b = _backward_bounds(ctx, ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
     assert_accurate(ctx, op="delta", actual=delta, expected=exact, baseline=base_delta + (exact - base_exact),
-                    bound=delta_b, input_dtype=t.q.dtype, magnitude=summand_magnitude("delta", ref))
+                    bound=delta_b, input_dtype=t.q.dtype, magnitude=magnitudes("delta", ref))
 
 
 def _delta_identity_tolerance(ref):

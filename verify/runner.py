@@ -121,6 +121,38 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
     run()
 
 
+def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bool) -> AttentionCase:
+    """The largest case the limits allow, for one fixed example that drawing may never reach: Nk at
+    ``max_len``, as many queries as ``max_scores`` leaves (at most Nk), one head, the largest head dim
+    up to 128 the implementation accepts, N(0, 1) inputs, the implementation's own block sizes."""
+    limits = _limits_for(impl, limits)
+    len_k = limits.max_len
+    len_q = max(1, min(len_k, limits.max_scores // len_k))
+    dims = [d for d in (impl.head_dims or range(1, limits.max_head_dim + 1))
+            if d <= min(128, limits.max_head_dim) and d % 8 == 0] or sorted(impl.head_dims or [8])[:1]
+    return AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=len_q, len_k=len_k, head_dim=max(dims),
+                         dtype=dtype, causal=causal, magnitude="normal", seed=0, layout="contiguous")
+
+
+def check_longest(prop: str, impl: Implementation, dtype: str, env: Env, *, causal: bool,
+                  requires: Iterable[str] = ()) -> None:
+    """Check attention property ``prop`` on :func:`longest_case` (no drawing: one fixed example)."""
+    __tracebackhide__ = True
+    if impl.kind != "attention":
+        pytest.skip(f"{impl.name} is a {impl.kind} kernel")
+    reason = skip_reason(impl, dtype, env, requires)
+    if reason:
+        pytest.skip(reason)
+    if causal and not impl.causal:
+        pytest.skip(f"{impl.name} declares no causal masking")
+    case = longest_case(impl, dtype, env.limits, causal=causal)
+    ctx = Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case)
+    try:
+        properties.PROPERTIES[prop](ctx, case)
+    except (NotApplicable, Inapplicable) as exc:
+        pytest.skip(f"{case.describe()}: {exc}")
+
+
 def check_softmax(prop: str, impl: Implementation, dtype: str, env: Env) -> None:
     """Check softmax property ``prop`` on the softmax kernel ``impl`` in ``dtype``."""
     __tracebackhide__ = True
@@ -158,4 +190,4 @@ def at_least(field: str, n: int) -> Adjust:
     return adjust
 
 
-__all__ = ["DTYPE_NAMES", "Env", "check_attention", "check_softmax", "longer", "at_least", "dtype_name"]
+__all__ = ["DTYPE_NAMES", "Env", "check_attention", "check_longest", "check_softmax", "longest_case", "longer", "at_least", "dtype_name"]

@@ -1,0 +1,59 @@
+"""Criterion 1's floor: what two correct kernels that only sum in different orders may differ by."""
+
+import math
+
+import pytest
+import torch
+
+from references import attention as reference
+from references import criteria
+from strategies.cases import AttentionCase
+
+# The case on which a GPU Triton FA2 kernel first failed criterion 1 in float32 (its FMA-chain dot
+# sums the head dimension in another order than cuBLAS; 1.17e-6 against eager's 1.65e-7).
+CASE = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=32, len_k=91, head_dim=120, dtype="float32",
+                     causal=False, magnitude="normal", seed=0, layout="contiguous", block_m=16, block_n=16)
+
+
+def _sequential_scores(q, k, scale):
+    """Scores summed over the head dimension one term at a time (an FMA chain's order)."""
+    acc = torch.zeros(q.shape[0], k.shape[0], dtype=torch.float32)
+    for d in range(q.shape[1]):
+        acc = acc + q[:, d:d + 1] * k[:, d][None, :]
+    return acc * scale
+
+
+def test_floor_covers_scores_summed_in_another_order():
+    t = CASE.build()
+    ref = reference.attention(t.q, t.k, t.v)
+    q, k, v = t.q[0, 0], t.k[0, 0], t.v[0, 0]
+    s = _sequential_scores(q, k, 1 / math.sqrt(CASE.head_dim))
+    p = torch.exp(s - s.max(-1, keepdim=True).values)
+    # Everything after the scores exact: only the order of the score sums differs from a good kernel.
+    out = (p.double() @ v.double() / p.double().sum(-1, keepdim=True)).float()
+    err = float((out.double() - ref.out[0, 0]).abs().max())
+    mags = criteria.magnitudes("out", ref)
+    assert mags.scores > 5.0  # ~ sqrt(2/pi) * sqrt(D) for N(0, 1) inputs
+    with_scores = criteria.floor("out", torch.float32, mags)
+    without = criteria.floor("out", torch.float32, criteria.Magnitudes(summands=mags.summands))
+    assert without < err <= with_scores, (without, err, with_scores)
+
+
+def test_floor_terms_by_op():
+    m = criteria.Magnitudes(summands=2.0, scores=10.0, lse=5.0)
+    u32 = 2.0 ** -24
+    for op in ("out", "dq", "dk", "dv"):
+        assert criteria.floor(op, torch.float16, m) > criteria.floor(op, torch.float16, criteria.Magnitudes(2.0, 0.0, 5.0))
+    # The LSE gets the score rounding as an absolute term; Delta (from the kernel's own O) gets none.
+    lse = criteria.floor("lse", torch.float16, m) - criteria.floor("lse", torch.float16, criteria.Magnitudes(2.0))
+    assert lse == pytest.approx(10.0 * u32, rel=1e-12)
+    assert criteria.floor("delta", torch.float16, m) == criteria.floor("delta", torch.float16, criteria.Magnitudes(2.0))
+    t = CASE.build()
+    assert criteria.magnitudes("delta", reference.attention(t.q, t.k, t.v, dout=t.dout)).scores == 0.0
+
+
+def test_floor_refuses_a_bare_number():
+    with pytest.raises(TypeError, match="should be a references.criteria.Magnitudes"):
+        criteria.floor("out", torch.float16, 1.0)
+    with pytest.raises(ValueError, match="op='o', but should be one of"):
+        criteria.allowed_error("o", torch.float16, baseline_error=0.0, magnitude=criteria.Magnitudes(1.0))
