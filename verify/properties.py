@@ -521,11 +521,19 @@ def gqa_gradients_sum_over_group(ctx: Context, case: AttentionCase) -> None:
     _, dk_bf, dv_bf, _ = _backward_bounds(ctx, ref_full, t.q, k_full, v_full, dtype=t.q.dtype, out=out)
     f64 = torch.float64
     group_sum = lambda g: reference.reduce_group(g.to(f64), case.heads_kv)  # noqa: E731
-    # Compared in the kernel's dtype: a group sum beyond its range is the infinity it rounds to.
-    _same(ctx, what="dK with GQA vs group sum of dK with repeated heads", a=dk_g, b=group_sum(dk_f),
-          tol=dk_b + group_sum(dk_bf))
-    _same(ctx, what="dV with GQA vs group sum of dV with repeated heads", a=dv_g, b=group_sum(dv_f),
-          tol=dv_b + group_sum(dv_bf))
+    big = torch.finfo(t.q.dtype).max
+    for label, got, per_head, per_head_ref, tol in (("dK", dk_g, dk_f, ref_full.dk, dk_b + group_sum(dk_bf)),
+                                                    ("dV", dv_g, dv_f, ref_full.dv, dv_b + group_sum(dv_bf))):
+        # A per-head gradient beyond the dtype's range is inf in the repeated-heads run, while the GQA
+        # kernel sums the group before rounding and may land back in range (seen on an H200: -42656 vs
+        # -inf): no agreement is owed where a group member's true per-head value is that large. An inf
+        # whose reference is far inside the range is still compared (and fails).
+        beyond = torch.isinf(per_head) & (per_head_ref.abs() > big / 2)
+        skip = group_sum(beyond) > 0
+        # Compared in the kernel's dtype: a group sum beyond its range is the infinity it rounds to.
+        _same(ctx, what=f"{label} with GQA vs group sum of {label} with repeated heads",
+              a=torch.where(skip, 0.0, got.to(f64)).to(got.dtype),
+              b=torch.where(skip, 0.0, group_sum(per_head)), tol=tol)
     _same(ctx, what="dQ with GQA vs repeated heads", a=dq_g, b=dq_f, tol=2 * dq_b)
 
 

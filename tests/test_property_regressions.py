@@ -1,0 +1,26 @@
+"""Cases on which a property once failed a correct kernel: the property was wrong, and must stay fixed.
+
+Each replays through ``python -m verify.replay`` (its ``main``) on a shipped CPU kernel.
+"""
+
+import json
+
+import pytest
+
+from verify import replay
+
+CASES = [
+    # fp16 GQA with v_wide_range: one query head's dK is beyond float16's range (inf when the heads are
+    # repeated), while the GQA kernel sums the group before rounding (-42656). Found on an H200 with
+    # triton_fa2; eager and the blocked kernels failed it the same way.
+    ("gqa_gradients_sum_over_group",
+     dict(batch=1, heads_q=3, heads_kv=1, len_q=126, len_k=32, head_dim=72, dtype="float16", causal=False,
+          magnitude="v_wide_range", seed=0, layout="bnhd", scale=0.5, block_m=None, block_n=None)),
+]
+
+
+@pytest.mark.parametrize("impl_name", ["eager", "fa2_blocked", "fa1_blocked"])
+@pytest.mark.parametrize("prop,case", CASES, ids=[c[0] for c in CASES])
+def test_correct_kernel_passes(impl_name, prop, case, capsys):
+    rc = replay.main(["--impl", impl_name, "--property", prop, "--device", "cpu", "--case", json.dumps(case)])
+    assert rc == 0, capsys.readouterr().out
