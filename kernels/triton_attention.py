@@ -9,6 +9,12 @@ conventions and the same precision behaviour:
 * Exponentials are base 2, the GPU's native one: the kernels scale the scores by ``scale * log2(e)``,
   so ``s2 = log2(e) * s`` and the running max ``m2`` are in log2 units and ``p = exp2(s2 - m2)`` equals
   ``exp(s - m)``. The LSE is converted back to the natural log: ``lse = ln(2) * m2 + log(l)``.
+  The forward keeps its running max in raw units (``m = max sign(scale) q.k``) and forms the exponent
+  as ``(q.k - m) * |scale| * log2(e)``: the difference is exact near the max, so each ``p`` errs by a
+  rounding of ``s2 - m2``, not of ``s2`` (with logits near 1e4, about 1e-7 instead of 1e-3 relative),
+  and the largest ``p`` of a row is exactly 1. The backward recomputes ``p = exp2(s2 - log2(e) lse)``
+  with ``s2`` rounded as before; the forward's LSE is built from the same rounded ``s2`` of the row's
+  max, so that rounding cancels at the entries that matter most.
 
 Forward, one program per (Q block, batch * query head), looping over KV blocks::
 
@@ -212,31 +218,39 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, MASKED: tl.constexpr, INNER_SCALED: tl.constexpr):
     """Consume the KV blocks lo, lo + BLOCK_N, ... < hi into the running (acc, m, l) of one Q tile;
-    ``qk_scale = scale * log2(e)``, so the scores and ``m`` are in log2 units.
+    ``qk_scale = scale * log2(e)``; ``m`` is the running max of ``sign(scale) * q.k`` (raw units).
 
     MASKED: keys at or past ``kv_end`` are loaded as 0 and their scores (and, if CAUSAL, those of keys
     a row may not see) are set to -inf; otherwise every key in [lo, hi) is visible to every row.
     """
+    sign = tl.where(qk_scale < 0, -1.0, 1.0)
+    c_abs = qk_scale * sign
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         k = _load_rows(K + cols[:, None] * stride_kn, cols, kv_end, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        # -- scores in float32, log2 units
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        # -- raw scores q.k in float32, sign-adjusted so that the largest is the largest scaled score
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sign
         if MASKED:
             visible = cols[None, :] < kv_end
             if CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
-            s = tl.where(visible, s, float("-inf"))
-        # -- new running max; a row that has seen only masked keys subtracts 0 instead of -inf
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            qk = tl.where(visible, qk, float("-inf"))
+        # -- new running max (raw units); a row that has seen only masked keys subtracts 0, not -inf
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         if MASKED:
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_ref = m_new
-        alpha = tl.math.exp2(m_i - m_ref)
-        p = tl.math.exp2(s - m_ref[:, None])
+        # p = exp2((qk - m) * |scale| log2(e)): qk - m is exact for the keys near the max (Sterbenz), so
+        # each p errs by a rounding of its exponent s - m, not of s (about 1e-7 against 1e-3 relative for
+        # scores near 1e4), and the max itself gets p = 1 exactly.
+        alpha = tl.where(m_i == float("-inf"), 0.0, tl.math.exp2((m_i - m_ref) * c_abs))
+        arg = (qk - m_ref[:, None]) * c_abs
+        if MASKED:
+            arg = tl.where(visible, arg, float("-inf"))
+        p = tl.math.exp2(arg)
         l_new = l_i * alpha + tl.sum(p, axis=1)
         # -- p in the input dtype for the P @ V dot, accumulated in float32
         p_low = p.to(v.dtype)
@@ -318,7 +332,11 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale,
         out = acc
     else:
         out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), m_i * _LN2 + tl.log(l_safe))
+    # m is in raw units: lse = ln(2) (m |scale| log2(e) + log2(l)). m * |scale| log2(e) is rounded exactly
+    # as the backward rounds q.k * scale log2(e) (one product of the same two numbers), so at a row's
+    # largest score the backward's exponent s2 - lse2 sees that rounding cancel, as the forward's did.
+    c_abs = tl.where(qk_scale < 0, -qk_scale, qk_scale)
+    lse = tl.where(empty, float("-inf"), (m_i * c_abs + tl.log2(l_safe)) * _LN2)
     _store_rows(Out + off_b * stride_ob + off_h * stride_oh
                 + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
                 out.to(Out.dtype.element_ty), offs_m, len_q, offs_d, HEAD_DIM)
