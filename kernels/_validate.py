@@ -95,3 +95,57 @@ def check_backward_inputs(q, k, v, out, lse, dout, *, kernel: str) -> None:
         raise ValueError(f"{kernel}: lse.shape={tuple(lse.shape)}, but should be {tuple(q.shape[:3])}")
     if dout.dtype != q.dtype or out.dtype != q.dtype:
         raise ValueError(f"{kernel}: out and dout should have q's dtype {q.dtype}, got {out.dtype} and {dout.dtype}")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[first, last)`` a tensor's elements can occupy (non-negative strides)."""
+    start = t.data_ptr()
+    last = start + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) * t.element_size()
+    return start, last + t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory spans overlap (conservative: interleaved views count as overlapping)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def check_out_buffers(q, k, v, out, lse, *, kernel: str, lse_dtypes: Iterable[torch.dtype]) -> None:
+    """Validate caller-provided output buffers (``out=``, ``lse=``; either may be None).
+
+    Any strides are accepted (views into larger buffers, transposed storage). Raises TypeError for
+    non-tensors and ValueError for a wrong shape, dtype or device, a buffer that requires grad, one whose
+    elements overlap each other (stride 0, an expanded view), or one overlapping q, k, v or the other.
+    """
+    lse_dtypes = tuple(lse_dtypes)
+    wanted = {"out": (tuple(q.shape), (q.dtype,), "q's shape [batch, heads_q, len_q, head_dim]"),
+              "lse": (tuple(q.shape[:3]), lse_dtypes, "q's shape without head_dim [batch, heads_q, len_q]")}
+    given = [(label, t) for label, t in (("out", out), ("lse", lse)) if t is not None]
+    for label, t in given:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{kernel}: {label}= is a {type(t).__name__}, but should be a torch.Tensor or None")
+        shape, dtypes, words = wanted[label]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{kernel}: {label}.shape={tuple(t.shape)}, but should be {shape} ({words})")
+        if t.dtype not in dtypes:
+            raise ValueError(f"{kernel}: {label}.dtype={str(t.dtype).removeprefix('torch.')}, but should be "
+                             f"{_dtype_names(dtypes)} for {str(q.dtype).removeprefix('torch.')} inputs")
+        if t.device != q.device:
+            raise ValueError(f"{kernel}: {label} is on {t.device}, but should be on q's device {q.device}")
+        if t.requires_grad:
+            raise ValueError(f"{kernel}: {label} requires grad; pass a buffer that does not (gradients flow "
+                             "to q, k, v through the returned out)")
+        for dim, (n, s) in enumerate(zip(t.shape, t.stride())):
+            if n > 1 and s == 0:
+                raise ValueError(f"{kernel}: {label} has stride 0 in dim {dim} (size {n}): an expanded view "
+                                 "whose elements overlap cannot be written; any other strides are allowed")
+        for other_label, other in (("q", q), ("k", k), ("v", v)):
+            if _overlaps(t, other):
+                raise ValueError(f"{kernel}: {label} overlaps {other_label} in memory; the kernel reads "
+                                 f"{other_label} while it writes {label}: pass a separate buffer")
+    if out is not None and lse is not None and _overlaps(out, lse):
+        raise ValueError(f"{kernel}: out and lse overlap in memory: pass separate buffers")

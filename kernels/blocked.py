@@ -107,16 +107,27 @@ def _check(q, k, v, *, kernel, scale, block_m, block_n):
     return _default_scale(q.shape[-1]) if scale is None else float(scale)
 
 
+def _outputs(q, k, v, out, lse, *, kernel):
+    """The ``(out, lse)`` tensors to write: the caller's buffers where given (validated), else new ones."""
+    _validate.check_out_buffers(q, k, v, out, lse, kernel=kernel, lse_dtypes=(_acc_dtype(q.dtype),))
+    b, hq, len_q, d = q.shape
+    if out is None:
+        out = torch.empty(b, hq, len_q, d, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(b, hq, len_q, dtype=_acc_dtype(q.dtype), device=q.device)
+    return out, lse
+
+
 def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,
-                    block_m: int = 64, block_n: int = 64):
-    """FA2 forward without autograd: returns ``(out, lse)``."""
+                    block_m: int = 64, block_n: int = 64, out=None, lse=None):
+    """FA2 forward without autograd: returns ``(out, lse)``. ``out``/``lse`` given: the results are
+    written into them (any strides) and they are returned."""
     scale = _check(q, k, v, kernel="fa2_blocked", scale=scale, block_m=block_m, block_n=block_n)
+    out, lse = _outputs(q, k, v, out, lse, kernel="fa2_blocked")
     b, hq, len_q, d = q.shape
     len_k = k.shape[2]
     acc_dtype = _acc_dtype(q.dtype)
     k_all, v_all = _expand_kv(k, hq), _expand_kv(v, hq)
-    out = torch.empty(b, hq, len_q, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, hq, len_q, dtype=acc_dtype, device=q.device)
     for m0 in range(0, len_q, block_m):
         m1 = min(m0 + block_m, len_q)
         q_tile = q[:, :, m0:m1]
@@ -144,9 +155,11 @@ def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
 
 
 def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,
-                    block_m: int = 64, block_n: int = 64):
-    """FA1 forward without autograd: returns ``(out, lse)``; the output is renormalised every step."""
+                    block_m: int = 64, block_n: int = 64, out=None, lse=None):
+    """FA1 forward without autograd: returns ``(out, lse)``; the output is renormalised every step.
+    ``out``/``lse`` given: the results are written into them (any strides) and they are returned."""
     scale = _check(q, k, v, kernel="fa1_blocked", scale=scale, block_m=block_m, block_n=block_n)
+    out, lse = _outputs(q, k, v, out, lse, kernel="fa1_blocked")
     b, hq, len_q, d = q.shape
     len_k = k.shape[2]
     acc_dtype = _acc_dtype(q.dtype)
@@ -171,8 +184,9 @@ def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
             numer = (alpha * l_old)[..., None] * o[:, :, m0:m1] + pv
             o[:, :, m0:m1] = numer / torch.where(l_new == 0, 1.0, l_new)[..., None]
             m[:, :, m0:m1], l[:, :, m0:m1] = m_new, l_new
-    lse = torch.where(l == 0, NEG_INF, m + torch.log(l))
-    return o.to(q.dtype), lse
+    lse.copy_(torch.where(l == 0, NEG_INF, m + torch.log(l)))
+    out.copy_(o.to(q.dtype))
+    return out, lse
 
 
 def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
@@ -232,16 +246,52 @@ class _BlockedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+class _BlockedAttentionInto(torch.autograd.Function):
+    """The forward writing into caller buffers. Autograd lets a Function that writes into a view in
+    place (``mark_dirty``) return one tensor only: ``out``, the first input, is that one; ``lse`` is
+    written in place too and is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, out, lse, q, k, v, causal, scale, block_m, block_n, forward_raw):
+        forward_raw(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n, out=out, lse=lse)
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.settings = (causal, scale, block_m, block_n)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, scale, block_m, block_n = ctx.settings
+        dq, dk, dv, _ = fa2_backward(q, k, v, out, lse, dout, causal=causal, scale=scale,
+                                     block_m=block_m, block_n=block_n)
+        return None, None, dq, dk, dv, None, None, None, None, None
+
+
+def _apply(q, k, v, causal, scale, block_m, block_n, forward_raw, out, lse, kernel):
+    if out is None and lse is None:
+        return _BlockedAttention.apply(q, k, v, causal, scale, block_m, block_n, forward_raw)
+    _check(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
+    out, lse = _outputs(q, k, v, out, lse, kernel=kernel)
+    return _BlockedAttentionInto.apply(out, lse, q, k, v, causal, scale, block_m, block_n, forward_raw), lse
+
+
 def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                block_m: int = 64, block_n: int = 64):
-    """FA2 forward with autograd: ``(out, lse)``; gradients flow through ``out``."""
-    return _BlockedAttention.apply(q, k, v, causal, scale, block_m, block_n, fa2_forward_raw)
+                block_m: int = 64, block_n: int = 64, out=None, lse=None):
+    """FA2 forward with autograd: ``(out, lse)``; gradients flow through ``out``.
+
+    ``out=`` (q's shape and dtype) and ``lse=`` (``[B, Hq, Nq]``, float32; float64 for float64 inputs),
+    views with any strides, receive the results, and are what is returned (see ``out_buffers`` in
+    :class:`kernels.registry.Implementation`); gradients still flow to q, k, v through the returned out.
+    """
+    return _apply(q, k, v, causal, scale, block_m, block_n, fa2_forward_raw, out, lse, "fa2_blocked")
 
 
 def fa1_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                block_m: int = 64, block_n: int = 64):
-    """FA1 forward with autograd (the backward is the blocked FA2 backward, which needs only O and LSE)."""
-    return _BlockedAttention.apply(q, k, v, causal, scale, block_m, block_n, fa1_forward_raw)
+                block_m: int = 64, block_n: int = 64, out=None, lse=None):
+    """FA1 forward with autograd (the backward is the blocked FA2 backward, which needs only O and LSE);
+    ``out=``/``lse=`` as for :func:`fa2_forward`."""
+    return _apply(q, k, v, causal, scale, block_m, block_n, fa1_forward_raw, out, lse, "fa1_blocked")
 
 
 # Any positive block size is valid; the suite draws from these.
@@ -249,11 +299,11 @@ _BLOCKS = (1, 2, 3, 4, 5, 7, 8, 13, 16, 32, 64)
 
 FA2_BLOCKED = register(Implementation(
     name="fa2_blocked", forward=fa2_forward, backward=fa2_backward, gqa=True,
-    block_m=_BLOCKS, block_n=_BLOCKS, sibling="fa1_blocked",
+    block_m=_BLOCKS, block_n=_BLOCKS, sibling="fa1_blocked", out_buffers=True,
     description="blocked PyTorch FlashAttention-2: outer-scaled forward, blocked backward",
 ))
 FA1_BLOCKED = register(Implementation(
     name="fa1_blocked", forward=fa1_forward, backward=fa2_backward, gqa=True,
-    block_m=_BLOCKS, block_n=_BLOCKS,
+    block_m=_BLOCKS, block_n=_BLOCKS, out_buffers=True,
     description="blocked PyTorch FlashAttention-1: inner-scaled forward",
 ))

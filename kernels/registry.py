@@ -19,6 +19,20 @@ How to add a kernel: write a function with the contract in DESIGN.md,
 and either add it to ``SHIPPED`` below or point the suite at it with
 ``pytest verify --impl package.module:MY_KERNEL`` or ``--impl path/to/file.py:MY_KERNEL``. A plain
 callable also works: ``--impl path/to/file.py:my_forward`` gets the defaults of :func:`from_callable`.
+
+Optional capabilities a declaration may add (each unlocks the properties that need it):
+
+``deterministic`` (default True)
+    Repeated calls on the same inputs give bitwise identical results (forward and autograd backward).
+    ``run_to_run_identical`` holds a declared-deterministic kernel to that; for one declared
+    ``deterministic=False`` (atomics in its backward, say) it measures the run-to-run difference,
+    records it in the report and skips with the measured values in the reason.
+``out_buffers`` (default False)
+    The forward also accepts keyword tensors ``out=`` (q's shape and dtype) and ``lse=``
+    (``[B, Hq, Nq]``, the LSE dtype), each optional: views with any strides into caller buffers. It writes
+    its results there, touches no memory outside the views, and returns them as ``(out, lse)``.
+    ``outputs_stay_in_bounds`` passes views into NaN-filled buffers and checks that every padding
+    element is bitwise unchanged afterwards.
 """
 
 from __future__ import annotations
@@ -48,7 +62,7 @@ class Implementation:
     """One kernel under test and what it declares it supports.
 
     Attention kernels (``kind="attention"``):
-      forward(q, k, v, *, causal, scale[, block_m, block_n]) -> (out, lse) or out
+      forward(q, k, v, *, causal, scale[, block_m, block_n][, out, lse]) -> (out, lse) or out
       backward(q, k, v, out, lse, dout, *, causal, scale[, block_m, block_n]) -> (dq, dk, dv, delta)
     Softmax kernels (``kind="softmax"``):
       forward(x[, block_n=...]) -> (y, lse) over the last dimension of a 2-D float tensor.
@@ -70,7 +84,10 @@ class Implementation:
     returns_lse: bool = True
     autograd: bool = True
     backward: Callable[..., Any] | None = None
+    # Repeated calls on the same inputs give bitwise identical results (see the module docstring).
     deterministic: bool = True
+    # The forward accepts out= and lse= views into caller buffers and writes its results there.
+    out_buffers: bool = False
     # Largest sequence length and head dim the suite should try (None: no limit of the kernel's own).
     max_seq_len: int | None = None
     # Cap on Hypothesis examples per property (for slow environments such as the Triton interpreter).
@@ -140,13 +157,23 @@ class Implementation:
         return None
 
     def call(self, q, k, v, *, causal: bool, scale: float | None = None,
-             block_m: int | None = None, block_n: int | None = None):
-        """Run the forward and normalise the result to ``(out, lse_or_None)``."""
+             block_m: int | None = None, block_n: int | None = None,
+             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+        """Run the forward and normalise the result to ``(out, lse_or_None)``. ``out``/``lse`` are passed
+        on as the forward's ``out=``/``lse=`` buffers; only for a declaration with ``out_buffers``."""
         kwargs: dict[str, Any] = {"causal": causal, "scale": scale}
         if self.tunable and block_m is not None:
             kwargs["block_m"] = block_m
         if self.tunable and block_n is not None:
             kwargs["block_n"] = block_n
+        if out is not None or lse is not None:
+            if not self.out_buffers:
+                raise ImplementationError(f"{self.name} declares no out_buffers: its forward takes no "
+                                          "out=/lse= buffers")
+            if out is not None:
+                kwargs["out"] = out
+            if lse is not None:
+                kwargs["lse"] = lse
         result = self.forward(q, k, v, **kwargs)
         if isinstance(result, torch.Tensor):
             return result, None

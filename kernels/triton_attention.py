@@ -608,15 +608,28 @@ def _run(kernel, tuned, grid_of, args: tuple, meta: dict, blocks, block_d: int, 
                      num_warps=options["num_warps"], num_stages=1)
 
 
-def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bool, kernel: str):
-    """Shared launcher of the FA1 and FA2 forward kernels: returns ``(out, lse)``, no autograd."""
+def _outputs(q, k, v, out, lse, *, kernel: str):
+    """The ``(out, lse)`` tensors the forward writes: the caller's buffers where given (validated; the
+    kernel writes through their strides, so any strided view works), else new contiguous ones."""
+    _validate.check_out_buffers(q, k, v, out, lse, kernel=kernel, lse_dtypes=(torch.float32,))
+    b, hq, len_q, d = q.shape
+    if out is None:
+        out = torch.empty((b, hq, len_q, d), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((b, hq, len_q), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bool, kernel: str,
+             out=None, lse=None):
+    """Shared launcher of the FA1 and FA2 forward kernels: returns ``(out, lse)``, no autograd.
+    ``out``/``lse`` given: the kernel writes into them and they are returned."""
     scale = _check_inputs(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
     if not isinstance(causal, bool):
         raise TypeError(f"{kernel}: causal={causal!r}, but should be a bool")
     b, hq, len_q, d = q.shape
     hkv, len_k = k.shape[1], k.shape[2]
-    out = torch.empty((b, hq, len_q, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, hq, len_q), dtype=torch.float32, device=q.device)
+    out, lse = _outputs(q, k, v, out, lse, kernel=kernel)
     if b * hq * len_q == 0:
         return out, lse
     block_d = _padded_head_dim(d)
@@ -630,17 +643,19 @@ def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bo
 
 
 def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,
-                    block_m: int | None = None, block_n: int | None = None):
-    """Triton FA2 forward (outer-scaled) without autograd: returns ``(out, lse)``."""
+                    block_m: int | None = None, block_n: int | None = None, out=None, lse=None):
+    """Triton FA2 forward (outer-scaled) without autograd: returns ``(out, lse)`` (written into the
+    ``out``/``lse`` buffers when given)."""
     return _forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                    inner_scaled=False, kernel="triton_fa2")
+                    inner_scaled=False, kernel="triton_fa2", out=out, lse=lse)
 
 
 def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,
-                    block_m: int | None = None, block_n: int | None = None):
-    """Triton FA1 forward (inner-scaled: renormalised every KV step) without autograd: ``(out, lse)``."""
+                    block_m: int | None = None, block_n: int | None = None, out=None, lse=None):
+    """Triton FA1 forward (inner-scaled: renormalised every KV step) without autograd: ``(out, lse)``
+    (written into the ``out``/``lse`` buffers when given)."""
     return _forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                    inner_scaled=True, kernel="triton_fa1")
+                    inner_scaled=True, kernel="triton_fa1", out=out, lse=lse)
 
 
 def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
@@ -713,20 +728,55 @@ class _TritonAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+class _TritonAttentionInto(torch.autograd.Function):
+    """The forward writing into caller buffers. Autograd lets a Function that writes into a view in
+    place (``mark_dirty``) return one tensor only: ``out``, the first input, is that one; ``lse`` is
+    written in place too and is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, out, lse, q, k, v, causal, scale, block_m, block_n, inner_scaled):
+        _forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
+                 inner_scaled=inner_scaled, kernel="triton_fa1" if inner_scaled else "triton_fa2",
+                 out=out, lse=lse)
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.settings = (causal, scale, block_m, block_n)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, scale, block_m, block_n = ctx.settings
+        dq, dk, dv, _ = fa2_backward(q, k, v, out, lse, dout, causal=causal, scale=scale,
+                                     block_m=block_m, block_n=block_n)
+        return None, None, dq, dk, dv, None, None, None, None, None
+
+
+def _apply(q, k, v, causal, scale, block_m, block_n, inner_scaled: bool, out, lse):
+    if out is None and lse is None:
+        return _TritonAttention.apply(q, k, v, causal, scale, block_m, block_n, inner_scaled)
+    kernel = "triton_fa1" if inner_scaled else "triton_fa2"
+    _check_inputs(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
+    out, lse = _outputs(q, k, v, out, lse, kernel=kernel)
+    return _TritonAttentionInto.apply(out, lse, q, k, v, causal, scale, block_m, block_n, inner_scaled), lse
+
+
 def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                block_m: int | None = None, block_n: int | None = None):
+                block_m: int | None = None, block_n: int | None = None, out=None, lse=None):
     """Triton FlashAttention-2 forward: ``(out, lse)``; gradients flow through ``out``.
 
     ``q`` is ``[B, Hq, Nq, D]``, ``k`` and ``v`` ``[B, Hkv, Nk, D]`` (``Hq % Hkv == 0``), any strides;
     float16, bfloat16 or float32; ``D`` in 16..256, a multiple of 8. ``causal`` is bottom-right aligned;
     ``scale=None`` means ``1/sqrt(D)``. ``block_m``/``block_n`` (powers of two >= 16) fix the tiles;
-    both ``None`` autotunes them on the GPU.
+    both ``None`` autotunes them on the GPU. ``out=`` (q's shape and dtype) and ``lse=`` (``[B, Hq, Nq]``
+    float32), views with any strides, receive the results and are returned (``out_buffers`` in
+    :class:`kernels.registry.Implementation`); gradients still flow to q, k, v through the returned out.
     """
-    return _TritonAttention.apply(q, k, v, causal, scale, block_m, block_n, False)
+    return _apply(q, k, v, causal, scale, block_m, block_n, False, out, lse)
 
 
 def fa1_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                block_m: int | None = None, block_n: int | None = None):
+                block_m: int | None = None, block_n: int | None = None, out=None, lse=None):
     """Triton FlashAttention-1 forward (inner-scaled), same contract as :func:`fa2_forward`; its backward
     is the FA2 backward, which needs only ``out`` and the LSE."""
-    return _TritonAttention.apply(q, k, v, causal, scale, block_m, block_n, True)
+    return _apply(q, k, v, causal, scale, block_m, block_n, True, out, lse)

@@ -37,7 +37,8 @@ TRITON_FA2 = register(Implementation(
     name="triton_fa2", forward=triton_attention.fa2_forward, backward=triton_attention.fa2_backward,
     dtypes=triton_attention.DTYPES, devices=triton_attention.DEVICES,
     head_dims=triton_attention.HEAD_DIMS, gqa=True,
-    block_m=_ATTENTION_BLOCKS, block_n=_ATTENTION_BLOCKS, deterministic=True, sibling="triton_fa1",
+    block_m=_ATTENTION_BLOCKS, block_n=_ATTENTION_BLOCKS, deterministic=True, out_buffers=True,
+    sibling="triton_fa1",
     environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
     description="Triton FlashAttention-2: outer-scaled forward, Delta/dK-dV/dQ backward without atomics",
 ))
@@ -46,7 +47,7 @@ TRITON_FA1 = register(Implementation(
     name="triton_fa1", forward=triton_attention.fa1_forward, backward=triton_attention.fa2_backward,
     dtypes=triton_attention.DTYPES, devices=triton_attention.DEVICES,
     head_dims=triton_attention.HEAD_DIMS, gqa=True,
-    block_m=_ATTENTION_BLOCKS, block_n=_ATTENTION_BLOCKS, deterministic=True,
+    block_m=_ATTENTION_BLOCKS, block_n=_ATTENTION_BLOCKS, deterministic=True, out_buffers=True,
     environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
     description="Triton FlashAttention-1: inner-scaled forward (renormalised every KV step); FA2 backward",
 ))

@@ -558,6 +558,252 @@ def gradcheck_float64(ctx: Context, case: AttentionCase) -> None:
         ctx.fail(f"finite-difference gradcheck failed: {str(exc).splitlines()[0]}")
 
 
+# ------------------------------------------------------------------------------------ trust in the suite
+RUNS = 3  # calls of run_to_run_identical on the same inputs
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of ``t`` (contiguous, as integers of the same width)."""
+    return t.detach().contiguous().view(_INT_OF_SIZE[t.element_size()])
+
+
+def _show(t: torch.Tensor, idx: tuple[int, ...]) -> str:
+    """One element as a float with its bit pattern (NaN payloads and the sign of zero show)."""
+    width = 2 * t.element_size()
+    bits = int(_bits(t[idx].reshape(1))[0]) & ((1 << (8 * t.element_size())) - 1)
+    return f"{float(t[idx])!r} (0x{bits:0{width}x})"
+
+
+def _run_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise |a - b| in float64, 0 where the bits are identical (NaN == NaN), inf where only one
+    is NaN or they disagree about an infinity."""
+    same = (_bits(a) == _bits(b)).view(a.shape)
+    return torch.where(same.to(a.device), 0.0, abs_error(a, b))
+
+
+def _forward_backward(ctx: Context, case: AttentionCase, q, k, v, dout) -> dict[str, torch.Tensor]:
+    """One call on fresh leaves: out, lse (when returned) and, with autograd, dq, dk, dv."""
+    __tracebackhide__ = True
+    if not ctx.impl.autograd:
+        out, lse = run_forward(ctx, case, q, k, v)
+        return {"out": out, **({"lse": lse} if lse is not None else {})}
+    q, k, v = _leaf(q), _leaf(k), _leaf(v)
+    out, lse = run_forward(ctx, case, q, k, v)
+    if not out.requires_grad:
+        ctx.fail("out does not require grad although q, k, v do: no gradient flows through out")
+    out.backward(dout)
+    results = {"out": out.detach(), **({"lse": lse.detach()} if lse is not None else {})}
+    for label, x in (("dq", q), ("dk", k), ("dv", v)):
+        if x.grad is None:
+            ctx.fail(f"{label} is None after out.backward(dout)")
+        results[label] = x.grad
+    return results
+
+
+@prop
+def run_to_run_identical(ctx: Context, case: AttentionCase) -> None:
+    """The same call repeated (forward, and backward through autograd) gives bitwise identical out, lse,
+    dq, dk, dv (NaN equals NaN of the same bits).
+
+    A kernel declared ``deterministic`` fails on any difference. For one declared ``deterministic=False``
+    (atomics) the run-to-run max |difference| of each op is recorded in the report (op ``<op> run-to-run``,
+    ``error_over_bound`` = the difference over twice the rounding bound, as two results within their
+    bounds may differ by that much) and the property is skipped with the measured values in the reason;
+    a difference beyond twice the bound still fails: one of the runs is then outside its bound.
+    """
+    t = case.build(ctx.device)
+    runs = [_forward_backward(ctx, case, t.q, t.k, t.v, t.dout) for _ in range(RUNS)]
+    first = runs[0]
+    # Per op: the elementwise largest |difference| from run 1 over the other runs, and the first run
+    # whose bits differ from run 1's (-0.0 vs 0.0 and NaN payloads count: the comparison is bitwise).
+    spread: dict[str, torch.Tensor] = {}
+    differs_in: dict[str, int] = {}
+    for op, a in first.items():
+        spread[op] = torch.zeros(a.shape, dtype=torch.float64, device=a.device)
+        for i, other in enumerate(runs[1:], start=2):
+            if op not in differs_in and not torch.equal(_bits(a), _bits(other[op])):
+                differs_in[op] = i
+            spread[op] = torch.maximum(spread[op], _run_difference(a, other[op]))
+    if not differs_in and ctx.impl.deterministic:
+        return
+    tolerance = _run_to_run_tolerance(ctx, case, t, first)
+    measured = []
+    for op, d in spread.items():
+        top = float(d.max()) if d.numel() else 0.0
+        ratio, _ = max_ratio(d, tolerance[op])
+        passed = ratio <= 1.0 and not (ctx.impl.deterministic and op in differs_in)
+        ctx.record({"implementation": ctx.impl.name, "property": ctx.prop, "op": f"{op} run-to-run",
+                    "case": case.to_dict(), "max_abs": top, "error_over_bound": ratio, "runs": RUNS,
+                    "declared_deterministic": ctx.impl.deterministic, "pass": passed})
+        measured.append(f"{op} {top:.3g}")
+    for op, i in differs_in.items():
+        a, b = first[op], runs[i - 1][op]
+        bad = (_bits(a) != _bits(b)).view(a.shape)
+        idx = tuple(int(j) for j in bad.nonzero()[0])
+        where = (f"{int(bad.sum())} of {a.numel()} values differ, first at {list(idx)}: "
+                 f"{_show(a, idx)} in run 1 vs {_show(b, idx)} in run {i}; max |difference| over {RUNS} runs "
+                 f"{float(spread[op].max()):.3e}")
+        if ctx.impl.deterministic:
+            ctx.fail(f"{op} differs between run 1 and run {i} of {RUNS} on the same inputs although "
+                     f"{ctx.impl.name} declares deterministic=True: {where}")
+        ratio, at = max_ratio(spread[op], tolerance[op])
+        if ratio > 1.0:
+            ctx.fail(f"{op} differs between runs by more than two results within their rounding bounds can: "
+                     f"|difference| {float(spread[op][at]):.3e} at {list(at)} is {ratio:.3g}x twice the bound "
+                     f"{float(tolerance[op][at]) / 2:.3e} ({where}); not declared deterministic, but one of "
+                     "the runs is outside its bound")
+    raise NotApplicable(f"{ctx.impl.name} is not declared deterministic; measured run-to-run max |difference| "
+                        f"over {RUNS} runs: {', '.join(measured)}")
+
+
+def _run_to_run_tolerance(ctx: Context, case: AttentionCase, t, first) -> dict[str, torch.Tensor]:
+    """Twice each op's rounding bound: two results each within its bound differ by at most that."""
+    ref = _reference(ctx, case, t.q, t.k, t.v, dout=t.dout if "dq" in first else None)
+    out_b, lse_b = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
+    tol = {"out": 2 * out_b, "lse": 2 * lse_b}
+    if "dq" in first:
+        dq_b, dk_b, dv_b, _ = _backward_bounds(ctx, ref, t.q, t.k, t.v, dtype=t.q.dtype, out=first["out"])
+        tol.update(dq=2 * dq_b, dk=2 * dk_b, dv=2 * dv_b)
+    return {op: tol[op].to(first[op].device) for op in first}
+
+
+# Canaries: quiet NaNs with a payload no arithmetic produces, compared bit for bit (a kernel that writes
+# its own NaN, or -0.0 over 0.0, into the padding is caught too).
+_CANARY_BITS = {torch.float16: 0x7E5A, torch.bfloat16: 0x7FDA, torch.float32: 0x7FDEAD5A,
+                torch.float64: 0x7FFDEAD5A5A5A5A5}
+
+
+@dataclasses.dataclass
+class _Canaried:
+    """A view handed to a kernel as an output, inside a larger buffer filled with canaries."""
+
+    label: str
+    buffer: torch.Tensor
+    view: torch.Tensor
+    padding: torch.Tensor       # bool, the buffer's shape: True outside the view
+    before: torch.Tensor        # the buffer's bits before the call
+    order: tuple[int, ...]      # buffer dim i holds view dim order[i]
+    start: tuple[int, ...]      # per view dim: where the view starts in the buffer
+    names: tuple[str, ...]      # per view dim, for messages
+
+    def position(self, buffer_index: tuple[int, ...]) -> str:
+        """A buffer position in the view's coordinates: ``row 37 of 32 (past the end)``."""
+        coords = [0] * len(self.order)
+        for i, j in enumerate(self.order):
+            coords[j] = buffer_index[i] - self.start[j]
+        words = []
+        for c, n, name in zip(coords, self.view.shape, self.names):
+            if c < 0:
+                words.append(f"{name} {c} of {n} (before the start)")
+            elif c >= n:
+                words.append(f"{name} {c} of {n} (past the end)")
+            else:
+                words.append(f"{name} {c}")
+        return ", ".join(words)
+
+
+def _canaried(label: str, shape: tuple[int, ...], dtype: torch.dtype, device, g: torch.Generator, *,
+              names: tuple[str, ...], order: tuple[int, ...], pads: list[tuple[int, int]]) -> _Canaried:
+    """A buffer of canaries with the view of ``shape`` inside it: view dim ``j`` has ``pads[j]``
+    elements before and after it, and the buffer stores the view's dims in ``order``."""
+    start = tuple(p[0] for p in pads)
+    buf_shape = [pads[j][0] + shape[j] + pads[j][1] for j in order]
+    ints = _INT_OF_SIZE[torch.empty((), dtype=dtype).element_size()]
+    buffer = torch.full(buf_shape, _CANARY_BITS[dtype], dtype=ints, device=device).view(dtype)
+    inside = tuple(slice(pads[j][0], pads[j][0] + shape[j]) for j in order)
+    inverse = tuple(order.index(j) for j in range(len(order)))
+    view = buffer[inside].permute(inverse)
+    padding = torch.ones(buf_shape, dtype=torch.bool, device=device)
+    padding[inside] = False
+    return _Canaried(label, buffer, view, padding, _bits(buffer).clone(), order, start, names)
+
+
+def _check_padding(ctx: Context, c: _Canaried) -> None:
+    __tracebackhide__ = True
+    changed = (_bits(c.buffer) != c.before) & c.padding
+    if bool(changed.any()):
+        idx = tuple(int(i) for i in changed.nonzero()[0])
+        ctx.fail(f"{c.label}: the kernel wrote outside the given {c.label}= view: {int(changed.sum())} padding "
+                 f"elements of the buffer changed, first at {c.position(idx)}: the canary "
+                 f"{_show(c.before.view(c.buffer.dtype), idx)} became {_show(c.buffer, idx)} "
+                 f"(view {tuple(c.view.shape)} with strides {c.view.stride()} in a buffer {tuple(c.buffer.shape)})")
+
+
+def _check_written(ctx: Context, c: _Canaried, *, returned, normal, tolerance) -> None:
+    """(b) the returned tensor is the view, or holds its values; (c) the view holds a normal call's
+    result: bitwise for a deterministic kernel, else within ``tolerance``."""
+    __tracebackhide__ = True
+    check_tensor(ctx, label=c.label, actual=returned, shape=tuple(c.view.shape), dtype=c.view.dtype,
+                 device=c.view.device)
+    view = c.view.detach()
+    same_memory = returned.data_ptr() == view.data_ptr() and returned.stride() == view.stride()
+    canary = _CANARY_BITS[view.dtype]
+    unwritten = (_bits(view) == canary) & (_bits(normal) != canary)
+    if bool(unwritten.any()):
+        idx = tuple(int(i) for i in unwritten.view(view.shape).nonzero()[0])
+        ctx.fail(f"{c.label}: {int(unwritten.sum())} of {view.numel()} elements of the given {c.label}= view were "
+                 f"never written (they still hold the canary), first at {list(idx)}; a normal call gives "
+                 f"{_show(normal, idx)} there" + ("" if same_memory else f" (and the forward returned another "
+                                                  f"tensor than the {c.label}= view)"))
+    if not same_memory:
+        differ = (_bits(returned) != _bits(view)).view(view.shape)
+        if bool(differ.any()):
+            idx = tuple(int(i) for i in differ.nonzero()[0])
+            ctx.fail(f"{c.label}: the returned {c.label} is not the given {c.label}= view and holds other values: "
+                     f"at {list(idx)} it returned {_show(returned.detach(), idx)}, the view holds {_show(view, idx)}")
+    if ctx.impl.deterministic:
+        differ = (_bits(view) != _bits(normal)).view(view.shape)
+        if bool(differ.any()):
+            idx = tuple(int(i) for i in differ.nonzero()[0])
+            ctx.fail(f"{c.label} written into the given buffer differs from a normal call: {int(differ.sum())} of "
+                     f"{view.numel()} values, first at {list(idx)}: {_show(view, idx)} vs {_show(normal, idx)} "
+                     f"(should be identical: {ctx.impl.name} declares deterministic=True)")
+    else:
+        _same(ctx, what=f"{c.label} written into the given buffer vs a normal call", a=view, b=normal,
+              tol=tolerance())
+
+
+@prop
+def outputs_stay_in_bounds(ctx: Context, case: AttentionCase) -> None:
+    """A forward given ``out=``/``lse=`` views into larger buffers of NaN canaries writes its results
+    there and nowhere else: every padding element (rows before and after, head-dim columns, other heads,
+    in ``[B, H, N, D]`` or transposed ``[B, N, H, D]`` storage) is bitwise unchanged afterwards, the
+    returned tensors are the views (or hold the same values), and the values equal a normal call's."""
+    if not ctx.impl.out_buffers:
+        raise NotApplicable(f"{ctx.impl.name} declares no out_buffers")
+    t = case.build(ctx.device)
+    out0, lse0 = run_forward(ctx, case, t.q, t.k, t.v)
+    g = _rng(case, 6)
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    transposed = bool(draw(0, 1))  # storage [B, N, H, D]: rows are strided by the heads
+    rows, heads = (draw(1, 3), draw(1, 3)), (draw(0, 1), draw(0, 1))
+    bufs = [_canaried("out", tuple(t.q.shape), t.q.dtype, ctx.device, g,
+                      names=("batch", "head", "row", "head-dim column"),
+                      order=(0, 2, 1, 3) if transposed else (0, 1, 2, 3),
+                      pads=[(0, draw(0, 1)), heads, rows, (draw(0, 2), draw(1, 5))])]
+    if lse0 is not None:
+        bufs.append(_canaried("lse", tuple(t.q.shape[:3]), lse0.dtype, ctx.device, g,
+                              names=("batch", "head", "row"), order=(0, 2, 1) if transposed else (0, 1, 2),
+                              pads=[(0, draw(0, 1)), heads, (draw(1, 3), draw(1, 3))]))
+    given = {c.label: c.view for c in bufs}
+    try:
+        result = ctx.impl.call(t.q, t.k, t.v, causal=case.causal, scale=case.scale, block_m=case.block_m,
+                               block_n=case.block_n, **given)
+    except Exception as exc:  # noqa: BLE001 - any refusal of a valid strided view is the finding
+        views = "; ".join(f"{c.label} {tuple(c.view.shape)} strides {c.view.stride()}" for c in bufs)
+        ctx.fail(f"the forward raised {type(exc).__name__} when given out=/lse= views ({views}): {exc}")
+    for c in bufs:
+        _check_padding(ctx, c)
+    bounds_of = lambda: _bounds_of(ctx, case, t.q, t.k, t.v)  # noqa: E731 - only when not bitwise
+    _check_written(ctx, bufs[0], returned=result[0], normal=out0, tolerance=lambda: 2 * bounds_of()[1])
+    if lse0 is not None:
+        if result[1] is None:
+            ctx.fail("the forward returned no lse when given an lse= buffer")
+        _check_written(ctx, bufs[1], returned=result[1], normal=lse0, tolerance=lambda: 2 * bounds_of()[2])
+
+
 # ------------------------------------------------------------------------------------ softmax
 SOFTMAX_PROPERTIES: dict[str, Callable[[Context, SoftmaxCase], None]] = {}
 

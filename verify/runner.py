@@ -41,6 +41,8 @@ REQUIREMENTS = {
     "gqa": (lambda impl: impl.gqa, "declares no grouped-query attention"),
     "causal": (lambda impl: impl.causal, "declares no causal masking"),
     "lse": (lambda impl: impl.returns_lse, "returns out alone (no LSE)"),
+    "out_buffers": (lambda impl: impl.out_buffers,
+                    "declares no out_buffers (its forward takes no out=/lse= buffers to write into)"),
 }
 
 
@@ -70,9 +72,10 @@ def _limits_for(impl: Implementation, limits: Limits) -> Limits:
     return limits
 
 
-def _max_examples(impl: Implementation) -> int:
+def _max_examples(impl: Implementation, share: float = 1.0) -> int:
     n = settings().max_examples
-    return min(n, impl.max_examples) if impl.max_examples else n
+    n = min(n, impl.max_examples) if impl.max_examples else n
+    return max(1, round(n * share))
 
 
 Adjust = Callable[[AttentionCase, st.DataObject], AttentionCase]
@@ -81,8 +84,9 @@ Adjust = Callable[[AttentionCase, st.DataObject], AttentionCase]
 def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, requires: Iterable[str] = (),
                     causal: bool | None = None, gqa_only: bool = False, adjust: Adjust | None = None,
                     limits: Limits | None = None, magnitudes: Iterable[str] | None = None,
-                    layouts: Iterable[str] | None = None) -> None:
-    """Check attention property ``prop`` on ``impl`` in ``dtype`` over drawn cases."""
+                    layouts: Iterable[str] | None = None, examples_share: float = 1.0) -> None:
+    """Check attention property ``prop`` on ``impl`` in ``dtype`` over drawn cases (``examples_share``:
+    the fraction of the profile's examples to draw, for a property that makes several calls per case)."""
     __tracebackhide__ = True
     if impl.kind != "attention":
         pytest.skip(f"{impl.name} is a {impl.kind} kernel")
@@ -101,7 +105,7 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
                                head_dims=impl.head_dims, gqa=impl.gqa, block_m=impl.block_m,
                                block_n=impl.block_n, causal=causal if impl.causal else False, **kwargs)
 
-    @settings(max_examples=_max_examples(impl))
+    @settings(max_examples=_max_examples(impl, examples_share))
     @given(data=st.data())
     def run(data):
         case = data.draw(strategy, label="case")

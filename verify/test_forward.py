@@ -63,6 +63,10 @@ def test_gqa_equals_repeated_heads(impl, dtype, env):
     check_attention("gqa_equals_repeated_heads", impl, dtype, env, requires=["gqa"], gqa_only=True)
 
 
+def test_outputs_stay_in_bounds(impl, dtype, env):
+    check_attention("outputs_stay_in_bounds", impl, dtype, env, requires=["out_buffers"])
+
+
 def test_siblings_agree(impl, dtype, env):
     """FA1 and FA2 (declared siblings) compute the same function."""
     if impl.sibling is None:
