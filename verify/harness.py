@@ -3,13 +3,21 @@
 Assertion helpers take keyword-only arguments, hide themselves from tracebacks and word their message
 so it reads without the code open: the implementation, the property, the case, the metric, its value,
 its limit, and the one command that replays the case.
+
+Faults other than wrong results are worded the same way. A kernel whose forward runs out of device
+memory fails its property with that reason (after the memory it held is released, so the next tests
+can run); a test that runs past its time limit ends with a :class:`TimeoutFailure` naming the case that
+was running (raised by the timer the plugin installs, see ``conftest.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import shlex
+import traceback
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +28,9 @@ from references import criteria
 from references.metrics import ErrorStats, abs_error, error_stats, max_ratio
 
 Recorder = Callable[[dict[str, Any]], None]
+
+# torch.cuda.OutOfMemoryError is the same class in recent torch; torch.OutOfMemoryError is newer.
+OutOfMemoryError: type[RuntimeError] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 def _no_record(_: dict[str, Any]) -> None:
@@ -32,6 +43,91 @@ class PropertyFailure(AssertionError):
     def __init__(self, message: str, *, impl: str, prop: str, case: Any, replay: str):
         super().__init__(message)
         self.impl, self.prop, self.case, self.replay = impl, prop, case, replay
+
+
+class TimeoutFailure(BaseException):
+    """A test ran past its time limit (a hang, or a run far slower than it should be).
+
+    A ``BaseException``, like pytest's own outcomes, but not one Hypothesis catches: Hypothesis treats
+    pytest's ``Failed`` (what pytest-timeout raises) as a failing example and replays and shrinks it,
+    and the replay hangs again with no timer left. This one ends the test at once. It carries the
+    property, case and replay command of the example that was running, when one was.
+    """
+
+    def __init__(self, message: str, *, ctx: Context | None = None):
+        super().__init__(message)
+        self.impl = ctx.impl.name if ctx is not None else None
+        self.prop = ctx.prop if ctx is not None else None
+        self.case = ctx.case if ctx is not None else None
+        self.replay = ctx.replay_command() if ctx is not None and ctx.case is not None else None
+
+
+def running_context(frame: types.FrameType | None) -> Context | None:
+    """The :class:`Context` of the property example running in ``frame``'s stack, or None.
+
+    The outermost frame holding a ``ctx`` is the property function itself (``fn(ctx, case)``), whose
+    context is the example's own (a property may make others, e.g. for a sibling implementation).
+    """
+    found = None
+    while frame is not None:
+        ctx = frame.f_locals.get("ctx")
+        if isinstance(ctx, Context):
+            found = ctx
+        frame = frame.f_back
+    return found
+
+
+def failing_context(exc: BaseException) -> Context | None:
+    """The :class:`Context` of the property example ``exc`` was raised in, read from its traceback (the
+    outermost frame holding one, as in :func:`running_context`), or None."""
+    tb = exc.__traceback__
+    while tb is not None:
+        ctx = tb.tb_frame.f_locals.get("ctx")
+        if isinstance(ctx, Context) and ctx.case is not None:
+            return ctx
+        tb = tb.tb_next
+    return None
+
+
+def timeout_message(ctx: Context | None, *, seconds: float, native: bool = False) -> str:
+    """What a :class:`TimeoutFailure` says: the limit, how to change it, and the case that was running."""
+    lines = [f"Timeout: the test did not finish within {seconds:g} s (pytest-timeout's limit; "
+             "--timeout SECONDS changes it, --timeout 0 turns it off)"]
+    if native:
+        lines.append("Python could not interrupt it: it is stuck in native code (a GPU kernel that does not "
+                     "finish, a CUDA synchronisation, a C extension), so the process is ended here")
+    if ctx is None or ctx.case is None:
+        lines.append("no property example was running (the time ran out drawing or shrinking cases, or in "
+                     "a fixture)")
+    else:
+        lines += [f"running when the time ran out: {ctx.impl.name}", f"  property: {ctx.prop}",
+                  f"  case: {ctx.case.describe()}",
+                  f"  replay: {ctx.replay_command()}  (runs this case alone: does it hang?)"]
+    return "\n  ".join(lines)
+
+
+def free_device_memory() -> None:
+    """Release what dead tensors hold: collect reference cycles (tracebacks make them), then return
+    the CUDA caching allocator's free blocks to the device."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def exception_line(exc: BaseException) -> str:
+    """``module.Type: first line of the message`` (a CUDA out-of-memory message goes on for lines)."""
+    kind = type(exc).__name__ if type(exc).__module__ == "builtins" else f"{type(exc).__module__}.{type(exc).__name__}"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{kind}: {first}" if first else kind
+
+
+def release_out_of_memory(exc: BaseException) -> str:
+    """Drop the tensors an out-of-memory exception keeps alive through its traceback (the locals of
+    the frames it unwound), free the device memory, and return :func:`exception_line`."""
+    text = exception_line(exc)
+    traceback.clear_frames(exc.__traceback__)
+    free_device_memory()
+    return text
 
 
 @dataclasses.dataclass
@@ -89,8 +185,15 @@ def check_tensor(ctx: Context, *, label: str, actual: Any, shape: tuple[int, ...
 def run_forward(ctx: Context, case, q, k, v):
     """Call the implementation's forward and check the output contract; returns ``(out, lse|None)``."""
     __tracebackhide__ = True
-    out, lse = ctx.impl.call(q, k, v, causal=case.causal, scale=case.scale,
-                             block_m=case.block_m, block_n=case.block_n)
+    out_of_memory = None
+    try:
+        out, lse = ctx.impl.call(q, k, v, causal=case.causal, scale=case.scale,
+                                 block_m=case.block_m, block_n=case.block_n)
+    except OutOfMemoryError as exc:
+        out_of_memory = release_out_of_memory(exc)
+    if out_of_memory is not None:  # failed outside the except block: the new failure holds no traceback
+        ctx.fail(f"the kernel ran out of device memory in its forward ({out_of_memory}); "
+                 "its memory was released and the run goes on")
     check_tensor(ctx, label="out", actual=out, shape=tuple(q.shape), dtype=q.dtype, device=q.device,
                  inputs=(q, k, v))
     if lse is not None:

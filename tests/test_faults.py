@@ -1,0 +1,194 @@
+"""Faults other than wrong answers: a kernel that hangs or runs out of device memory must give a failure
+that says so (with the case and its replay command), a report entry, and a run that goes on.
+
+The kernels are in ``tests/fixtures/faulty_kernels.py``; each test runs ``pytest verify`` on them in a
+subprocess, as a user would."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+FAULTY = "tests/fixtures/faulty_kernels.py"
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _pytest_verify(tmp_path, *args, timeout=120):
+    cmd = [sys.executable, "-m", "pytest", "verify", "--hypothesis-profile=ci", "-p", "no:cacheprovider",
+           "--report-dir", str(tmp_path / "report"), *args]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+def _failures(tmp_path) -> dict[str, dict]:
+    out = {}
+    for path in (tmp_path / "report" / "failures").glob("*.json"):
+        data = json.loads(path.read_text())
+        out[data["test"]] = data
+    return out
+
+
+def _summary(tmp_path) -> dict:
+    return json.loads((tmp_path / "report" / "summary.json").read_text())
+
+
+# --- hangs -------------------------------------------------------------------------------------------------
+
+def test_a_hanging_kernel_fails_its_tests_with_the_timeout_and_the_run_goes_on(tmp_path):
+    # hangs_forever never returns on non-causal calls: the drawn test and the non-causal longest case hang,
+    # the causal longest case (run after both) passes.
+    proc, seconds = _pytest_verify(tmp_path, "--impl", f"{FAULTY}:hangs_forever", "-k",
+                                   "out_matches_reference and float32", "--timeout", "5", "-rA")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert "2 failed, 1 passed" in out, out[-3000:]
+    assert re.search(r"PASSED \S*test_longest_out_matches_reference\[\S*-float32-causal\]", out), out[-3000:]
+    assert out.count("Timeout: the test did not finish within 5 s") >= 2, out[-4000:]
+    assert seconds < 60, f"two 5 s timeouts took {seconds:.0f} s"
+
+    failures = _failures(tmp_path)
+    assert len(failures) == 2, list(failures)
+    for test, failure in failures.items():
+        assert "hangs_forever-float32" in test
+        assert failure["message"].startswith("Timeout: the test did not finish within 5 s"), failure
+        assert failure["property"] == "out_matches_reference"
+        assert failure["case"]["causal"] is False  # the case that was running when the time ran out
+        assert failure["replay"].startswith(f"python -m verify.replay --impl {FAULTY}:hangs_forever")
+    summary = _summary(tmp_path)
+    assert summary["status"] == "complete" and summary["outcomes"] == {"passed": 1, "failed": 2}
+    assert all("Timeout" in f["message"] for f in summary["failures"])
+    assert "Timeout: the test did not finish" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_a_hang_python_cannot_interrupt_ends_the_run_with_the_report_written(tmp_path):
+    # hangs_in_native_code waits in C with SIGALRM blocked (as a host waits on a GPU kernel that never
+    # finishes): no signal handler can run, so the watchdog writes the report and ends the process.
+    proc, seconds = _pytest_verify(tmp_path, "--impl", f"{FAULTY}:hangs_in_native_code", "-k",
+                                   "test_out_matches_reference and float32", "--timeout", "2")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert "stuck in native code" in out and "Stack of MainThread" in out, out[-4000:]
+    assert seconds < 60, f"took {seconds:.0f} s"  # 2 s limit + 5 s grace, plus start-up
+    (failure,) = _failures(tmp_path).values()
+    assert failure["message"].startswith("Timeout: the test did not finish within 2 s")
+    assert "stuck in native code" in failure["message"] and failure["replay"]
+    summary = _summary(tmp_path)
+    assert summary["status"] == "partial"  # the tests after the hung one never ran, and the report says so
+    assert [f["test"] for f in summary["failures"]] == [failure["test"]]
+
+
+def test_verify_runs_get_a_default_time_limit_and_other_runs_do_not(tmp_path):
+    def header(*args):
+        proc = subprocess.run([sys.executable, "-m", "pytest", *args, "--collect-only", "-p", "no:cacheprovider"],
+                              cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=120)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    verify = ["verify", "--impl", "fa2_blocked", "-k", "out_matches_reference", "--no-report"]
+    assert "timeout: 900.0s" in header(*verify)
+    assert "timeout: 7.0s" in header(*verify, "--timeout", "7")
+    assert "timeout:" not in header("tests/test_faults.py")
+
+
+# --- out of memory -----------------------------------------------------------------------------------------
+
+def test_out_of_memory_fails_with_the_case_and_the_run_goes_on(tmp_path):
+    forward = f"{FAULTY}:out_of_memory_on_long_keys"  # forward raises for Nk > 3
+    backward = f"{FAULTY}:out_of_memory_in_backward"  # correct forward, backward raises
+    proc, _ = _pytest_verify(tmp_path, "--impl", forward, "--impl", backward, "-k",
+                             "(test_out_matches_reference or test_gradients_match_reference) and float32", "-rA")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert "3 failed, 1 passed" in out, out[-3000:]
+    assert re.search(r"PASSED \S*test_out_matches_reference\[\S*out_of_memory_in_backward-float32\]", out)
+    assert "ran out of device memory" in out
+
+    failures = {"/".join(re.search(r"::(\w+)\[.*:(\w+)-float32\]$", test).groups()): f
+                for test, f in _failures(tmp_path).items()}
+    assert set(failures) == {"test_out_matches_reference/out_of_memory_on_long_keys",
+                             "test_gradients_match_reference/out_of_memory_on_long_keys",
+                             "test_gradients_match_reference/out_of_memory_in_backward"}, list(failures)
+    fwd = failures["test_out_matches_reference/out_of_memory_on_long_keys"]
+    assert "the kernel ran out of device memory in its forward (torch.OutOfMemoryError: CUDA out of memory" \
+        in fwd["message"]
+    assert fwd["case"]["len_k"] == 4, fwd["case"]  # shrunk to the smallest case that runs out
+    assert "Nk=4" in fwd["message"] and "replay: python -m verify.replay" in fwd["message"]
+    bwd = failures["test_gradients_match_reference/out_of_memory_in_backward"]
+    assert "the kernel (or the check around it) ran out of device memory" in bwd["message"]
+    assert f"raised in {FAULTY}:" in bwd["message"] and bwd["replay"] and bwd["case"]["len_k"] == 1
+    summary = _summary(tmp_path)
+    assert summary["status"] == "complete" and summary["outcomes"] == {"passed": 1, "failed": 3}
+
+    replay = subprocess.run(fwd["replay"].replace("python", sys.executable, 1), shell=True, cwd=ROOT,
+                            capture_output=True, text=True, env=_env(), timeout=120)
+    assert replay.returncode == 1 and "ran out of device memory" in replay.stdout, replay.stdout + replay.stderr
+
+
+def test_out_of_memory_releases_what_the_traceback_holds_and_empties_the_cuda_cache(monkeypatch):
+    import weakref
+
+    from verify import harness
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+
+    def kernel():
+        workspace = torch.empty(1 << 16)  # what a kernel holds when its next allocation fails
+        kernel.workspace = weakref.ref(workspace)
+        raise harness.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines")
+
+    try:
+        kernel()
+    except harness.OutOfMemoryError as exc:
+        assert kernel.workspace() is not None  # the traceback keeps the kernel's frame and its tensors
+        text = harness.release_out_of_memory(exc)
+        assert kernel.workspace() is None  # released while the exception is still being handled
+    assert text == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert emptied == [True]
+
+
+def test_out_of_memory_in_the_float64_reference_is_not_blamed_on_the_kernel(monkeypatch):
+    import conftest
+    from kernels import registry
+    from strategies.cases import AttentionCase
+    from verify import properties
+    from verify.harness import Context, OutOfMemoryError
+
+    # torch.logsumexp (which the reference calls, and the kernel does not) raises as CUDA's allocator
+    # would: the raiser is compiled as a file of torch's, so the innermost frame outside torch is the
+    # reference's own line, as with a real out-of-memory error.
+    code = compile("def logsumexp(*args, **kwargs):\n"
+                   "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 8.00 GiB')\n",
+                   os.path.join(os.path.dirname(torch.__file__), "_flashverify_simulated_oom.py"), "exec")
+    namespace = {"torch": torch}
+    exec(code, namespace)
+    monkeypatch.setattr(torch, "logsumexp", namespace["logsumexp"])
+    impl = registry.load("tests/fixtures/outside_kernels.py:attention", device="cpu")
+    case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float32",
+                         causal=False, magnitude="normal", seed=1, layout="contiguous")
+    ctx = Context(impl=impl, prop="out_matches_reference", case=case)
+    try:
+        properties.out_matches_reference(ctx, case)
+    except OutOfMemoryError as exc:
+        oom = exc
+    else:
+        raise AssertionError("the simulated out-of-memory error was not raised")
+    item = types.SimpleNamespace(nodeid="verify/test_forward.py::test_out_matches_reference[x-float32]")
+    fields = conftest._other_failure(item, oom)
+    assert fields["case"] == case.to_dict() and fields["prop"] == "out_matches_reference"
+    message = conftest._out_of_memory_message(item, oom, fields)
+    assert "the suite's float64 reference ran out of device memory, not the kernel" in message
+    assert "raised in references/" in message and "replay: python -m verify.replay" in message
