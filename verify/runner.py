@@ -81,12 +81,9 @@ def _max_examples(impl: Implementation, share: float = 1.0) -> int:
 Adjust = Callable[[AttentionCase, st.DataObject], AttentionCase]
 
 
-def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, requires: Iterable[str] = (),
-                    causal: bool | None = None, gqa_only: bool = False, adjust: Adjust | None = None,
-                    limits: Limits | None = None, magnitudes: Iterable[str] | None = None,
-                    layouts: Iterable[str] | None = None, examples_share: float = 1.0) -> None:
-    """Check attention property ``prop`` on ``impl`` in ``dtype`` over drawn cases (``examples_share``:
-    the fraction of the profile's examples to draw, for a property that makes several calls per case)."""
+def _skip_unless_runnable(impl: Implementation, dtype: str, env: Env, requires: Iterable[str], *,
+                          causal: bool | None) -> None:
+    """Skip, with the declaration's words, an attention property this implementation cannot run here."""
     __tracebackhide__ = True
     if impl.kind != "attention":
         pytest.skip(f"{impl.name} is a {impl.kind} kernel")
@@ -95,6 +92,16 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
         pytest.skip(reason)
     if causal and not impl.causal:
         pytest.skip(f"{impl.name} declares no causal masking")
+
+
+def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, requires: Iterable[str] = (),
+                    causal: bool | None = None, gqa_only: bool = False, adjust: Adjust | None = None,
+                    limits: Limits | None = None, magnitudes: Iterable[str] | None = None,
+                    layouts: Iterable[str] | None = None, examples_share: float = 1.0) -> None:
+    """Check attention property ``prop`` on ``impl`` in ``dtype`` over drawn cases (``examples_share``:
+    the fraction of the profile's examples to draw, for a property that makes several calls per case)."""
+    __tracebackhide__ = True
+    _skip_unless_runnable(impl, dtype, env, requires, causal=causal)
     fn = properties.PROPERTIES[prop]
     kwargs = {}
     if magnitudes is not None:
@@ -142,13 +149,7 @@ def check_longest(prop: str, impl: Implementation, dtype: str, env: Env, *, caus
                   requires: Iterable[str] = ()) -> None:
     """Check attention property ``prop`` on :func:`longest_case` (no drawing: one fixed example)."""
     __tracebackhide__ = True
-    if impl.kind != "attention":
-        pytest.skip(f"{impl.name} is a {impl.kind} kernel")
-    reason = skip_reason(impl, dtype, env, requires)
-    if reason:
-        pytest.skip(reason)
-    if causal and not impl.causal:
-        pytest.skip(f"{impl.name} declares no causal masking")
+    _skip_unless_runnable(impl, dtype, env, requires, causal=causal)
     case = longest_case(impl, dtype, env.limits, causal=causal)
     ctx = Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case)
     try:
