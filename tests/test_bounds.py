@@ -16,7 +16,7 @@ import statistics
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kernels.blocked import fa1_forward_raw, fa2_backward, fa2_forward_raw
@@ -164,7 +164,7 @@ def assert_within_bounds(ratios, *, dtype, case: str):
 # --- correct kernels never exceed the bound --------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None)
 @given(case=bound_cases())
 def test_correct_kernels_within_bound(dtype, case):
     shape = {k: case[k] for k in ("batch", "heads_q", "heads_kv", "len_q", "len_k", "head_dim")}
@@ -277,7 +277,7 @@ def test_truncating_dots_model_only_widens_the_bounds():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None)
 @given(case=bound_cases())
 def test_autograd_eager_within_its_model(dtype, case):
     """Autograd through the eager forward follows the autograd_eager variant (bounds.py, section 11)."""

@@ -22,7 +22,7 @@ import math
 import mpmath
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from references import attention as ref_attention
@@ -33,7 +33,7 @@ U64 = 2.0 ** -53
 SLACK = 4.0
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KINDS = ("normal", "large_logits", "ties", "dominant", "all_negative", "v_offset")
-SETTINGS = dict(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = dict(max_examples=60, deadline=None)
 
 
 # --- inputs -----------------------------------------------------------------------------------------

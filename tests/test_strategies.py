@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 from references import attention as reference
@@ -18,7 +18,7 @@ BLOCKS = (1, 2, 3, 4, 5, 7, 8, 13, 16, 32, 64)
 LIMITS = Limits(max_len=40, max_head_dim=40)
 
 
-@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60)
 @given(attention_cases(dtype="float16", limits=LIMITS, gqa=True, block_m=BLOCKS, block_n=BLOCKS))
 def test_cases_respect_limits_and_declarations(case):
     assert 1 <= case.len_q <= LIMITS.max_len and 1 <= case.len_k <= LIMITS.max_len
@@ -44,7 +44,7 @@ def test_declared_head_dims_are_respected():
     lambda c: c.scale is not None])
 def test_every_class_and_shape_feature_is_reachable(target):
     find(attention_cases(dtype="float16", limits=LIMITS, gqa=True, block_m=BLOCKS, block_n=BLOCKS), target,
-         settings=settings(max_examples=2000, suppress_health_check=list(HealthCheck)))
+         settings=settings(max_examples=2000))
 
 
 def _case(**kw):
