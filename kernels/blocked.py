@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from kernels import _validate
+from kernels import _autograd, _validate
 from kernels.registry import ALL_DTYPES, Implementation, register
 
 NEG_INF = float("-inf")
@@ -228,52 +228,13 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), delta
 
 
-class _BlockedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, block_m, block_n, forward_raw):
-        out, lse = forward_raw(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (causal, scale, block_m, block_n)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, block_m, block_n = ctx.settings
-        dq, dk, dv, _ = fa2_backward(q, k, v, out, lse, dout, causal=causal, scale=scale,
-                                     block_m=block_m, block_n=block_n)
-        return dq, dk, dv, None, None, None, None, None
-
-
-class _BlockedAttentionInto(torch.autograd.Function):
-    """The forward writing into caller buffers. Autograd lets a Function that writes into a view in
-    place (``mark_dirty``) return one tensor only: ``out``, the first input, is that one; ``lse`` is
-    written in place too and is not differentiable."""
-
-    @staticmethod
-    def forward(ctx, out, lse, q, k, v, causal, scale, block_m, block_n, forward_raw):
-        forward_raw(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n, out=out, lse=lse)
-        ctx.mark_dirty(out)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (causal, scale, block_m, block_n)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, block_m, block_n = ctx.settings
-        dq, dk, dv, _ = fa2_backward(q, k, v, out, lse, dout, causal=causal, scale=scale,
-                                     block_m=block_m, block_n=block_n)
-        return None, None, dq, dk, dv, None, None, None, None, None
-
-
 def _apply(q, k, v, causal, scale, block_m, block_n, forward_raw, out, lse, kernel):
-    if out is None and lse is None:
-        return _BlockedAttention.apply(q, k, v, causal, scale, block_m, block_n, forward_raw)
-    _check(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
-    out, lse = _outputs(q, k, v, out, lse, kernel=kernel)
-    return _BlockedAttentionInto.apply(out, lse, q, k, v, causal, scale, block_m, block_n, forward_raw), lse
+    buffers = None
+    if out is not None or lse is not None:
+        _check(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
+        buffers = _outputs(q, k, v, out, lse, kernel=kernel)
+    return _autograd.apply(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
+                           forward=forward_raw, backward=fa2_backward, buffers=buffers)
 
 
 def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,

@@ -61,6 +61,7 @@ bucket); under the Triton interpreter one small fixed configuration is used.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -68,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _validate
+from kernels import _autograd, _validate
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -709,56 +710,15 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
 # Autograd and the public functions
 # --------------------------------------------------------------------------------------------------
 
-class _TritonAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, block_m, block_n, inner_scaled):
-        out, lse = _forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                            inner_scaled=inner_scaled, kernel="triton_fa1" if inner_scaled else "triton_fa2")
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (causal, scale, block_m, block_n)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, block_m, block_n = ctx.settings
-        dq, dk, dv, _ = fa2_backward(q, k, v, out, lse, dout, causal=causal, scale=scale,
-                                     block_m=block_m, block_n=block_n)
-        return dq, dk, dv, None, None, None, None, None
-
-
-class _TritonAttentionInto(torch.autograd.Function):
-    """The forward writing into caller buffers. Autograd lets a Function that writes into a view in
-    place (``mark_dirty``) return one tensor only: ``out``, the first input, is that one; ``lse`` is
-    written in place too and is not differentiable."""
-
-    @staticmethod
-    def forward(ctx, out, lse, q, k, v, causal, scale, block_m, block_n, inner_scaled):
-        _forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                 inner_scaled=inner_scaled, kernel="triton_fa1" if inner_scaled else "triton_fa2",
-                 out=out, lse=lse)
-        ctx.mark_dirty(out)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (causal, scale, block_m, block_n)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, block_m, block_n = ctx.settings
-        dq, dk, dv, _ = fa2_backward(q, k, v, out, lse, dout, causal=causal, scale=scale,
-                                     block_m=block_m, block_n=block_n)
-        return None, None, dq, dk, dv, None, None, None, None, None
-
-
 def _apply(q, k, v, causal, scale, block_m, block_n, inner_scaled: bool, out, lse):
-    if out is None and lse is None:
-        return _TritonAttention.apply(q, k, v, causal, scale, block_m, block_n, inner_scaled)
     kernel = "triton_fa1" if inner_scaled else "triton_fa2"
-    _check_inputs(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
-    out, lse = _outputs(q, k, v, out, lse, kernel=kernel)
-    return _TritonAttentionInto.apply(out, lse, q, k, v, causal, scale, block_m, block_n, inner_scaled), lse
+    buffers = None
+    if out is not None or lse is not None:
+        _check_inputs(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
+        buffers = _outputs(q, k, v, out, lse, kernel=kernel)
+    return _autograd.apply(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
+                           forward=functools.partial(_forward, inner_scaled=inner_scaled, kernel=kernel),
+                           backward=fa2_backward, buffers=buffers)
 
 
 def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
