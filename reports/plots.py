@@ -135,12 +135,21 @@ def scatter_panels(points: dict[tuple[str, str], dict[str, list[tuple[float, flo
                                edgecolors=[colour[name]], linewidths=0.8)
                 if bad:
                     ax.scatter([p[0] for p in bad], [p[1] for p in bad], s=22, marker="x", color=colour[name])
-            if i == len(rows) - 1:
-                ax.set_xlabel(xlabel, fontsize="small")
-            if j == 0:
-                ax.set_ylabel(label(ylabel), fontsize="small")
-            ax.tick_params(labelsize="x-small")
-            ax.grid(True, which="major", alpha=0.3)
+            _label_panel(ax, bottom=i == len(rows) - 1, left=j == 0, xlabel=xlabel, ylabel=ylabel)
+    return _finish(fig, title, handles, names)
+
+
+def _label_panel(ax, *, bottom: bool, left: bool, xlabel: str, ylabel: str) -> None:
+    """Axis labels on the bottom row and the left column of a grid of panels, small ticks, a grid."""
+    if bottom:
+        ax.set_xlabel(xlabel, fontsize="small")
+    if left:
+        ax.set_ylabel(label(ylabel), fontsize="small")
+    ax.tick_params(labelsize="x-small")
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def _finish(fig, title: str, handles: dict, names) -> str:
     fig.suptitle(label(title, limit=120), fontsize="medium")
     _legend(fig, handles, title="implementation", names=names)
     return _png(fig)
@@ -262,12 +271,5 @@ def line_panels(series: dict[tuple[str, str], dict[str, list[tuple[float, float]
             ax.set_yscale("log")
             ax.set_xscale("log", base=2)
             ax.set_title(label(f"{r} / {c}"), fontsize="small")
-            if i == len(rows) - 1:
-                ax.set_xlabel(xlabel, fontsize="small")
-            if j == 0:
-                ax.set_ylabel(label(ylabel), fontsize="small")
-            ax.tick_params(labelsize="x-small")
-            ax.grid(True, which="major", alpha=0.3)
-    fig.suptitle(label(title, limit=120), fontsize="medium")
-    _legend(fig, handles, title="implementation", names=names)
-    return _png(fig)
+            _label_panel(ax, bottom=i == len(rows) - 1, left=j == 0, xlabel=xlabel, ylabel=ylabel)
+    return _finish(fig, title, handles, names)
