@@ -191,7 +191,7 @@ def test_out_of_memory_in_the_float64_reference_skips_the_case(monkeypatch):
 
 
 def test_out_of_memory_in_the_suite_outside_the_kernel_is_not_blamed_on_the_kernel(monkeypatch):
-    import conftest
+    from verify import plugin as conftest
     from references import attention as reference
     from strategies.cases import AttentionCase
     from verify.harness import OutOfMemoryError

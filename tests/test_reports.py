@@ -163,7 +163,7 @@ def test_xdist_workers_get_their_own_gpu(monkeypatch):
 
     import torch
 
-    import conftest
+    from verify import plugin as conftest
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,0 +1,482 @@
+"""The flashverify pytest plugin: ``--impl``, ``--report-dir``, ``--device``, the report header and the
+report hooks.
+
+The installed package registers this module as a pytest plugin (entry point ``pytest11``), so
+``pytest --pyargs verify`` runs the suite from any directory; the repository's ``conftest.py`` loads it
+only when the package is not installed. Hypothesis profiles and size limits: ``verify/profiles.py``.
+
+Time limit: a ``pytest verify`` run gives every test (one property of one implementation in one dtype:
+all its Hypothesis examples, Triton compilations included) ``DEFAULT_TIMEOUT`` = 900 s, through
+pytest-timeout. ``--timeout SECONDS`` (pytest-timeout's own option, or its ``PYTEST_TIMEOUT`` variable or
+``timeout`` ini key) replaces it, ``--timeout 0`` turns it off; runs that collect no ``verify`` tests
+(``pytest tests``) get no default. A test past its limit fails with a :class:`verify.harness.TimeoutFailure`
+naming the case that was running and its replay command, its failure file is written, and the run goes
+on. A hang Python cannot interrupt (a GPU kernel that never finishes: the host waits in native code) is
+caught by a watchdog a grace period later (10% of the limit, 5 to 60 s), which writes the failure file
+and the summary and then ends the process (pytest-timeout's thread method; under pytest-xdist the
+worker is replaced and the run goes on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from kernels import registry as kernel_registry  # noqa: E402
+from strategies.attention import Limits  # noqa: E402
+from verify.profiles import limits_for, profile_name  # noqa: E402
+
+DEFAULT_REPORT_DIR = "flashverify-report"
+# Per-test time limit of `pytest verify` runs (seconds): a test runs up to hundreds of Hypothesis
+# examples, and on a GPU its first examples compile Triton kernels.
+DEFAULT_TIMEOUT = 900.0
+
+def pytest_addoption(parser):
+    group = parser.getgroup("flashverify")
+    group.addoption("--impl", action="append", default=[], metavar="IMPL",
+                    help="implementation to verify: a registry name, package.module:attr or "
+                         "path/to/file.py:attr (repeatable; default: every shipped implementation "
+                         "that runs on the device)")
+    group.addoption("--report-dir", default=DEFAULT_REPORT_DIR, metavar="DIR",
+                    help=f"where the error report is written (default: ./{DEFAULT_REPORT_DIR})")
+    group.addoption("--device", default=None, metavar="DEVICE",
+                    help="device for the inputs: cpu or cuda[:N] (default: cuda if available, else cpu)")
+    group.addoption("--no-report", action="store_true", default=False, help="write no report")
+
+
+def _profile(config) -> str:
+    return profile_name(config)
+
+
+def _device(config) -> str:
+    dev = _xdist_worker_device(config, config.getoption("--device"))
+    if dev is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(dev)
+    except (RuntimeError, TypeError) as exc:
+        raise pytest.UsageError(f"--device {dev!r} is not a torch device ({exc}); use cpu or cuda[:N]") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {dev} was asked for, but torch sees no CUDA device")
+    if parsed.type not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"--device {dev}: only cpu and cuda devices are supported")
+    return dev
+
+
+def _xdist_worker(config) -> str | None:
+    """This process's pytest-xdist worker id (``gw0``, ...), or None in the controller or without xdist.
+
+    Read from the worker's config, not from ``PYTEST_XDIST_WORKER``: a ``pytest verify`` started as a
+    subprocess by a test running under xdist inherits that variable without being a worker.
+    """
+    return getattr(config, "workerinput", {}).get("workerid")
+
+
+def _xdist_worker_device(config, dev: str | None) -> str | None:
+    """Under pytest-xdist with several GPUs, worker ``gwN`` runs on ``cuda:(N mod device count)`` when the
+    device is unset or a bare ``cuda`` (and makes it the current CUDA device, which kernels that launch
+    on the current device, like Triton's, use). Any other ``--device`` is kept as given."""
+    worker = _xdist_worker(config) or ""
+    if dev not in (None, "cuda") or not worker.startswith("gw") or not worker[2:].isdigit():
+        return dev
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return dev
+    index = int(worker[2:]) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
+def _selection(config):
+    cached = getattr(config, "_flashverify_selection", None)
+    if cached is not None:
+        return cached
+    device = _device(config)
+    specs = config.getoption("--impl")
+    if specs:
+        try:
+            impls = [kernel_registry.load(spec, device=device) for spec in specs]
+        except kernel_registry.ImplementationError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    else:
+        impls = kernel_registry.default_selection(device=device)
+    config._flashverify_selection = impls
+    return impls
+
+
+def pytest_cmdline_main(config):
+    """Give `pytest verify` runs the default per-test time limit unless one was asked for (this runs
+    before pytest-timeout reads its settings in pytest_configure, in the controller and in every
+    pytest-xdist worker)."""
+    if not hasattr(config.option, "timeout") or not _collects_verify(config):
+        return None  # pytest-timeout not installed (or disabled with -p no:timeout), or not a verify run
+    if config.option.timeout is None and not os.environ.get("PYTEST_TIMEOUT") and not config.getini("timeout"):
+        config.option.timeout = DEFAULT_TIMEOUT
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "requires(feature): the property needs a declared capability")
+    if torch.device(_device(config)).type == "cpu":
+        # The suite's tensors are small: one intra-op thread is several times faster than many
+        # (thread start-up dominates), and pytest-xdist workers then share the cores cleanly.
+        torch.set_num_threads(int(os.environ.get("FLASHVERIFY_CPU_THREADS", "1")))
+    config._flashverify_report = None
+    worker = _xdist_worker(config) or "main"
+    if not config.getoption("--no-report") and _collects_verify(config):
+        from reports.session import ReportSession, clear_report_dir
+
+        if worker == "main":
+            clear_report_dir(config.getoption("--report-dir"))
+
+        from reports.session import command_line
+
+        config._flashverify_report = ReportSession(
+            config.getoption("--report-dir"), worker=worker,
+            header={**_header_data(config), "command": command_line(config.invocation_params.args)})
+
+
+def _collects_verify(config) -> bool:
+    args = [str(a) for a in config.args] or [str(p) for p in config.getini("testpaths")]
+    return any("verify" in Path(a.split("::")[0]).parts or a.startswith("verify") for a in args)
+
+
+def _header_data(config) -> dict:
+    device = _device(config)
+    impls = _selection(config)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    import hypothesis
+
+    return {
+        "implementations": [{"name": i.name, "kind": i.kind, "spec": i.cli_name, "description": i.description,
+                             "dtypes": [str(d).removeprefix("torch.") for d in i.dtypes],
+                             "causal_alignment": i.causal_alignment, "gqa": i.gqa, "tunable": i.tunable,
+                             "backward": i.backward is not None, "deterministic": i.deterministic}
+                            for i in impls],
+        "device": device,
+        "device_name": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else platform.processor() or platform.machine(),
+        "profile": _profile(config),
+        "limits": dataclasses.asdict(_limits(config)),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
+                     "hypothesis": hypothesis.__version__},
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+    }
+
+
+def _limits(config) -> Limits:
+    return limits_for(torch.device(_device(config)).type, _profile(config))
+
+
+def pytest_report_header(config):
+    data = _header_data(config)
+    lines = [f"flashverify: device={data['device']} ({data['device_name']}), profile={data['profile']}, "
+             f"max_len={data['limits']['max_len']}, max_head_dim={data['limits']['max_head_dim']}",
+             "flashverify: versions " + ", ".join(f"{k} {v}" for k, v in data["versions"].items())
+             + (", TRITON_INTERPRET=1" if data["triton_interpret"] else "")]
+    for impl in data["implementations"]:
+        caps = [impl["kind"], "/".join(impl["dtypes"]), f"causal {impl['causal_alignment']}"]
+        caps += [c for c, on in (("gqa", impl["gqa"]), ("tunable blocks", impl["tunable"]),
+                                 ("backward+delta", impl["backward"])) if on]
+        lines.append(f"flashverify: under test {impl['spec']}: {', '.join(caps)}")
+    report = config._flashverify_report
+    if report is not None:
+        lines.append(f"flashverify: report -> {report.dir}")
+    return lines
+
+
+def pytest_generate_tests(metafunc):
+    impls = _selection(metafunc.config)
+    if "impl" in metafunc.fixturenames:
+        chosen = [i for i in impls if i.kind == "attention"]
+        metafunc.parametrize("impl", chosen, ids=[i.name for i in chosen])
+    if "softmax_impl" in metafunc.fixturenames:
+        chosen = [i for i in impls if i.kind == "softmax"]
+        metafunc.parametrize("softmax_impl", chosen, ids=[i.name for i in chosen])
+
+
+@pytest.fixture(scope="session")
+def env(request):
+    from verify.runner import Env
+
+    config = request.config
+    report = config._flashverify_report
+    return Env(device=_device(config), profile=_profile(config), limits=_limits(config),
+               record=report.record if report is not None else (lambda _m: None))
+
+
+def _property_failures(exc):
+    from verify.harness import PropertyFailure, TimeoutFailure
+
+    if isinstance(exc, (PropertyFailure, TimeoutFailure)):
+        yield exc
+    for sub in getattr(exc, "exceptions", ()) or ():
+        yield from _property_failures(sub)
+
+
+def _out_of_memory(exc):
+    """The ``torch.OutOfMemoryError`` in ``exc`` (itself, in an exception group, or what it was raised
+    from), or None."""
+    from verify.harness import OutOfMemoryError
+
+    seen = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OutOfMemoryError):
+            return e
+        stack += [*(getattr(e, "exceptions", ()) or ()), e.__cause__, e.__context__]
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.failed or call.excinfo is None:
+        return
+    exc = call.excinfo.value
+    oom = _out_of_memory(exc)
+    report = item.config._flashverify_report
+    try:
+        failures = list(_property_failures(exc))
+        if rep.when != "call":  # a fixture, or the time limit, failed the test outside its body
+            if report is not None:
+                fields = _failure_fields(failures[0]) if failures else {
+                    "message": _exception_text(exc), "replay": None, "case": None, "prop": None,
+                    "implementation": None}
+                report.failure(test=f"{item.nodeid} ({rep.when})", **fields)
+            return
+        if not failures:
+            fields = _other_failure(item, exc)
+            if oom is not None:
+                fields["message"] = _out_of_memory_message(item, oom, fields)
+                rep.sections.append(("flashverify: out of device memory", fields["message"]))
+            if report is not None:
+                report.failure(test=item.nodeid, **fields)
+        for i, f in enumerate(failures if report is not None else ()):
+            report.failure(test=item.nodeid + (f"#{i}" if i else ""), **_failure_fields(f))
+    finally:
+        if oom is not None:  # the report is written: drop the tensors the tracebacks hold, then the cache
+            import traceback
+
+            from verify.harness import release_out_of_memory
+
+            if exc is not oom:
+                traceback.clear_frames(exc.__traceback__)
+            release_out_of_memory(oom)
+
+
+def _failure_fields(f) -> dict:
+    return {"message": str(f), "replay": f.replay, "case": f.case.to_dict() if hasattr(f.case, "to_dict") else None,
+            "prop": f.prop, "implementation": f.impl}
+
+
+def _exception_text(exc) -> str:
+    from reports.failures import exception_text
+
+    return exception_text(exc)
+
+
+def _out_of_memory_message(item, oom, fields) -> str:
+    """The failure message of an out-of-memory error that escaped the harness (raised in a backward, or
+    in the suite's float64 reference): where it was raised, and whether the suite or the kernel ran out."""
+    import traceback
+
+    from verify.harness import exception_line
+
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [f for f in traceback.extract_tb(oom.__traceback__) if not f.filename.startswith(torch_dir)]
+    place, in_reference = "", False
+    if frames:
+        path = Path(frames[-1].filename).resolve()
+        in_reference = path.is_relative_to(ROOT / "references")
+        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        place = f", raised in {shown}:{frames[-1].lineno} ({frames[-1].name})"
+    who = ("the suite's float64 reference ran out of device memory, not the kernel: the case is too large "
+           "for this device at float64 (lower the profile's limits)" if in_reference
+           else "the kernel (or the check around it) ran out of device memory")
+    lines = [f"{fields.get('implementation') or item.nodeid}: {who} ({exception_line(oom)}{place}); "
+             "the device memory was released and the run goes on"]
+    if fields.get("prop"):
+        lines.append(f"property: {fields['prop']}")
+    if fields.get("case"):
+        from reports.summary import describe_case
+
+        lines.append(f"case: {describe_case(fields['case'])}")
+    if fields.get("replay"):
+        lines.append(f"replay: {fields['replay']}")
+    elif fields.get("note"):
+        lines.append(f"no replay command: {fields['note']}")
+    return "\n  ".join(lines)
+
+
+def _other_failure(item, exc) -> dict:
+    """Failure-file fields for a test that failed by an exception other than a PropertyFailure (a kernel
+    that raises): the case is the one the property was running when the exception was raised (read from
+    the traceback), else the one read back from Hypothesis's notes when it can be, with its replay command."""
+    from reports.failures import drawn_case, exception_text, property_of_test
+    from reports.session import replay_command
+    from verify import properties
+    from verify.harness import failing_context
+
+    ctx = failing_context(exc)
+    if ctx is not None and hasattr(ctx.case, "to_dict"):
+        return {"message": exception_text(exc), "replay": ctx.replay_command(), "case": ctx.case.to_dict(),
+                "prop": ctx.prop, "implementation": ctx.impl.name, "note": None}
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    impl = params.get("impl") or params.get("softmax_impl")
+    known = set(properties.PROPERTIES) | set(properties.SOFTMAX_PROPERTIES)
+    prop = property_of_test(getattr(item, "originalname", item.name), known)
+    case, why = drawn_case(exc)
+    replay = None
+    if case is not None and prop is not None and impl is not None:
+        replay = replay_command(impl=impl.cli_name, prop=prop, case=case, device=_device(item.config))
+    elif case is not None:
+        why = "the test is not one property of one implementation"
+    return {"message": exception_text(exc), "replay": replay, "case": case, "prop": prop,
+            "implementation": getattr(impl, "name", None), "note": None if replay else why}
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    """Install the time limit of one test in place of pytest-timeout's own (a firstresult hook).
+
+    pytest-timeout's signal method raises pytest's ``Failed``, which Hypothesis catches as a failing
+    example and then replays to shrink it: the replay hangs again, with no timer left, and the run
+    never ends. Here SIGALRM raises :class:`verify.harness.TimeoutFailure` instead, which Hypothesis
+    lets through, naming the example that was running. A watchdog thread covers hangs that never
+    return to Python (where no signal handler can run): a grace period after the limit it writes the
+    failure file and the summary, then ends the process as pytest-timeout's thread method does. Where
+    SIGALRM cannot be used (another platform or thread, ``--timeout-method=thread``), the watchdog alone
+    runs, at the limit.
+    """
+    import pytest_timeout
+
+    seconds = float(settings.timeout)
+    main_thread = threading.main_thread()
+    use_signal = (settings.method == "signal" and hasattr(signal, "SIGALRM")
+                  and threading.current_thread() is main_thread)
+    grace = min(60.0, max(5.0, seconds / 10)) if use_signal else 0.0
+    watchdog = threading.Timer(seconds + grace, _native_hang, (item, settings, main_thread.ident))
+    watchdog.name = f"flashverify timeout {item.nodeid}"
+    watchdog.daemon = True
+
+    def on_alarm(signum, frame):
+        __tracebackhide__ = True
+        if not settings.disable_debugger_detection and pytest_timeout.is_debugging():
+            return
+        from verify.harness import TimeoutFailure, running_context, timeout_message
+
+        ctx = running_context(frame)
+        raise TimeoutFailure(timeout_message(ctx, seconds=seconds), ctx=ctx)
+
+    def cancel():
+        watchdog.cancel()
+        if use_signal:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
+    item.cancel_timeout = cancel  # what pytest-timeout's pytest_timeout_cancel_timer calls
+    if use_signal:
+        signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    watchdog.start()
+    return True
+
+
+def _native_hang(item, settings, main_ident):
+    """The watchdog's end of a test that never returned: failure file and summary, then exit status 1."""
+    import pytest_timeout
+
+    if not settings.disable_debugger_detection and pytest_timeout.is_debugging():
+        return
+    from verify.harness import TimeoutFailure, running_context, timeout_message
+
+    ctx = running_context(sys._current_frames().get(main_ident))
+    failure = TimeoutFailure(timeout_message(ctx, seconds=float(settings.timeout), native=True), ctx=ctx)
+    config = item.config
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture(in_=True)  # the message goes to the terminal, not to the capture
+    terminal = config.get_terminal_writer()
+    terminal.line("")
+    terminal.sep("+", title=f"flashverify: {item.nodeid}")
+    terminal.line(str(failure))
+    report = config._flashverify_report
+    try:
+        if report is not None:
+            report.failure(test=item.nodeid, **_failure_fields(failure))
+            if _xdist_worker(config):
+                # pytest-xdist replaces this worker and runs the rest: this worker's part is complete.
+                report.close(exitstatus=1)
+            else:
+                # The tests after this one will not run: the run stays unfinished, the summary PARTIAL.
+                from reports.summary import write_summary
+
+                reporter = config.pluginmanager.get_plugin("terminalreporter")
+                outcomes = {key: len(reporter.stats.get(key, [])) for key in ("passed", "failed", "skipped")
+                            if reporter is not None and reporter.stats.get(key)}
+                outcomes["failed"] = outcomes.get("failed", 0) + 1
+                write_summary(report.dir, outcomes=outcomes)
+                terminal.line(f"flashverify report: {report.dir / 'report.html'} (PARTIAL: the run ends at this test)")
+    except Exception as exc:  # noqa: BLE001 - the process must end whatever the report does
+        terminal.line(f"flashverify report: writing the report failed: {type(exc).__name__}: {exc}", red=True)
+    pytest_timeout.timeout_timer(item, settings)  # dumps every thread's stack, then os._exit(1)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    report = session.config._flashverify_report
+    if report is None:
+        return
+    if _xdist_worker(session.config):
+        report.close(exitstatus=exitstatus)
+        return  # the controller writes the merged summary once every worker has finished
+    from reports.summary import write_summary
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    outcomes = {}
+    if reporter is not None:
+        for key in ("passed", "failed", "skipped", "xfailed", "xpassed", "error"):
+            n = len(reporter.stats.get(key, []))
+            if n:
+                outcomes[key] = n
+    report.close(outcomes=outcomes, exitstatus=exitstatus)
+    try:
+        session.config._flashverify_summary = write_summary(report.dir, outcomes=outcomes)
+    except Exception as exc:  # noqa: BLE001 - a report bug must not turn the test outcome into an error
+        session.config._flashverify_summary = {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    report = config._flashverify_report
+    if report is None:
+        return
+    summary = getattr(config, "_flashverify_summary", None) or {}
+    terminalreporter.write_line(f"flashverify report: {report.dir / 'report.html'} (also report.md, summary.json; "
+                                f"measurements in {report.dir}/measurements-*.jsonl)")
+    failures = summary.get("failures") or []
+    if failures:
+        terminalreporter.write_line(f"flashverify report: {len(failures)} failing case(s) in {report.dir / 'failures'}"
+                                    f", each with its replay command")
+    for key in ("error", "html_error"):
+        if summary.get(key):
+            terminalreporter.write_line(f"flashverify report: writing the report failed: {summary[key]}", red=True)

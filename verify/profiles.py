@@ -1,0 +1,55 @@
+"""Hypothesis profiles and the size limits of drawn cases, per device and profile.
+
+Choose a profile with Hypothesis's own ``--hypothesis-profile`` (or ``FLASHVERIFY_PROFILE``; ``dev`` is
+the default):
+
+``ci``        derandomized, no example database, bounded: the same examples every run
+``dev``       random examples, remembered failures (the local example database)
+``thorough``  many more examples and larger shapes, for nightly runs
+``gpu``       derandomized, shapes up to Nk = 8192 (needs a GPU for the float64 reference)
+
+Every profile keeps Hypothesis's health checks on. A case is a handful of drawn scalars (shapes,
+flags, a seed) and its tensors are built from the seed inside the property, so drawing stays fast at
+any size: HealthCheck.too_slow (with deadline=None: 30 s of drawing over the first 10 examples) fires
+only on a generation bug.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import settings
+
+from strategies.attention import Limits
+
+PROFILES = {
+    "ci": dict(derandomize=True, database=None, max_examples=20, deadline=None, print_blob=True),
+    "dev": dict(max_examples=25, deadline=None, print_blob=True),
+    "thorough": dict(max_examples=300, deadline=None, print_blob=True),
+    "gpu": dict(derandomize=True, database=None, max_examples=15, deadline=None, print_blob=True),
+}
+for _name, _kwargs in PROFILES.items():
+    settings.register_profile(_name, **_kwargs)
+settings.load_profile(os.environ.get("FLASHVERIFY_PROFILE", "dev"))
+
+LIMITS = {
+    ("cpu", "ci"): Limits(max_len=40, max_head_dim=40),
+    ("cpu", "dev"): Limits(max_len=40, max_head_dim=40),
+    ("cpu", "thorough"): Limits(max_len=96, max_head_dim=72, max_tiles=400),
+    ("cpu", "gpu"): Limits(max_len=96, max_head_dim=72, max_tiles=400),
+    ("cuda", "ci"): Limits(max_len=256, max_head_dim=128, max_tiles=4096),
+    ("cuda", "dev"): Limits(max_len=256, max_head_dim=128, max_tiles=4096),
+    ("cuda", "thorough"): Limits(max_len=2048, max_head_dim=256, max_tiles=2 ** 16, max_scores=2 ** 26),
+    # max_scores: the float64 reference and its bound hold about twenty [B, H, Nq, Nk] tensors.
+    ("cuda", "gpu"): Limits(max_len=8192, max_head_dim=256, max_tiles=2 ** 20, max_scores=2 ** 25),
+}
+
+
+def profile_name(config) -> str:
+    """The Hypothesis profile of this pytest run."""
+    return config.getoption("hypothesis_profile", default=None) or os.environ.get("FLASHVERIFY_PROFILE", "dev")
+
+
+def limits_for(device_type: str, profile: str) -> Limits:
+    """The size limits of drawn cases on ``device_type`` (``cpu`` or ``cuda``) under ``profile``."""
+    return LIMITS.get((device_type, profile), LIMITS[(device_type, "dev")])
