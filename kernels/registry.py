@@ -10,7 +10,8 @@ declarations. A property that a declaration says is unsupported is skipped with 
 What is tested: every ``Implementation`` of kind ``"attention"`` runs the forward and backward
 catalogue; every one of kind ``"softmax"`` runs the online-softmax catalogue.
 
-How to add a kernel: write a function with the contract in DESIGN.md,
+How to add a kernel: write a function with the contract in README.md ("The contract"; a copyable
+example is ``examples/reference_attention.py``),
 ``forward(q, k, v, *, causal, scale) -> (out, lse)`` (or ``out`` alone), declare it::
 
     MY_KERNEL = Implementation(name="my_kernel", forward=my_forward, gqa=True,
@@ -189,8 +190,9 @@ class Implementation:
 
 
 def from_callable(fn: Callable[..., Any], name: str, *, device: str) -> Implementation:
-    """Declare a plain callable with the defaults of DESIGN.md: float16, bfloat16, float32 and
-    float64 on the suite's device, bottom-right causal, autograd, any head dim, no GQA, fixed tiles.
+    """Declare a plain callable with the defaults of the contract (README.md): float16, bfloat16,
+    float32 and float64 on the suite's device, bottom-right causal, autograd, any head dim, no GQA,
+    fixed tiles.
     Whether it returns the LSE is found out when it is called."""
     return Implementation(
         name=name,
@@ -227,17 +229,37 @@ def _import_shipped() -> None:
         pass
 
 
-def _load_attr(spec: str) -> Any:
+def _error_with_place(exc: BaseException) -> str:
+    """``Type: message (file:line)`` for an error raised while importing a user's kernel: the line of
+    the innermost frame outside importlib, or the syntax error's own place."""
+    import traceback
+
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, SyntaxError):
+        return text  # its message already names the file and line
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "importlib" not in f.filename]
+    if frames:
+        text += f" ({frames[-1].filename}:{frames[-1].lineno})"
+    return text
+
+
+def _load_attr(spec: str, names: Sequence[str] = ()) -> Any:
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
+        known = f" ({', '.join(sorted(names))})" if names else ""
         raise ImplementationError(
-            f"--impl {spec!r} is neither a registered name nor of the form "
+            f"--impl {spec!r} is neither a registered name{known} nor of the form "
             "package.module:attr or path/to/file.py:attr"
         )
     if target.endswith(".py") or os.sep in target or "/" in target:
         path = Path(target)
         if not path.is_file():
             raise ImplementationError(f"--impl {spec!r}: file {target!r} does not exist")
+        # The kernel file's own folder is importable from it (as for `python file.py`): its helper
+        # modules next to it can be imported by name.
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         module_name = "flashverify_impl_" + "".join(c if c.isalnum() else "_" for c in str(path.resolve()))
         module = sys.modules.get(module_name)
         if module is None:
@@ -246,12 +268,18 @@ def _load_attr(spec: str) -> Any:
                 raise ImplementationError(f"--impl {spec!r}: cannot load {target!r} as a Python file")
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[module_name] = module
-            module_spec.loader.exec_module(module)
+            try:
+                module_spec.loader.exec_module(module)
+            except Exception as exc:  # noqa: BLE001 - any error in the user's file is a usage error
+                del sys.modules[module_name]
+                raise ImplementationError(f"--impl {spec!r}: importing {target!r} failed: "
+                                          f"{_error_with_place(exc)}") from exc
     else:
         try:
             module = importlib.import_module(target)
-        except ImportError as exc:
-            raise ImplementationError(f"--impl {spec!r}: cannot import module {target!r}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - ImportError, or any error raised while importing it
+            raise ImplementationError(f"--impl {spec!r}: cannot import module {target!r}: "
+                                      f"{_error_with_place(exc)}") from exc
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -263,7 +291,7 @@ def load(spec: str, *, device: str) -> Implementation:
     shipped = registry()
     if spec in shipped:
         return shipped[spec]
-    obj = _load_attr(spec)
+    obj = _load_attr(spec, names=list(shipped))
     if isinstance(obj, Implementation):
         return dataclasses.replace(obj, spec=spec)
     if callable(obj):

@@ -34,7 +34,7 @@ def test_load_registry_name_module_attr_and_file_attr():
 
 
 @pytest.mark.parametrize("spec, words", [
-    ("no_such_kernel", "neither a registered name"),
+    ("no_such_kernel", "neither a registered name (eager, fa1_blocked, fa2_blocked,"),
     ("tests/fixtures/missing.py:fn", "does not exist"),
     (f"{FIXTURE}:nope", "has no attribute 'nope'"),
     ("no.such.module:fn", "cannot import module"),
@@ -45,10 +45,24 @@ def test_bad_impl_specs_raise_clear_errors(spec, words):
         registry.load(spec, device="cpu")
 
 
+def test_kernel_file_folder_is_importable_and_import_errors_are_named(tmp_path):
+    (tmp_path / "helper_next_to_it.py").write_text("ANSWER = 42\n")
+    (tmp_path / "uses_helper.py").write_text("from helper_next_to_it import ANSWER\n\n"
+                                             "def attention(q, k, v, *, causal, scale):\n    return q\n")
+    assert registry.load(f"{tmp_path}/uses_helper.py:attention", device="cpu").forward.__module__
+    (tmp_path / "raises_on_import.py").write_text("x = 1\nraise RuntimeError('no GPU found')\n")
+    with pytest.raises(registry.ImplementationError,
+                       match=re.escape("failed: RuntimeError: no GPU found (") + r".*raises_on_import\.py:2\)"):
+        registry.load(f"{tmp_path}/raises_on_import.py:attention", device="cpu")
+    (tmp_path / "bad_syntax.py").write_text("def attention(:\n")
+    with pytest.raises(registry.ImplementationError, match="failed: SyntaxError"):
+        registry.load(f"{tmp_path}/bad_syntax.py:attention", device="cpu")
+
+
 def test_bad_impl_spec_is_a_usage_error(tmp_path):
     proc = _pytest_verify("no_such_kernel", tmp_path)
     assert proc.returncode == 4, proc.stdout + proc.stderr
-    assert "neither a registered name" in proc.stderr
+    assert "neither a registered name" in proc.stderr and "fa2_blocked" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow

@@ -230,18 +230,20 @@ def assert_accurate(ctx: Context, *, op: str, actual: torch.Tensor, expected: to
     allowed = criteria.allowed_error(op, input_dtype, baseline_error=base_err, magnitude=magnitude)
     ratio, ratio_at = max_ratio(err, bound)
     passed = stats.max_abs <= allowed and ratio <= 1.0 and stats.nan_count == 0
+    over_eager = error_over_eager(stats.max_abs, base_err, criteria.floor(op, input_dtype, magnitude))
     ctx.record({
         "implementation": ctx.impl.name, "property": ctx.prop, "op": op, "case": ctx.case.to_dict(),
         **{key: value for key, value in stats.as_dict().items() if key not in ("worst_index",)},
         "worst_index": list(stats.worst_index), "baseline_max_abs": base_err, "allowed_max_abs": allowed,
-        "error_over_bound": ratio, "error_over_baseline": (stats.max_abs / base_err) if base_err else
-        (0.0 if stats.max_abs == 0 else math.inf), "pass": passed,
+        "error_over_bound": ratio, "error_over_baseline": over_eager, "pass": passed,
     })
     if passed:
         return stats
     lines = [f"{op} differs from the float64 reference"]
-    if stats.nan_count:
-        lines.append(f"{stats.nan_count} of {stats.numel} {op} values are NaN")
+    lines += _non_finite_lines(op, actual, expected, dtype=stored)
+    masked = masked_row_note(ctx, stats.worst_index)
+    if masked:
+        lines.append(masked)
     at = _fmt_index(stats.worst_index)
     lines.append(f"max abs error {stats.max_abs:.3e} at {at} (got {stats.worst_actual:.6g}, "
                  f"expected {stats.worst_expected:.6g}); allowed {criteria.FACTOR[op]:g} x eager "
@@ -254,6 +256,56 @@ def assert_accurate(ctx: Context, *, op: str, actual: torch.Tensor, expected: to
                  f"({_dtype_name(stored)})")
     ctx.fail("\n  ".join(lines))
     return stats
+
+
+def error_over_eager(max_abs: float, eager_error: float, floor: float) -> float:
+    """The report's err/eager: the max abs error over that of the same-precision eager attention, where
+    criterion 1's absolute floor stands in for an eager error below it (an exact eager result, error 0,
+    included), so the ratio is finite and 1 means "as accurate as eager, or within the floor"."""
+    scale = max(eager_error, floor)
+    if scale > 0:
+        return max_abs / scale
+    return 0.0 if max_abs == 0 else math.inf
+
+
+def _non_finite_lines(op: str, actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype) -> list[str]:
+    """Name NaN and infinities the kernel returned where the reference has none: "3 of 96 out values
+    are NaN, first at [0, 0, 2, 1] (expected 0.25)"."""
+    a = actual.detach()
+    e = expected.detach().to(torch.float64)
+    e_stored = e.to(dtype).to(torch.float64) if dtype != torch.float64 else e
+    lines = []
+    for word, bad in (("NaN", torch.isnan(a)), ("+inf", torch.isposinf(a) & ~torch.isposinf(e_stored)),
+                      ("-inf", torch.isneginf(a) & ~torch.isneginf(e_stored))):
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            lines.append(f"{int(bad.sum())} of {a.numel()} {op} values are {word}, first at {_fmt_index(idx)} "
+                         f"(expected {float(e[idx]):.6g})")
+    return lines
+
+
+def masked_row_note(ctx: Context, index: tuple[int, ...]) -> str | None:
+    """If ``index`` (``[b, h, i, ...]``) lies in a row that sees no key under the implementation's
+    declared causal alignment, say so and what the contract expects there; else None."""
+    case = ctx.case
+    if len(index) < 3 or not getattr(case, "causal", False):
+        return None
+    nq, nk, row = case.len_q, case.len_k, index[2]
+    if ctx.impl.causal_alignment != "bottom_right" or row + nk - nq >= 0:
+        return None
+    return (f"row {row} sees no key: causal masks are aligned bottom-right (key j visible to query i iff "
+            f"j <= i + Nk - Nq; Nq={nq} > Nk={nk} leaves rows 0..{nq - nk - 1} without keys), so out "
+            "should be 0 and lse -inf there. A kernel that aligns causal masks top-left (as PyTorch SDPA's "
+            "is_causal does) must declare causal_alignment='top_left' in an Implementation")
+
+
+def _digits(a: float, b: float) -> tuple[str, str]:
+    """Two values with enough digits to tell them apart (6, or up to 17 when they look equal)."""
+    for digits in (6, 9, 12, 17):
+        sa, sb = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if sa != sb:
+            break
+    return sa, sb
 
 
 def assert_close(ctx: Context, *, what: str, actual: torch.Tensor, expected: torch.Tensor,
@@ -277,9 +329,18 @@ def assert_close(ctx: Context, *, what: str, actual: torch.Tensor, expected: tor
     tol = tolerance if isinstance(tolerance, torch.Tensor) else torch.full_like(err, float(tolerance))
     ratio, at = max_ratio(err, tol.expand_as(err))
     if ratio > 1.0:
-        ctx.fail(f"{what}: |difference| {float(err[at]):.3e} at {_fmt_index(at)} "
-                 f"({float(actual[at]):.6g} vs {float(expected[at]):.6g}) exceeds the tolerance "
-                 f"{float(tol.expand_as(err)[at]):.3e} by {ratio:.3g}x")
+        limit = float(tol.expand_as(err)[at])
+        a, b = _digits(float(actual[at]), float(expected[at]))
+        lines = [f"{what}: |difference| {float(err[at]):.3e} at {_fmt_index(at)} ({a} vs {b}) exceeds the "
+                 f"tolerance {limit:.3e}" + (f" by {ratio:.3g}x" if limit > 0 else "")]
+        masked = masked_row_note(ctx, at)
+        if masked:
+            lines.append(masked)
+        elif limit == 0:
+            lines.append("the tolerance there is 0: the rounding-error bounds of both results are 0 at this "
+                         "element (an exact result is owed: no rounding can occur there), so any difference fails")
+        ctx.fail("\n  ".join(lines))
+
 
 
 def assert_no_nan(ctx: Context, *, what: str, actual: torch.Tensor) -> None:

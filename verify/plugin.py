@@ -210,6 +210,33 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("softmax_impl", chosen, ids=[i.name for i in chosen])
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Forward properties before backward ones (the first failure shown is the simplest verdict), and
+    every test tagged with the implementation it calls, or as a law that calls none (verify/outcomes.py)."""
+    from verify import outcomes
+
+    for item in items:
+        item.user_properties.extend(outcomes.tags(getattr(getattr(item, "callspec", None), "params", {})))
+    items.sort(key=lambda item: outcomes.module_rank(item.path))  # stable: each module keeps its order
+
+
+def pytest_sessionstart(session):
+    """Call each selected attention implementation once on a tiny case (verify/preflight.py) before any
+    property runs: a kernel that cannot be called as the contract says is one usage error, not dozens
+    of identical failures. Runs once, in the controller (not in pytest-xdist workers)."""
+    config = session.config
+    if _xdist_worker(config) or not _collects_verify(config):
+        return
+    from verify.preflight import PreflightError, preflight
+
+    device = _device(config)
+    for impl in _selection(config):
+        try:
+            preflight(impl, device=device)
+        except PreflightError as exc:
+            raise pytest.UsageError(f"{exc}\n  (--impl {impl.cli_name}; no property was run)") from None
+
+
 @pytest.fixture(scope="session")
 def env(request):
     from verify.runner import Env
@@ -443,7 +470,29 @@ def _native_hang(item, settings, main_ident):
     pytest_timeout.timeout_timer(item, settings)  # dumps every thread's stack, then os._exit(1)
 
 
+def _check_verified(session) -> None:
+    """Exit 1 with "nothing was verified for X" when no test called a selected implementation
+    (verify/outcomes.py); the tally goes to the terminal summary."""
+    from verify import outcomes
+
+    config = session.config
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if _xdist_worker(config) or reporter is None or not _collects_verify(config) or config.option.collectonly:
+        return
+    tally = outcomes.tally(reporter.stats)
+    config._flashverify_tally = tally
+    if session.shouldfail or session.shouldstop:
+        return  # -x or an interruption ended the run early: its exit status already says so
+    names = [impl.name for impl in _selection(config)]
+    missing = tally.unverified(names, explicit=bool(config.getoption("--impl")))
+    if missing:
+        config._flashverify_unverified = outcomes.nothing_verified_message(missing)
+        if session.exitstatus in (0, pytest.ExitCode.NO_TESTS_COLLECTED):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_sessionfinish(session, exitstatus):
+    _check_verified(session)
     report = session.config._flashverify_report
     if report is None:
         return
@@ -459,7 +508,14 @@ def pytest_sessionfinish(session, exitstatus):
             n = len(reporter.stats.get(key, []))
             if n:
                 outcomes[key] = n
-    report.close(outcomes=outcomes, exitstatus=exitstatus)
+    tally = getattr(session.config, "_flashverify_tally", None)
+    for key, n in (tally.laws.items() if tally is not None else ()):
+        # Laws that call no kernel are counted apart: "passed" counts verdicts on kernels.
+        outcomes[key] -= n
+        outcomes[f"{key} (laws, no kernel)"] = n
+        if not outcomes[key]:
+            del outcomes[key]
+    report.close(outcomes=outcomes, exitstatus=session.exitstatus)
     try:
         session.config._flashverify_summary = write_summary(report.dir, outcomes=outcomes)
     except Exception as exc:  # noqa: BLE001 - a report bug must not turn the test outcome into an error
@@ -467,6 +523,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    tally = getattr(config, "_flashverify_tally", None)
+    for line in tally.lines() if tally is not None else ():
+        terminalreporter.write_line(line)
+    unverified = getattr(config, "_flashverify_unverified", None)
+    if unverified:
+        terminalreporter.write_line(f"flashverify: {unverified}", red=True, bold=True)
     report = config._flashverify_report
     if report is None:
         return

@@ -1,4 +1,4 @@
-"""The property catalogue (DESIGN.md) as plain functions of ``(ctx, case)``.
+"""The property catalogue (README.md, "What is checked") as plain functions of ``(ctx, case)``.
 
 Every property is deterministic in its case: whatever else it needs (a second tiling, a key
 permutation, a shift vector, a poison value) is derived from ``case.seed``, so the one-line replay
@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable
 
 import torch
+# The module, not the function that torch.autograd.gradcheck names (the package re-exports it).
+from torch.autograd.gradcheck import GradcheckError
 
 from kernels.registry import registry
 from references import attention as reference
@@ -563,7 +565,7 @@ def gradcheck_float64(ctx: Context, case: AttentionCase) -> None:
     inputs = tuple(_leaf(x) for x in (t.q, t.k, t.v))
     try:
         torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7, rtol=1e-5, raise_exception=True)
-    except torch.autograd.gradcheck.GradcheckError as exc:
+    except GradcheckError as exc:
         ctx.fail(f"finite-difference gradcheck failed: {str(exc).splitlines()[0]}")
 
 

@@ -1,7 +1,7 @@
 """Forward properties (FA1 inner-scaled, FA2 outer-scaled, every selected implementation).
 
-Each test checks one property of the catalogue in DESIGN.md over Hypothesis-drawn cases; the
-property itself is in ``verify/properties.py`` under the same name.
+Each test checks one property of the catalogue (README.md, "What is checked") over Hypothesis-drawn
+cases; the property itself is in ``verify/properties.py`` under the same name.
 """
 
 import pytest

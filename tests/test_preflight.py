@@ -1,0 +1,164 @@
+"""The pre-flight call (verify/preflight.py) and the first run of a kernel author from their own directory.
+
+A kernel that cannot be called as the contract says (it raises, returns the wrong shape, dtype or
+device, mishandles ``scale=None``, its file does not import) stops the run with one usage error
+naming the problem, exit status 4, before any property runs. ``pytest --pyargs verify`` works from any
+directory, with the kernel file given by a path relative to it and its own folder importable.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.registry import Implementation, from_callable
+from verify.preflight import PreflightError, preflight
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "reference_attention.py"
+
+
+def _attention(q, k, v, *, causal=False, scale=None):
+    from examples.reference_attention import attention
+
+    return attention(q, k, v, causal=causal, scale=scale)
+
+
+def _plain(fn):
+    return from_callable(fn, "kernel.py:attention", device="cpu")
+
+
+def test_the_reference_example_passes_preflight():
+    preflight(_plain(_attention), device="cpu")
+
+
+def _scale_required(q, k, v, *, causal, scale):
+    return _attention(q, k, v, causal=causal, scale=1.0 * scale)
+
+
+def _none_means_one(q, k, v, *, causal, scale):
+    return _attention(q, k, v, causal=causal, scale=1.0 if scale is None else scale)
+
+
+def _drops_a_row(q, k, v, *, causal, scale):
+    out, lse = _attention(q, k, v, causal=causal, scale=scale)
+    return out[:, :, 1:], lse
+
+
+def _float64_out(q, k, v, *, causal, scale):
+    return _attention(q, k, v, causal=causal, scale=scale)[0].double()
+
+
+def _lse_in_input_dtype(q, k, v, *, causal, scale):
+    out, lse = _attention(q, k, v.half(), causal=causal, scale=scale)
+    return out.to(q.dtype), lse.half()
+
+
+def _raises(q, k, v, *, causal, scale):
+    raise NotImplementedError("head_dim 8 is not supported")
+
+
+def _raises_when_causal(q, k, v, *, causal, scale):
+    if causal:
+        raise ValueError("causal masks are not implemented")
+    return _attention(q, k, v, causal=causal, scale=scale)
+
+
+def _returns_three(q, k, v, *, causal, scale):
+    out, lse = _attention(q, k, v, causal=causal, scale=scale)
+    return out, lse, lse
+
+
+@pytest.mark.parametrize("fn, words", [
+    (_scale_required, "raised TypeError: unsupported operand type(s) for *: 'float' and 'NoneType'"),
+    (_none_means_one, "gives different results for scale=None and scale=1/sqrt(D)=0.353553"),
+    (_drops_a_row, "returned out.shape=(1, 2, 2, 8), but should be (1, 2, 3, 8)"),
+    (_float64_out, "returned out.dtype=float64, but should be float32"),
+    (_lse_in_input_dtype, "returned lse.dtype=float16, but should be float32"),
+    (_raises, "raised NotImplementedError: head_dim 8 is not supported (at "),
+    (_raises_when_causal, "causal=True, scale=None) on the tiny case B=1 Hq=2 Hkv=2 Nq=3 Nk=5 D=8 float32 "
+                          "on cpu raised ValueError: causal masks are not implemented"),
+    (_returns_three, "returned tuple of length 3, but should return out or (out, lse)"),
+])
+def test_a_kernel_that_cannot_be_called_is_named(fn, words):
+    with pytest.raises(PreflightError, match=re.escape(words)):
+        preflight(_plain(fn), device="cpu")
+
+
+def test_a_scale_none_type_error_says_what_none_means():
+    with pytest.raises(PreflightError, match=re.escape("scale=None, which means 1/sqrt(D)")):
+        preflight(_plain(_scale_required), device="cpu")
+
+
+def test_declared_dtypes_and_head_dims_are_respected():
+    calls = []
+
+    def fp16_only(q, k, v, *, causal, scale):
+        calls.append((q.dtype, q.shape[-1]))
+        if q.dtype != torch.float16 or q.shape[-1] not in (16, 32):
+            raise TypeError(f"unsupported {q.dtype}, D={q.shape[-1]}")
+        return _attention(q, k, v, causal=causal, scale=scale)
+
+    impl = Implementation(name="fp16_only", forward=fp16_only, dtypes=(torch.float16,), head_dims=(32, 16))
+    preflight(impl, device="cpu")
+    assert calls and set(calls) == {(torch.float16, 16)}
+
+
+def test_nothing_is_called_where_the_kernel_runs_in_no_dtype():
+    def never(*args, **kwargs):
+        raise AssertionError("called")
+
+    cuda_only = Implementation(name="cuda_only", forward=never, devices=("cuda",))
+    preflight(cuda_only, device="cpu")
+
+
+def test_scale_none_agrees_within_a_few_roundings():
+    """``D ** -0.5`` and ``1 / math.sqrt(D)`` may differ in the last bit: not a contract violation."""
+
+    def pow_scale(q, k, v, *, causal, scale):
+        return _attention(q, k, v, causal=causal, scale=q.shape[-1] ** -0.5 if scale is None else scale)
+
+    preflight(_plain(pow_scale), device="cpu")
+    assert math.isclose(8 ** -0.5, 1 / math.sqrt(8))
+
+
+# ------------------------------------------------------------------ a kernel author's own directory
+def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q",
+           "--hypothesis-profile=ci", "--report-dir", str(cwd / "report"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_own_directory_kernel_file_passes(tmp_path):
+    """The README's command for one's own kernel, run from another directory: the example copied there,
+    importing a helper module that sits next to it."""
+    (tmp_path / "my_helpers.py").write_text("import math\n\ndef default_scale(d):\n    return 1 / math.sqrt(d)\n")
+    source = EXAMPLE.read_text().replace("import torch\n", "import torch\nfrom my_helpers import default_scale\n", 1)
+    source = source.replace("scale = 1.0 / math.sqrt(head_dim)", "scale = default_scale(head_dim)")
+    assert "default_scale(head_dim)" in source
+    (tmp_path / "my_kernel.py").write_text(source)
+    proc = _run(tmp_path, "--impl", "my_kernel.py:attention", "-x", "-k", "out_matches_reference")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert re.search(r"flashverify: my_kernel\.py:attention: \d+ passed", proc.stdout), proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("source, words", [
+    ("def attention(q, k, v, *, causal, scale)\n    return q\n", "SyntaxError: expected ':'"),
+    ("import no_such_helper_module\n", "ModuleNotFoundError: No module named 'no_such_helper_module'"),
+    ("def attention(q, k, v, *, causal, scale):\n    return q.sum()\n", "returned out.shape=()"),
+])
+def test_own_directory_broken_kernel_is_one_usage_error(tmp_path, source, words):
+    (tmp_path / "my_kernel.py").write_text(textwrap.dedent(source))
+    proc = _run(tmp_path, "--impl", "my_kernel.py:attention")
+    assert proc.returncode == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert words in proc.stderr, proc.stderr[-3000:]
+    assert "INTERNALERROR" not in proc.stdout + proc.stderr

@@ -1,0 +1,134 @@
+"""Pre-flight: call each selected attention implementation once on a tiny case before any property runs.
+
+A kernel that cannot be called at all (it raises, returns the wrong kind of thing, the wrong shape,
+dtype or device, or mishandles ``scale=None``) would otherwise fail every property the same way, dozens
+of identical failures that hide the one cause. The plugin calls :func:`preflight` once per selected
+implementation and turns a :class:`PreflightError` into one usage error naming the problem.
+
+What is called, on the suite's device in the first dtype the implementation declares among float32,
+float64, float16, bfloat16 (float32 for a plain callable): ``B=1, Hq=Hkv=2, Nq=3, Nk=5``, the smallest
+head dim it declares (8 for a plain callable), N(0, 1) inputs,
+
+1. ``forward(q, k, v, causal=False, scale=None)``: must return ``out`` (q's shape, dtype and device) or
+   ``(out, lse)`` (``lse`` ``[B, Hq, Nq]``, float32, float64 for float64 inputs, on q's device);
+2. the same with ``scale=1/sqrt(D)`` given: must agree with 1. (``scale=None`` means ``1/sqrt(D)``);
+3. ``causal=True`` when the implementation declares causal masking.
+
+Nothing here judges accuracy: the properties do that, with their bounds and replay commands.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from kernels import registry as registry_module
+from kernels.registry import Implementation
+
+# The tiny case (Nq < Nk, so that a causal call exercises a mask with a visible key for every row).
+BATCH, HEADS, LEN_Q, LEN_K, HEAD_DIM = 1, 2, 3, 5, 8
+PREFERRED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+class PreflightError(ValueError):
+    """The implementation cannot be called as the contract says; the message names the problem."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tiny_case(impl: Implementation, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The inputs of the pre-flight call, or None when the implementation runs in no dtype here."""
+    usable = [d for d in PREFERRED_DTYPES if d in impl.dtypes and impl.environment_limit(d) is None]
+    if not usable or impl.unsupported(device=device):
+        return None
+    head_dim = min(impl.head_dims) if impl.head_dims else HEAD_DIM
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(BATCH, HEADS, n, head_dim, generator=g, dtype=torch.float64)
+               for n in (LEN_Q, LEN_K, LEN_K))
+    return tuple(t.to(device=device, dtype=usable[0]) for t in (q, k, v))
+
+
+def _describe(q: torch.Tensor, k: torch.Tensor) -> str:
+    b, h, nq, d = q.shape
+    return f"B={b} Hq={h} Hkv={k.shape[1]} Nq={nq} Nk={k.shape[2]} D={d} {_dtype_name(q.dtype)} on {q.device}"
+
+
+def _call(impl: Implementation, q, k, v, *, causal: bool, scale: float | None):
+    call = f"{impl.name}(q, k, v, causal={causal}, scale={scale!r}) on the tiny case {_describe(q, k)}"
+    try:
+        with torch.no_grad():
+            result = impl.call(q, k, v, causal=causal, scale=scale)
+    except Exception as exc:  # noqa: BLE001 - whatever the kernel raises is the problem to name
+        hint = ""
+        if scale is None and isinstance(exc, TypeError) and ("NoneType" in str(exc) or "scale" in str(exc)):
+            hint = ("\n  the suite passes scale=None, which means 1/sqrt(D) (the contract in README.md): "
+                    "handle None in the kernel")
+        raise PreflightError(f"pre-flight: {call} raised {_exception_text(exc)}{hint}") from exc
+    out, lse = result
+    where = f"pre-flight: {call} returned"
+    _check(where, "out", out, shape=tuple(q.shape), dtype=q.dtype, device=q.device)
+    if lse is not None:
+        _check(where, "lse", lse, shape=tuple(q.shape[:3]),
+               dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, device=q.device)
+    return out, lse
+
+
+def _exception_text(exc: BaseException) -> str:
+    """``Type: message`` and where the kernel raised it (the innermost frame)."""
+    import traceback
+
+    first = (str(exc).strip().splitlines() or [""])[0]
+    text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    suite = (Path(__file__).parent, Path(registry_module.__file__))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if Path(f.filename).parent != suite[0] and Path(f.filename) != suite[1]]
+    if frames:
+        text += f" (at {frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})"
+    return text
+
+
+def _check(where: str, label: str, t, *, shape, dtype, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise PreflightError(f"{where} {label} as a {type(t).__name__}, but it should be a torch.Tensor "
+                             "(the contract: out, or (out, lse))")
+    problems = []
+    if tuple(t.shape) != shape:
+        problems.append(f"{label}.shape={tuple(t.shape)}, but should be {shape}")
+    if t.dtype != dtype:
+        problems.append(f"{label}.dtype={_dtype_name(t.dtype)}, but should be {_dtype_name(dtype)}")
+    if t.device != device:
+        problems.append(f"{label} is on {t.device}, but should be on {device} (the inputs' device)")
+    if problems:
+        raise PreflightError(f"{where} " + "; ".join(problems)
+                             + ("\n  the contract (README.md): out has q's shape [B, Hq, Nq, D] and dtype; lse is "
+                                "[B, Hq, Nq], float32 (float64 for float64 inputs), natural log"))
+
+
+def preflight(impl: Implementation, *, device: str) -> None:
+    """Call ``impl`` on the tiny case; raise :class:`PreflightError` naming the first problem found.
+    Implementations of kind ``softmax`` and ones that run in no dtype on ``device`` are not called."""
+    if impl.kind != "attention":
+        return
+    inputs = tiny_case(impl, device)
+    if inputs is None:
+        return
+    q, k, v = inputs
+    out_none, lse_none = _call(impl, q, k, v, causal=False, scale=None)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out_given, lse_given = _call(impl, q, k, v, causal=False, scale=scale)
+    tol = 64 * torch.finfo(q.dtype).eps
+    differs = not torch.allclose(out_none.double(), out_given.double(), rtol=tol, atol=tol, equal_nan=True)
+    if lse_none is not None and lse_given is not None:
+        differs |= not torch.allclose(lse_none.double(), lse_given.double(), rtol=tol, atol=tol, equal_nan=True)
+    if differs:
+        gap = float((out_none.double() - out_given.double()).abs().nan_to_num(math.inf).max())
+        raise PreflightError(
+            f"pre-flight: {impl.name} gives different results for scale=None and scale=1/sqrt(D)={scale:.6g} "
+            f"on the tiny case {_describe(q, k)} (out differs by up to {gap:.3g}): the contract (README.md) "
+            "says scale=None means 1/sqrt(D)")
+    if impl.causal:
+        _call(impl, q, k, v, causal=True, scale=None)
