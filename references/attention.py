@@ -1,39 +1,178 @@
-"""Float64 reference attention: forward, LSE, P, Delta and backward.
+"""Float64 reference attention: forward, LSE, Delta and backward, in query-row chunks.
 
 The reference mirrors the kernel API name for name (``forward``, ``backward``) and computes
 everything in float64 from the exact (already low-precision) inputs, up-cast without rounding.
-:func:`attention` returns every intermediate the properties and the error bounds need, so one
-example computes the reference once.
+:func:`attention` returns a :class:`Reference` that holds only results of size ``O((Nq + Nk) D)``
+per head (out, LSE, row max, Delta, the gradients and the float64 inputs); the score-level matrices
+(scores, ``P``, ``dP``, ``dS``, the visible mask) are recomputed on demand, a chunk of query rows at a
+time (:meth:`Reference.chunks`), so no ``Nq x Nk`` matrix of the whole problem is ever held.
 
 Conventions (DESIGN.md): layout ``[B, H, N, D]``; grouped-query attention maps query head ``h`` to
 key/value head ``h // (Hq // Hkv)``; causal masking is bottom-right aligned (key ``j`` visible to query
 ``i`` iff ``j <= i + Nk - Nq``) unless ``alignment="top_left"`` (``j <= i``); a row with no visible key
 has ``P = 0``, ``out = 0`` and ``lse = -inf``; the LSE is the natural-log logsumexp of the scaled scores
-over the visible keys.
+over the visible keys. The visible keys of every row are a prefix of the keys, so per-row and per-key
+counts (:func:`visible_counts`) replace the mask wherever a whole-problem answer is needed.
+
+Memory model
+------------
+Everything row-wise (scores, softmax, ``out``, ``dQ``, the bounds' per-pair terms) is exact under
+row chunking; ``dK`` and ``dV`` are sums over rows and are accumulated chunk by chunk (only their
+float64 summation order changes). The suite's work on one example (this reference, the eager
+baseline, the rounding bounds and the criteria's magnitudes) peaks at about::
+
+    peak bytes ~ 8 * B * Hq * (SCORE_MATRICES * rows * Nk + VECTOR_ROWS * Nq * D + VECTOR_KEYS * Nk * D)
+
+with ``rows = rows_per_chunk(Nk, D, B * Hq)`` query rows per chunk: the largest number whose
+``SCORE_MATRICES`` float64 ``[B, Hq, rows, Nk]`` matrices fit ``DEFAULT_BUDGET_BYTES`` (at least one
+row, at most ``Nq``). :func:`peak_bytes` evaluates this (plus the exact centred term of
+``references.bounds``, at most a few ``[B, Hq, rows, Nk, D]`` slices of ``_CHUNK_ELEMENTS``); the
+constants are measured upper bounds (tests/test_references.py checks them against the allocations).
+The kernel's own memory is not part of it.
+
+The chunk size can be forced (tests, memory experiments): :func:`forced_chunk_rows` as a context
+manager, or the environment variable ``FLASHVERIFY_CHUNK_ROWS`` for a whole run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
+from collections.abc import Callable, Iterator
 
 import torch
 
 F64 = torch.float64
 ALIGNMENTS = ("bottom_right", "top_left")
 
+# Score-level work per chunk (bytes): the float64 [B, Hq, rows, Nk] matrices of the heaviest step
+# (the backward rounding bound) fit in it.
+DEFAULT_BUDGET_BYTES = 256 * 2 ** 20
+# Float64 [B, Hq, rows, Nk] matrices alive at once in the heaviest step (the backward bounds, two
+# models), and [B, Hq, N, D] tensors held for the whole example (inputs, results, accumulators):
+# measured upper bounds, see tests/test_references.py::test_peak_bytes_bounds_measured_peak.
+SCORE_MATRICES = 32
+VECTOR_ROWS = 24
+VECTOR_KEYS = 24
+CHUNK_ROWS_ENV = "FLASHVERIFY_CHUNK_ROWS"
+_forced_rows: int | None = None
 
-def visible_mask(len_q: int, len_k: int, *, causal: bool, alignment: str = "bottom_right",
-                 device=None) -> torch.Tensor:
-    """Bool ``[Nq, Nk]``: True where query ``i`` may attend to key ``j``."""
+
+def rows_per_chunk(len_k: int, head_dim: int, heads: int, *, budget: int | None = None) -> int:
+    """Query rows per chunk so that ``SCORE_MATRICES`` float64 ``[heads, rows, Nk]`` matrices (and a
+    ``[heads, rows, D]`` slice per row) fit ``budget`` bytes (default ``DEFAULT_BUDGET_BYTES``); at
+    least 1. ``heads`` is ``B * Hq``. A forced size (:func:`forced_chunk_rows`, ``FLASHVERIFY_CHUNK_ROWS``)
+    wins."""
+    forced = _forced()
+    if forced is not None:
+        return forced
+    for name, value in (("len_k", len_k), ("head_dim", head_dim), ("heads", heads)):
+        if value < 0:
+            raise ValueError(f"{name}={value}, but should be >= 0")
+    budget = DEFAULT_BUDGET_BYTES if budget is None else budget
+    if budget <= 0:
+        raise ValueError(f"budget={budget}, but should be a positive number of bytes")
+    per_row = 8 * max(1, heads) * (SCORE_MATRICES * max(1, len_k) + max(1, head_dim))
+    return max(1, budget // per_row)
+
+
+def _forced() -> int | None:
+    if _forced_rows is not None:
+        return _forced_rows
+    env = os.environ.get(CHUNK_ROWS_ENV)
+    if not env:
+        return None
+    try:
+        rows = int(env)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise ValueError(f"{CHUNK_ROWS_ENV}={env!r}, but should be a positive number of query rows")
+    return rows
+
+
+@contextlib.contextmanager
+def forced_chunk_rows(rows: int | None):
+    """Within the block every chunked computation uses ``rows`` query rows per chunk (``None``: the
+    budget decides)."""
+    global _forced_rows
+    if rows is not None and (not isinstance(rows, int) or rows < 1):
+        raise ValueError(f"rows={rows!r}, but should be a positive int or None")
+    previous, _forced_rows = _forced_rows, rows
+    try:
+        yield
+    finally:
+        _forced_rows = previous
+
+
+def row_chunks(len_q: int, len_k: int, head_dim: int, heads: int) -> list[tuple[int, int]]:
+    """``[(r0, r1), ...]`` covering ``range(len_q)`` in chunks of :func:`rows_per_chunk` rows."""
+    step = rows_per_chunk(len_k, head_dim, heads)
+    return [(r0, min(len_q, r0 + step)) for r0 in range(0, len_q, step)]
+
+
+def peak_bytes(batch: int, heads_q: int, heads_kv: int, len_q: int, len_k: int, head_dim: int, *,
+               budget: int | None = None) -> int:
+    """Estimated peak bytes of the suite's own work on one example of this shape (the float64
+    reference with its backward, the eager baseline, the rounding bounds and the criteria's
+    magnitudes), following the module docstring's memory model. Monotone in every size. The kernel's
+    own memory is not included."""
+    for name, value in (("batch", batch), ("heads_q", heads_q), ("heads_kv", heads_kv), ("len_q", len_q),
+                        ("len_k", len_k), ("head_dim", head_dim)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r}, but should be an int >= 0")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"heads_q={heads_q} should be a positive multiple of heads_kv={heads_kv}")
+    heads = batch * heads_q
+    rows = min(len_q, rows_per_chunk(len_k, head_dim, heads, budget=budget))
+    scores = SCORE_MATRICES * heads * rows * len_k
+    vectors = heads * (VECTOR_ROWS * len_q * head_dim + VECTOR_KEYS * len_k * head_dim)
+    # references.bounds' exact centred term: [B, Hq, step, Nk, D] slices, a few alive at once.
+    from references import bounds
+    centred = 0
+    if heads * len_q * len_k * head_dim <= bounds.EXACT_CENTRED_LIMIT:
+        per_row = heads * len_k * head_dim
+        step = max(1, bounds._CHUNK_ELEMENTS // max(1, per_row))
+        centred = 3 * min(rows, step) * per_row
+    return 8 * (scores + vectors + centred)
+
+
+def _offset(len_q: int, len_k: int, alignment: str) -> int:
     if alignment not in ALIGNMENTS:
         raise ValueError(f"alignment={alignment!r}, but should be one of {ALIGNMENTS}")
+    return len_k - len_q if alignment == "bottom_right" else 0
+
+
+def visible_mask(len_q: int, len_k: int, *, causal: bool, alignment: str = "bottom_right",
+                 device=None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Bool ``[r1 - r0, Nk]``: True where query ``i`` (``r0 <= i < r1``, default all rows) may attend
+    to key ``j``. Use it on chunks of rows: the whole mask is an ``Nq x Nk`` matrix."""
+    offset = _offset(len_q, len_k, alignment)
+    r0, r1 = (0, len_q) if rows is None else rows
+    if not 0 <= r0 <= r1 <= len_q:
+        raise ValueError(f"rows=({r0}, {r1}), but should satisfy 0 <= r0 <= r1 <= len_q={len_q}")
     if not causal:
-        return torch.ones(len_q, len_k, dtype=torch.bool, device=device)
-    offset = len_k - len_q if alignment == "bottom_right" else 0
-    rows = torch.arange(len_q, device=device)[:, None]
-    cols = torch.arange(len_k, device=device)[None, :]
-    return cols <= rows + offset
+        return torch.ones(r1 - r0, len_k, dtype=torch.bool, device=device)
+    i = torch.arange(r0, r1, device=device)[:, None]
+    j = torch.arange(len_k, device=device)[None, :]
+    return j <= i + offset
+
+
+def visible_counts(len_q: int, len_k: int, *, causal: bool, alignment: str = "bottom_right",
+                   device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(per_row [Nq], per_key [Nk])`` int64: the keys each row sees (they are keys ``0 ..
+    per_row - 1``) and the rows that see each key, without forming the mask."""
+    offset = _offset(len_q, len_k, alignment)
+    if not causal:
+        return (torch.full((len_q,), len_k, dtype=torch.int64, device=device),
+                torch.full((len_k,), len_q, dtype=torch.int64, device=device))
+    i = torch.arange(len_q, device=device)
+    j = torch.arange(len_k, device=device)
+    per_row = (i + offset + 1).clamp(min=0, max=len_k)
+    per_key = (len_q - (j - offset).clamp(min=0)).clamp(min=0, max=len_q)
+    return per_row, per_key
 
 
 def expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:
@@ -51,68 +190,163 @@ def reduce_group(grad: torch.Tensor, heads_kv: int) -> torch.Tensor:
 
 
 @dataclasses.dataclass
+class Chunk:
+    """Score-level quantities of query rows ``r0 .. r1 - 1`` (``[B, Hq, r1 - r0, Nk]`` float64)."""
+
+    r0: int
+    r1: int
+    visible: torch.Tensor  # bool [r1 - r0, Nk]
+    scores: torch.Tensor  # s = scale * q k^T, -inf where not visible
+    p: torch.Tensor  # softmax probabilities, 0 where not visible
+    dp: torch.Tensor | None = None  # dO V^T (keys no row of the chunk sees: 0)
+    ds: torch.Tensor | None = None  # P * (dP - Delta)
+
+
+@dataclasses.dataclass
 class Reference:
-    """Float64 attention and its intermediates (query-head layout ``[B, Hq, ...]`` unless noted)."""
+    """Float64 attention (query-head layout ``[B, Hq, ...]`` unless noted): only ``O((Nq + Nk) D)``
+    results; score-level quantities come from :meth:`chunks`."""
 
     scale: float
-    visible: torch.Tensor  # bool [Nq, Nk]
-    scores: torch.Tensor  # s = scale * q k^T, -inf where not visible   [B, Hq, Nq, Nk]
+    causal: bool
+    alignment: str
     row_max: torch.Tensor  # max_j s_ij (-inf for rows with no visible key) [B, Hq, Nq]
-    p: torch.Tensor  # softmax probabilities, 0 where not visible       [B, Hq, Nq, Nk]
     out: torch.Tensor  # [B, Hq, Nq, D]
     lse: torch.Tensor  # [B, Hq, Nq]
+    # The float64 inputs, K and V expanded to the query heads.
+    q64: torch.Tensor
+    k_expanded: torch.Tensor  # [B, Hq, Nk, D]
+    v_expanded: torch.Tensor
     # Backward (present when dout was given); dk and dv are in key/value-head layout [B, Hkv, Nk, D].
     dout: torch.Tensor | None = None
-    dp: torch.Tensor | None = None  # dO V^T                   [B, Hq, Nq, Nk]
     delta: torch.Tensor | None = None  # rowsum(dO * O)           [B, Hq, Nq]
-    ds: torch.Tensor | None = None  # P * (dP - Delta)          [B, Hq, Nq, Nk]
     dq: torch.Tensor | None = None
     dk: torch.Tensor | None = None
     dv: torch.Tensor | None = None
-    # The float64 inputs, K and V expanded to the query heads.
-    q64: torch.Tensor | None = None
-    k_expanded: torch.Tensor | None = None
-    v_expanded: torch.Tensor | None = None
+    _single: Chunk | None = dataclasses.field(default=None, repr=False)  # the only chunk, when it is one
+
+    @property
+    def len_q(self) -> int:
+        return self.q64.shape[2]
+
+    @property
+    def len_k(self) -> int:
+        return self.k_expanded.shape[2]
+
+    @property
+    def n_visible(self) -> torch.Tensor:
+        """Int64 ``[Nq]``: visible keys per row."""
+        return visible_counts(self.len_q, self.len_k, causal=self.causal, alignment=self.alignment,
+                              device=self.q64.device)[0]
 
     @property
     def rows_with_keys(self) -> torch.Tensor:
         """Bool ``[Nq]``: rows that see at least one key."""
-        return self.visible.any(dim=-1)
+        return self.n_visible > 0
+
+    @property
+    def keys_seen(self) -> torch.Tensor:
+        """Bool ``[Nk]``: keys that at least one row sees."""
+        return visible_counts(self.len_q, self.len_k, causal=self.causal, alignment=self.alignment,
+                              device=self.q64.device)[1] > 0
+
+    def row_chunks(self) -> list[tuple[int, int]]:
+        b, h, len_q, d = self.q64.shape
+        return row_chunks(len_q, self.len_k, d, b * h)
+
+    def chunk(self, r0: int, r1: int) -> Chunk:
+        """Scores, ``P`` (and ``dP``, ``dS`` with a backward) of rows ``r0 .. r1 - 1``, recomputed."""
+        if self._single is not None and (r0, r1) == (self._single.r0, self._single.r1):
+            return self._single
+        return _chunk(self, r0, r1)
+
+    def chunks(self) -> Iterator[Chunk]:
+        """The score-level quantities, one row chunk at a time (chunk size: :func:`rows_per_chunk`)."""
+        for r0, r1 in self.row_chunks():
+            yield self.chunk(r0, r1)
+
+    def rowwise(self, fn: Callable[[Chunk], torch.Tensor]) -> torch.Tensor:
+        """``fn`` of every chunk (a ``[B, Hq, r1 - r0, ...]`` tensor) concatenated over the rows."""
+        parts = [fn(c) for c in self.chunks()]
+        if not parts:
+            return fn(self.chunk(0, 0))
+        return torch.cat(parts, dim=2)
+
+    def dense(self) -> Chunk:
+        """Every row as one chunk: ``Nq x Nk`` matrices, for tests on small cases only."""
+        return _chunk(self, 0, self.len_q)
+
+
+def _chunk(ref: Reference, r0: int, r1: int) -> Chunk:
+    visible = visible_mask(ref.len_q, ref.len_k, causal=ref.causal, alignment=ref.alignment,
+                           device=ref.q64.device, rows=(r0, r1))
+    scores, p = _scores_and_p(ref.q64[:, :, r0:r1], ref.k_expanded, visible, ref.scale, ref.lse[:, :, r0:r1])
+    c = Chunk(r0=r0, r1=r1, visible=visible, scores=scores, p=p)
+    if ref.dout is not None:
+        c.dp, c.ds = _dp_and_ds(ref.dout[:, :, r0:r1], ref.v_expanded, ref.keys_seen, p, ref.delta[:, :, r0:r1])
+    return c
+
+
+def _scores_and_p(q64, ke, visible, scale, lse):
+    # Mask with where(), never multiplication: values at hidden positions (even inf/NaN) stay out.
+    scores = torch.where(visible, (q64 @ ke.transpose(-1, -2)) * scale, -math.inf)
+    p = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
+    return scores, torch.where(visible, p, 0.0)
+
+
+def _dp_and_ds(do, ve, keys_seen, p, delta):
+    seen = keys_seen[:, None]  # keys some row sees; the others never enter a product
+    dp = do @ torch.where(seen, ve, 0.0).transpose(-1, -2)
+    return dp, p * (dp - delta[..., None])
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               scale: float | None = None, alignment: str = "bottom_right",
               dout: torch.Tensor | None = None) -> Reference:
-    """Compute the float64 reference for one call (and its backward if ``dout`` is given)."""
+    """Compute the float64 reference for one call (and its backward if ``dout`` is given), in row
+    chunks (module docstring)."""
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment={alignment!r}, but should be one of {ALIGNMENTS}")
     q64, k64, v64 = q.to(F64), k.to(F64), v.to(F64)
-    hq, hkv = q.shape[1], k.shape[1]
-    len_q, len_k, d = q.shape[2], k.shape[2], q.shape[3]
+    b, hq, len_q, d = q.shape
+    hkv, len_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     ke, ve = expand_kv(k64, hq), expand_kv(v64, hq)
-    visible = visible_mask(len_q, len_k, causal=causal, alignment=alignment, device=q.device)
-    # Mask with where(), never multiplication: values at hidden positions (even inf/NaN) stay out.
-    scores = torch.where(visible, (q64 @ ke.transpose(-1, -2)) * scale, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1) if len_k else torch.full(q.shape[:3], -math.inf, dtype=F64,
-                                                                   device=q.device)
-    row_max = scores.amax(dim=-1) if len_k else lse.clone()
-    empty = torch.isneginf(lse)
-    p = torch.exp(scores - torch.where(empty, 0.0, lse)[..., None])
-    p = torch.where(visible, p, 0.0)
-    out = p @ torch.where(visible.any(dim=0)[:, None], ve, 0.0)
-    ref = Reference(scale=scale, visible=visible, scores=scores, row_max=row_max, p=p, out=out, lse=lse,
+    lse = torch.full(q.shape[:3], -math.inf, dtype=F64, device=q.device)
+    row_max, out = lse.clone(), torch.zeros(q.shape, dtype=F64, device=q.device)
+    ref = Reference(scale=scale, causal=causal, alignment=alignment, row_max=row_max, out=out, lse=lse,
                     q64=q64, k_expanded=ke, v_expanded=ve)
-    if dout is None:
-        return ref
-    do = dout.to(F64)
-    seen = visible.any(dim=0)[:, None]  # keys some row sees; the others never enter a product
-    vt = torch.where(seen, ve, 0.0).transpose(-1, -2)
-    dp = do @ vt
-    delta = (do * out).sum(dim=-1)
-    ds = p * (dp - delta[..., None])
-    ref.dout, ref.dp, ref.delta, ref.ds = do, dp, delta, ds
-    ref.dq = scale * (ds @ torch.where(seen, ke, 0.0))
-    ref.dk = reduce_group(scale * (ds.transpose(-1, -2) @ q64), hkv)
-    ref.dv = reduce_group(p.transpose(-1, -2) @ do, hkv)
+    seen = visible_counts(len_q, len_k, causal=causal, alignment=alignment, device=q.device)[1][:, None] > 0
+    if dout is not None:
+        ref.dout = dout.to(F64)
+        ref.delta = torch.zeros(q.shape[:3], dtype=F64, device=q.device)
+        ref.dq = torch.zeros(q.shape, dtype=F64, device=q.device)
+        dk_heads = dv_heads = torch.zeros(ke.shape, dtype=F64, device=q.device)  # replaced by the first chunk
+    spans = ref.row_chunks()
+    for n, (r0, r1) in enumerate(spans):
+        rows = slice(r0, r1)
+        visible = visible_mask(len_q, len_k, causal=causal, alignment=alignment, device=q.device, rows=(r0, r1))
+        s = torch.where(visible, (q64[:, :, rows] @ ke.transpose(-1, -2)) * scale, -math.inf)
+        if len_k:
+            lse[:, :, rows] = torch.logsumexp(s, dim=-1)
+            row_max[:, :, rows] = s.amax(dim=-1)
+        scores, p = _scores_and_p(q64[:, :, rows], ke, visible, scale, lse[:, :, rows])
+        out[:, :, rows] = p @ torch.where(seen, ve, 0.0)
+        c = Chunk(r0=r0, r1=r1, visible=visible, scores=scores, p=p)
+        if dout is not None:
+            ref.delta[:, :, rows] = (ref.dout[:, :, rows] * out[:, :, rows]).sum(dim=-1)
+            c.dp, c.ds = _dp_and_ds(ref.dout[:, :, rows], ve, seen[:, 0], p, ref.delta[:, :, rows])
+            ref.dq[:, :, rows] = scale * (c.ds @ torch.where(seen, ke, 0.0))
+            if n == 0:
+                dk_heads = scale * (c.ds.transpose(-1, -2) @ q64[:, :, rows])
+                dv_heads = p.transpose(-1, -2) @ ref.dout[:, :, rows]
+            else:
+                dk_heads += scale * (c.ds.transpose(-1, -2) @ q64[:, :, rows])
+                dv_heads += p.transpose(-1, -2) @ ref.dout[:, :, rows]
+        if len(spans) == 1:
+            ref._single = c  # it fits the budget: keep it for the bounds and criteria
+    if dout is not None:
+        ref.dk, ref.dv = reduce_group(dk_heads, hkv), reduce_group(dv_heads, hkv)
     return ref
 
 

@@ -14,6 +14,11 @@ backward
 
 Products of two float16 or bfloat16 numbers are exact in float32, so up-casting both operands and
 multiplying in float32 is what a tensor-core dot with a float32 accumulator computes.
+
+Both run in chunks of query rows (``references.attention.row_chunks``): everything but ``dK`` and
+``dV`` is row-wise and unchanged by the chunking; ``dK`` and ``dV`` add the chunks' partial sums in
+the accumulator dtype, which is one more valid float32 summation order of an eager backward. With one
+chunk (every case within the memory budget) the arithmetic is the unchunked one.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import math
 
 import torch
 
-from references.attention import expand_kv, reduce_group, visible_mask
+from references.attention import expand_kv, reduce_group, row_chunks, visible_mask
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -38,19 +43,24 @@ def forward(q, k, v, *, causal: bool = False, scale: float | None = None,
             alignment: str = "bottom_right"):
     """Eager ``(out, lse)`` at the precision of the inputs (see module docstring)."""
     dtype, acc = q.dtype, acc_dtype(q.dtype)
-    hq = q.shape[1]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    b, hq, len_q, d = q.shape
+    len_k = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     ke, ve = expand_kv(k, hq).to(acc), expand_kv(v, hq).to(acc)
-    visible = visible_mask(q.shape[2], k.shape[2], causal=causal, alignment=alignment, device=q.device)
-    s = torch.where(visible, (q.to(acc) @ ke.transpose(-1, -2)) * scale, -math.inf)
-    m = s.amax(dim=-1, keepdim=True) if k.shape[2] else torch.full((*q.shape[:3], 1), -math.inf,
-                                                                     dtype=acc, device=q.device)
-    m = torch.where(torch.isneginf(m), 0.0, m)
-    e = torch.exp(s - m)
-    l = e.sum(dim=-1, keepdim=True)
-    p = torch.where(l == 0, 0.0, e / torch.where(l == 0, 1.0, l))
-    out = (_low(p, dtype, acc) @ ve).to(dtype)
-    lse = torch.where(l == 0, -math.inf, m + torch.log(l)).squeeze(-1)
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
+    for r0, r1 in row_chunks(len_q, len_k, d, b * hq):
+        rows = slice(r0, r1)
+        visible = visible_mask(len_q, len_k, causal=causal, alignment=alignment, device=q.device, rows=(r0, r1))
+        s = torch.where(visible, (q[:, :, rows].to(acc) @ ke.transpose(-1, -2)) * scale, -math.inf)
+        m = s.amax(dim=-1, keepdim=True) if len_k else torch.full((*s.shape[:3], 1), -math.inf,
+                                                                   dtype=acc, device=q.device)
+        m = torch.where(torch.isneginf(m), 0.0, m)
+        e = torch.exp(s - m)
+        l = e.sum(dim=-1, keepdim=True)
+        p = torch.where(l == 0, 0.0, e / torch.where(l == 0, 1.0, l))
+        out[:, :, rows] = (_low(p, dtype, acc) @ ve).to(dtype)
+        lse[:, :, rows] = torch.where(l == 0, -math.inf, m + torch.log(l)).squeeze(-1)
     return out, lse
 
 
@@ -63,14 +73,26 @@ def backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None,
     if out is None:
         out, _ = forward(q, k, v, causal=causal, scale=scale, alignment=alignment)
     ke, ve = expand_kv(k, hq).to(acc), expand_kv(v, hq).to(acc)
-    visible = visible_mask(q.shape[2], k.shape[2], causal=causal, alignment=alignment, device=q.device)
-    s = torch.where(visible, (q.to(acc) @ ke.transpose(-1, -2)) * scale, -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    do = dout.to(acc)
-    dv = _low(p, dtype, acc).transpose(-1, -2) @ do
-    dp = do @ ve.transpose(-1, -2)
-    delta = (do * out.to(acc)).sum(dim=-1)
-    ds = _low(p * (dp - delta[..., None]), dtype, acc)
-    dq = (ds @ ke) * scale
-    dk = (ds.transpose(-1, -2) @ q.to(acc)) * scale
-    return (dq.to(dtype), reduce_group(dk, hkv).to(dtype), reduce_group(dv, hkv).to(dtype), delta)
+    b, _, len_q, d = q.shape
+    len_k = k.shape[2]
+    do_all, out_all = dout.to(acc), out.to(acc)
+    dq = torch.empty(q.shape, dtype=dtype, device=q.device)
+    delta = torch.empty(q.shape[:3], dtype=acc, device=q.device)
+    dk = dv = torch.zeros(ke.shape, dtype=acc, device=q.device)  # replaced by the first chunk's sums
+    for n, (r0, r1) in enumerate(row_chunks(len_q, len_k, d, b * hq)):
+        rows = slice(r0, r1)
+        visible = visible_mask(len_q, len_k, causal=causal, alignment=alignment, device=q.device, rows=(r0, r1))
+        q_rows = q[:, :, rows].to(acc)
+        s = torch.where(visible, (q_rows @ ke.transpose(-1, -2)) * scale, -math.inf)
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        do = do_all[:, :, rows]
+        dv_part = _low(p, dtype, acc).transpose(-1, -2) @ do
+        dp = do @ ve.transpose(-1, -2)
+        delta[:, :, rows] = (do * out_all[:, :, rows]).sum(dim=-1)
+        ds = _low(p * (dp - delta[:, :, rows, None]), dtype, acc)
+        dq[:, :, rows] = ((ds @ ke) * scale).to(dtype)
+        dk_part = ds.transpose(-1, -2) @ q_rows
+        # Partial sums over rows, added in the accumulator (the scale multiplies the total, as unchunked).
+        dk, dv = (dk_part, dv_part) if n == 0 else (dk + dk_part, dv + dv_part)
+    dk = dk * scale
+    return (dq, reduce_group(dk, hkv).to(dtype), reduce_group(dv, hkv).to(dtype), delta)

@@ -237,7 +237,7 @@ import math
 
 import torch
 
-from references.attention import Reference, expand_kv, reduce_group
+from references.attention import Chunk, Reference, expand_kv, reduce_group, visible_counts
 from references.metrics import unit_roundoff
 
 F64 = torch.float64
@@ -313,48 +313,78 @@ def rounding_error(x: torch.Tensor, u: float, eta: float) -> torch.Tensor:
 
 
 @dataclasses.dataclass
-class _Case:
-    """Float64 magnitudes shared by the forward and backward bounds (query-head layout)."""
+class _Keys:
+    """Per-key float64 magnitudes shared by every row chunk (query-head layout ``[B, Hq, Nk, D]``)."""
 
-    vis: torch.Tensor  # bool [Nq, Nk]
-    rows: torch.Tensor  # bool [Nq]: rows that see a key
     keys: torch.Tensor  # bool [Nk]: keys some row sees
-    n_rows: torch.Tensor  # visible keys per row [Nq]
     n_keys: torch.Tensor  # rows that see each key [Nk]
+    n_rows: torch.Tensor  # visible keys per row [Nq] (all rows)
+    len_q: int  # rows of the whole problem
     group: int
     heads_kv: int
     d: int
     scale: float
-    p: torch.Tensor  # [B, Hq, Nq, Nk]
-    s: torch.Tensor  # scores, 0 where hidden
-    m: torch.Tensor  # row max, 0 on empty rows [B, Hq, Nq]
-    lse: torch.Tensor  # 0 on empty rows
-    qk: torch.Tensor  # |sigma| |q_i| . |k_j|, 0 where hidden
-    aq: torch.Tensor  # |q| [B, Hq, Nq, D]
     ak: torch.Tensor  # |k| expanded to query heads, 0 for keys no row sees
     av: torch.Tensor  # |v| likewise
     v: torch.Tensor  # v likewise
-    o: torch.Tensor  # reference output
 
 
-def _case(ref: Reference, q, k, v) -> _Case:
+@dataclasses.dataclass
+class _Case:
+    """Float64 magnitudes of one chunk of query rows ``r0 .. r1 - 1`` (query-head layout); the
+    row-sized fields cover the chunk only, the key-sized ones the whole problem."""
+
+    vis: torch.Tensor  # bool [rows, Nk]
+    rows: torch.Tensor  # bool [rows]: rows that see a key
+    keys: torch.Tensor  # bool [Nk]: keys some row sees
+    n_rows: torch.Tensor  # visible keys per row [rows]
+    n_keys: torch.Tensor  # rows that see each key [Nk]
+    len_q: int  # rows of the whole problem
+    group: int
+    heads_kv: int
+    d: int
+    scale: float
+    p: torch.Tensor  # [B, Hq, rows, Nk]
+    s: torch.Tensor  # scores, 0 where hidden
+    m: torch.Tensor  # row max, 0 on empty rows [B, Hq, rows]
+    lse: torch.Tensor  # 0 on empty rows
+    qk: torch.Tensor  # |sigma| |q_i| . |k_j|, 0 where hidden
+    aq: torch.Tensor  # |q| [B, Hq, rows, D]
+    ak: torch.Tensor  # |k| expanded to query heads, 0 for keys no row sees [B, Hq, Nk, D]
+    av: torch.Tensor  # |v| likewise
+    v: torch.Tensor  # v likewise
+    o: torch.Tensor  # reference output [B, Hq, rows, D]
+
+
+def _keys(ref: Reference, q, k, v) -> _Keys:
     hq, hkv = q.shape[1], k.shape[1]
-    if tuple(ref.p.shape) != (q.shape[0], hq, q.shape[2], k.shape[2]):
-        raise ValueError(f"ref.p.shape={tuple(ref.p.shape)} does not fit q.shape={tuple(q.shape)} and "
-                         f"k.shape={tuple(k.shape)}: the reference should come from these inputs")
-    vis = ref.visible
-    keys, rows = vis.any(dim=0), vis.any(dim=-1)
+    if tuple(ref.out.shape) != tuple(q.shape) or ref.len_k != k.shape[2]:
+        raise ValueError(f"ref.out.shape={tuple(ref.out.shape)} with {ref.len_k} keys does not fit "
+                         f"q.shape={tuple(q.shape)} and k.shape={tuple(k.shape)}: the reference should come "
+                         "from these inputs")
+    n_rows, n_keys = visible_counts(q.shape[2], k.shape[2], causal=ref.causal, alignment=ref.alignment,
+                                    device=q.device)
+    keys = n_keys > 0
     # Keys no row sees may hold anything (inf, NaN): zero them before any product.
     ke = torch.where(keys[:, None], expand_kv(k.detach().to(F64), hq), 0.0)
     ve = torch.where(keys[:, None], expand_kv(v.detach().to(F64), hq), 0.0)
-    aq = q.detach().to(F64).abs()
-    qk = torch.where(vis, abs(ref.scale) * (aq @ ke.abs().transpose(-1, -2)), 0.0)
+    return _Keys(keys=keys, n_keys=n_keys.to(F64), n_rows=n_rows.to(F64), len_q=q.shape[2], group=hq // hkv,
+                 heads_kv=hkv, d=q.shape[-1], scale=ref.scale, ak=ke.abs(), av=ve.abs(), v=ve)
+
+
+def _case(ref: Reference, q, kk: _Keys, chunk: Chunk) -> _Case:
+    r = slice(chunk.r0, chunk.r1)
+    vis = chunk.visible
+    n_rows = kk.n_rows[r]
+    rows = n_rows > 0
+    aq = q[:, :, r].detach().to(F64).abs()
+    qk = torch.where(vis, abs(ref.scale) * (aq @ kk.ak.transpose(-1, -2)), 0.0)
     return _Case(
-        vis=vis, rows=rows, keys=keys, n_rows=vis.sum(dim=-1).to(F64), n_keys=vis.sum(dim=0).to(F64),
-        group=hq // hkv, heads_kv=hkv, d=q.shape[-1], scale=ref.scale, p=ref.p,
-        s=torch.where(vis, ref.scores, 0.0),
-        m=torch.where(rows, ref.row_max, 0.0), lse=torch.where(rows, ref.lse, 0.0),
-        qk=qk, aq=aq, ak=ke.abs(), av=ve.abs(), v=ve, o=ref.out,
+        vis=vis, rows=rows, keys=kk.keys, n_rows=n_rows, n_keys=kk.n_keys, len_q=kk.len_q,
+        group=kk.group, heads_kv=kk.heads_kv, d=kk.d, scale=kk.scale, p=chunk.p,
+        s=torch.where(vis, chunk.scores, 0.0),
+        m=torch.where(rows, ref.row_max[:, :, r], 0.0), lse=torch.where(rows, ref.lse[:, :, r], 0.0),
+        qk=qk, aq=aq, ak=kk.ak, av=kk.av, v=kk.v, o=ref.out[:, :, r],
     )
 
 
@@ -374,7 +404,7 @@ def _ranks(c: _Case, tol: torch.Tensor) -> torch.Tensor:
 def _centred(c: _Case, w: torch.Tensor) -> torch.Tensor:
     """``sum_j w_ij |v_j - o_i|`` for ``w >= 0`` (0 where hidden), or an upper bound of it."""
     b, h, nq, nk = w.shape
-    if b * h * nq * nk * c.d <= EXACT_CENTRED_LIMIT:
+    if b * h * c.len_q * nk * c.d <= EXACT_CENTRED_LIMIT:  # decided on the whole problem, not the chunk
         step = max(1, _CHUNK_ELEMENTS // max(1, b * h * nk * c.d))
         parts = [torch.einsum("bhij,bhijd->bhid", w[:, :, i0:i0 + step],
                               (c.v[:, :, None] - c.o[:, :, i0:i0 + step, None]).abs())
@@ -451,18 +481,27 @@ def _forward_reference(c: _Case, ranks: torch.Tensor):
 def forward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, model: Model | None = None):
     """Elementwise bounds on ``|out - ref.out|`` ``[B, Hq, Nq, D]`` and ``|lse - ref.lse|`` ``[B, Hq, Nq]``
     (float64) for a kernel that follows the contract with inputs of ``dtype``."""
-    c = _case(ref, q, k, v)
+    kk = _keys(ref, q, k, v)
     model = kernel_model(dtype) if model is None else model
-    ranks = _ranks_for(c, model)
-    phi = _phi(c, model, ranks)
-    out_r, lse_r = _forward_reference(c, ranks)
-    return SAFETY * (_out_kernel(c, model, phi) + out_r), SAFETY * (_lse_kernel(c, model, phi, ranks) + lse_r)
+    out_b = torch.zeros(q.shape, dtype=F64, device=q.device)
+    lse_b = torch.zeros(q.shape[:3], dtype=F64, device=q.device)
+    for chunk in ref.chunks():  # every term is row-wise: one chunk of rows at a time
+        c = _case(ref, q, kk, chunk)
+        ranks = _ranks_for(c, model)
+        phi = _phi(c, model, ranks)
+        out_r, lse_r = _forward_reference(c, ranks)
+        rows = slice(chunk.r0, chunk.r1)
+        out_b[:, :, rows] = SAFETY * (_out_kernel(c, model, phi) + out_r)
+        lse_b[:, :, rows] = SAFETY * (_lse_kernel(c, model, phi, ranks) + lse_r)
+    return out_b, lse_b
 
 
 def _backward_terms(c: _Case, model: Model, *, dout_abs, lse_err, delta_err, dp_minus_delta, dp_abs, near_max,
-                    grads):
-    """(dq, dk, dv) error bounds of one contract-following backward against exact gradients, given its
-    LSE and Delta errors against exact values (section 7)."""
+                    ref_dq):
+    """The dq error bound of one contract-following backward against exact gradients for the rows of
+    ``c``, given its LSE and Delta errors against exact values (section 7), and this chunk's parts of
+    the dK and dV sums over rows, per query head ``[B, Hq, Nk, D]``: ``(dq, (dk_err, dk_abs, dv_err,
+    dv_abs))`` (:func:`_key_terms` finishes them once every chunk is summed)."""
     u, eta = model.u_acc, model.eta_acc
     vis = c.vis.to(F64)
     pi = (_score_error(c, model) + lse_err[..., None] + C_ARG * u * (c.lse[..., None] - c.s)
@@ -487,31 +526,39 @@ def _backward_terms(c: _Case, model: Model, *, dout_abs, lse_err, delta_err, dp_
         ds_err = ds_err + torch.where(near_max, m_grad, 0.0)
         ds_abs = ds_abs + torch.where(near_max, m_grad, 0.0)
     sc = abs(c.scale)
-    ref_dq, ref_dk, ref_dv = grads
 
     dq = (sc * (ds_err @ c.ak + gamma(c.n_rows + 3, model.u_dot)[:, None] * (ds_abs @ c.ak))
           + (3 * c.n_rows + 3)[:, None] * eta)
     dq = dq + rounding_error(ref_dq.abs() + dq, model.u_out, model.eta_out)
 
-    dk = sc * (reduce_group(ds_err.transpose(-1, -2) @ c.aq, c.heads_kv)
+    p_cast = rounding_error(p_hat, model.u_cast, model.eta_cast)
+    sums = (ds_err.transpose(-1, -2) @ c.aq, ds_abs.transpose(-1, -2) @ c.aq,
+            (dp_err + p_cast).transpose(-1, -2) @ dout_abs, (p_hat + p_cast).transpose(-1, -2) @ dout_abs)
+    return dq, sums
+
+
+def _key_terms(c: _Keys, model: Model, sums, *, ref_dk, ref_dv):
+    """(dk, dv) error bounds (section 7) from the per-head sums over every row of
+    :func:`_backward_terms`."""
+    eta, sc = model.eta_acc, abs(c.scale)
+    dk_err, dk_abs, dv_err, dv_abs = sums
+    dk = sc * (reduce_group(dk_err, c.heads_kv)
                + gamma(c.group * c.n_keys + 3, model.u_dot)[:, None]
-               * reduce_group(ds_abs.transpose(-1, -2) @ c.aq, c.heads_kv)) + (3 * c.group * c.n_keys + 3)[:, None] * eta
+               * reduce_group(dk_abs, c.heads_kv)) + (3 * c.group * c.n_keys + 3)[:, None] * eta
     dk = dk + rounding_error(ref_dk.abs() + dk, model.u_out, model.eta_out)
     if model.autograd_eager:
-        dk = dk + _per_head_rounding(c, model, sc * (ds_abs.transpose(-1, -2) @ c.aq))
+        dk = dk + _per_head_rounding(c, model, sc * dk_abs)
 
-    p_cast = rounding_error(p_hat, model.u_cast, model.eta_cast)
-    dv = (reduce_group((dp_err + p_cast).transpose(-1, -2) @ dout_abs, c.heads_kv)
-          + gamma(c.group * c.n_keys + 2, model.u_dot)[:, None]
-          * reduce_group((p_hat + p_cast).transpose(-1, -2) @ dout_abs, c.heads_kv)
+    dv = (reduce_group(dv_err, c.heads_kv)
+          + gamma(c.group * c.n_keys + 2, model.u_dot)[:, None] * reduce_group(dv_abs, c.heads_kv)
           + (2 * c.group * c.n_keys + 2)[:, None] * eta)
     dv = dv + rounding_error(ref_dv.abs() + dv, model.u_out, model.eta_out)
     if model.autograd_eager:
-        dv = dv + _per_head_rounding(c, model, (p_hat + p_cast).transpose(-1, -2) @ dout_abs)
-    return dq, dk, dv
+        dv = dv + _per_head_rounding(c, model, dv_abs)
+    return dk, dv
 
 
-def _per_head_rounding(c: _Case, model: Model, per_head: torch.Tensor) -> torch.Tensor:
+def _per_head_rounding(c: _Keys, model: Model, per_head: torch.Tensor) -> torch.Tensor:
     """Autograd through ``expand_kv(k).to(float32)`` rounds each query head's dK/dV to the input dtype
     and then sums the group in it: a rounding per head and ``G - 1`` additions (section 11)."""
     if c.group == 1:
@@ -529,37 +576,48 @@ def backward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, out: torch.T
         raise ValueError("backward_bounds: ref has no backward; compute it with attention(..., dout=dout)")
     if tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"backward_bounds: out.shape={tuple(out.shape)}, but should equal q.shape={tuple(q.shape)}")
-    c = _case(ref, q, k, v)
+    kk = _keys(ref, q, k, v)
     model = kernel_model(dtype) if model is None else model
     ref_model = REFERENCE_MODEL
-    ranks = _ranks_for(c, model)
-    lse_k = _lse_kernel(c, model, _phi(c, model, ranks), ranks)
-    out_r, lse_r = _forward_reference(c, ranks)
-    rows = c.rows[:, None]
-    do = torch.where(rows, ref.dout, 0.0)
-    do_abs = do.abs()
-    o_k = torch.where(rows, out.detach().to(F64), 0.0)
-    diff = o_k - ref.out
-    d = c.d
-    measured = (do * diff).sum(-1).abs() + gamma(d + 2, ref_model.u_acc) * (do_abs * diff.abs()).sum(-1)
-    from_ref_out = (do_abs * out_r).sum(-1)
-    # Delta: D products and D - 1 additions, each with an absolute eta for underflow.
-    kernel_sum = gamma(d, model.u_acc) * (do_abs * o_k.abs()).sum(-1) + 2 * d * model.eta_acc
-    ref_sum = gamma(d, ref_model.u_acc) * (do_abs * ref.out.abs()).sum(-1) + 2 * d * ref_model.eta_acc
-    g = torch.where(c.vis, (ref.dp - ref.delta[..., None]).abs(), 0.0)
-    dp_abs = torch.where(c.vis, ref.dp.abs(), 0.0)
-    err = _score_error(c, model)
-    near_max = c.vis & (c.s >= (c.m - 2 * err.amax(dim=-1))[..., None])
-    grads = (ref.dq, ref.dk, ref.dv)
-    extra = dict(dp_minus_delta=g, dp_abs=dp_abs, near_max=near_max, grads=grads)
-    k_terms = _backward_terms(c, model, dout_abs=do_abs, lse_err=lse_k,
-                              delta_err=measured + from_ref_out + kernel_sum, **extra)
-    r_terms = _backward_terms(c, ref_model, dout_abs=do_abs, lse_err=lse_r, delta_err=from_ref_out + ref_sum,
-                              **extra)
-    keys = c.keys[:, None]
-    dq = torch.where(rows, SAFETY * (k_terms[0] + r_terms[0]), 0.0)
-    dk = torch.where(keys, SAFETY * (k_terms[1] + r_terms[1]), 0.0)
-    dv = torch.where(keys, SAFETY * (k_terms[2] + r_terms[2]), 0.0)
-    # Against ref.delta (from the same reference output): the reference output's error cancels.
-    delta = torch.where(c.rows, SAFETY * (measured + kernel_sum + ref_sum), 0.0)
+    d = kk.d
+    dq = torch.zeros(q.shape, dtype=F64, device=q.device)
+    delta = torch.zeros(q.shape[:3], dtype=F64, device=q.device)
+    k_sums = r_sums = None  # per-head dK and dV sums over the rows, added chunk by chunk
+    for chunk in ref.chunks():
+        c = _case(ref, q, kk, chunk)
+        r = slice(chunk.r0, chunk.r1)
+        ranks = _ranks_for(c, model)
+        lse_k = _lse_kernel(c, model, _phi(c, model, ranks), ranks)
+        out_r, lse_r = _forward_reference(c, ranks)
+        rows = c.rows[:, None]
+        do = torch.where(rows, ref.dout[:, :, r], 0.0)
+        do_abs = do.abs()
+        o_k = torch.where(rows, out[:, :, r].detach().to(F64), 0.0)
+        diff = o_k - c.o
+        measured = (do * diff).sum(-1).abs() + gamma(d + 2, ref_model.u_acc) * (do_abs * diff.abs()).sum(-1)
+        from_ref_out = (do_abs * out_r).sum(-1)
+        # Delta: D products and D - 1 additions, each with an absolute eta for underflow.
+        kernel_sum = gamma(d, model.u_acc) * (do_abs * o_k.abs()).sum(-1) + 2 * d * model.eta_acc
+        ref_sum = gamma(d, ref_model.u_acc) * (do_abs * c.o.abs()).sum(-1) + 2 * d * ref_model.eta_acc
+        g = torch.where(c.vis, (chunk.dp - ref.delta[:, :, r, None]).abs(), 0.0)
+        dp_abs = torch.where(c.vis, chunk.dp.abs(), 0.0)
+        err = _score_error(c, model)
+        near_max = c.vis & (c.s >= (c.m - 2 * err.amax(dim=-1))[..., None])
+        extra = dict(dp_minus_delta=g, dp_abs=dp_abs, near_max=near_max, ref_dq=ref.dq[:, :, r])
+        dq_k, sums_k = _backward_terms(c, model, dout_abs=do_abs, lse_err=lse_k,
+                                       delta_err=measured + from_ref_out + kernel_sum, **extra)
+        dq_r, sums_r = _backward_terms(c, ref_model, dout_abs=do_abs, lse_err=lse_r,
+                                       delta_err=from_ref_out + ref_sum, **extra)
+        dq[:, :, r] = torch.where(rows, SAFETY * (dq_k + dq_r), 0.0)
+        # Against ref.delta (from the same reference output): the reference output's error cancels.
+        delta[:, :, r] = torch.where(c.rows, SAFETY * (measured + kernel_sum + ref_sum), 0.0)
+        k_sums = sums_k if k_sums is None else tuple(a + b for a, b in zip(k_sums, sums_k))
+        r_sums = sums_r if r_sums is None else tuple(a + b for a, b in zip(r_sums, sums_r))
+    if k_sums is None:  # no query rows: nothing sums into dK and dV
+        k_sums = r_sums = (torch.zeros(kk.ak.shape, dtype=F64, device=q.device),) * 4
+    dk_k, dv_k = _key_terms(kk, model, k_sums, ref_dk=ref.dk, ref_dv=ref.dv)
+    dk_r, dv_r = _key_terms(kk, ref_model, r_sums, ref_dk=ref.dk, ref_dv=ref.dv)
+    keys = kk.keys[:, None]
+    dk = torch.where(keys, SAFETY * (dk_k + dk_r), 0.0)
+    dv = torch.where(keys, SAFETY * (dv_k + dv_r), 0.0)
     return dq, dk, dv, delta

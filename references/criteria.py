@@ -23,6 +23,10 @@ magnitude is about 10, and a GPU kernel's FMA-chain dot differs from cuBLAS's or
 twice eager's whole output error.
 
 Criterion 2 (the componentwise rounding-error bound) lives in :mod:`references.bounds`.
+
+The magnitudes are maxima over the score-level matrices, taken one chunk of query rows at a time
+(:meth:`references.attention.Reference.chunks`); the per-key sums of ``dK`` and ``dV`` are added over
+the chunks, so no ``Nq x Nk`` matrix of the whole problem is held.
 """
 
 from __future__ import annotations
@@ -74,28 +78,48 @@ def summand_magnitude(op: str, ref) -> float:
     """
     f64 = torch.float64
     if op == "out":
-        mag = ref.p @ ref.v_expanded.abs()
+        av = ref.v_expanded.abs()
+        mag = ref.rowwise(lambda c: c.p @ av)
     elif op == "lse":
         mag = torch.where(torch.isfinite(ref.row_max), ref.row_max.abs(), 0.0) + torch.where(
             torch.isfinite(ref.lse), ref.lse.abs(), 0.0)
     elif op == "delta":
         mag = (ref.dout.abs() * ref.out.abs()).sum(dim=-1)
-    elif op == "dv":
-        mag = ref.p.transpose(-1, -2) @ ref.dout.abs()
-    elif op in ("dq", "dk"):
-        ds_mag = ds_magnitude(ref)
-        mag = ref.scale * (ds_mag @ ref.k_expanded.abs() if op == "dq" else
-                           ds_mag.transpose(-1, -2) @ ref.q64.abs())
+    elif op == "dv":  # a sum over rows: added chunk by chunk
+        mag = _sum_over_rows(ref, lambda c: c.p.transpose(-1, -2) @ ref.dout[:, :, c.r0:c.r1].abs())
+    elif op == "dq":
+        ak = ref.k_expanded.abs()
+        mag = ref.scale * ref.rowwise(lambda c: ds_magnitude(ref, c) @ ak)
+    elif op == "dk":
+        aq = ref.q64.abs()
+        mag = ref.scale * _sum_over_rows(
+            ref, lambda c: ds_magnitude(ref, c).transpose(-1, -2) @ aq[:, :, c.r0:c.r1])
     else:
         raise ValueError(f"op={op!r}, but should be one of {tuple(FACTOR)}")
     return float(mag.to(f64).max()) if mag.numel() else 0.0
 
 
-def ds_magnitude(ref) -> torch.Tensor:
-    """``P (|dO| |V|^T + rowsum(|dO| |O|))``: the size of the terms that cancel in ``dS``."""
-    dp_mag = ref.dout.abs() @ ref.v_expanded.abs().transpose(-1, -2)
-    delta_mag = (ref.dout.abs() * ref.out.abs()).sum(dim=-1, keepdim=True)
-    return ref.p * (dp_mag + delta_mag)
+def _sum_over_rows(ref, fn) -> torch.Tensor:
+    """``sum`` over the row chunks of ``fn(chunk)`` (each ``[B, Hq, Nk, D]``)."""
+    total = torch.zeros(ref.k_expanded.shape, dtype=torch.float64, device=ref.q64.device)
+    for c in ref.chunks():
+        total += fn(c)
+    return total
+
+
+def ds_magnitude(ref, chunk) -> torch.Tensor:
+    """``P (|dO| |V|^T + rowsum(|dO| |O|))`` on the rows of ``chunk`` (a
+    :class:`references.attention.Chunk` of ``ref``): the size of the terms that cancel in ``dS``."""
+    rows = slice(chunk.r0, chunk.r1)
+    dout = ref.dout[:, :, rows].abs()
+    dp_mag = dout @ ref.v_expanded.abs().transpose(-1, -2)
+    delta_mag = (dout * ref.out[:, :, rows].abs()).sum(dim=-1, keepdim=True)
+    return chunk.p * (dp_mag + delta_mag)
+
+
+def ds_magnitude_rowsum(ref) -> torch.Tensor:
+    """``rowsum`` of :func:`ds_magnitude` over every row, ``[B, Hq, Nq]``, one chunk at a time."""
+    return ref.rowwise(lambda c: ds_magnitude(ref, c).sum(dim=-1))
 
 
 def floor(op: str, input_dtype: torch.dtype, magnitude: Magnitudes) -> float:
@@ -141,6 +165,8 @@ def max_finite_lse(ref) -> float:
 def score_magnitude(ref) -> float:
     """``max scale * sum_d |q_id| |k_jd|`` over the pairs with ``P_ij > 0``: the size of the terms
     summed into the scores that matter."""
-    mag = abs(ref.scale) * (ref.q64.abs() @ ref.k_expanded.abs().transpose(-1, -2))
-    mag = torch.where(ref.p > 0, mag, 0.0)
-    return float(mag.max()) if mag.numel() else 0.0
+    ak_t = ref.k_expanded.abs().transpose(-1, -2)
+    aq = ref.q64.abs()
+    tops = [torch.where(c.p > 0, abs(ref.scale) * (aq[:, :, c.r0:c.r1] @ ak_t), 0.0).max()
+            for c in ref.chunks() if c.p.numel()]
+    return float(torch.stack(tops).max()) if tops else 0.0

@@ -16,12 +16,14 @@ Functions
     One query row against its visible keys: the output row, the LSE, the probabilities and, given the
     upstream gradient ``dout_i``, ``Delta_i = dout_i . out_i``, ``dq_i`` and the per-key contributions
     ``dk_j``, ``dv_j`` of this row (summing them over the rows that see key ``j`` gives ``dK_j``, ``dV_j``).
-``attention(q, k, v, *, causal, scale, alignment, dout)``
+``attention(q, k, v, *, causal, scale, alignment, dout, probabilities=False)``
     Whole tiny tensors in the ``[B, H, N, D]`` layout with grouped-query attention and the masking
     conventions of :mod:`references.attention` (bottom-right causal unless ``alignment="top_left"``,
     a row with no visible key gives ``out = 0``, ``lse = -inf``, zero gradients). Only values that a
     visible (row, key) pair reads are converted, so inf or NaN elsewhere is allowed. Cost grows as
-    ``B * Hq * Nq * Nk * D`` mpf operations: keep it to a few thousand.
+    ``B * Hq * Nq * Nk * D`` mpf operations: keep it to a few thousand. It works one query row at a
+    time and holds ``O((Nq + Nk) D)`` values per head; the ``Nq x Nk`` probabilities are returned only
+    when asked for (``probabilities=True``, for tests).
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ class MpAttention:
 
     out: torch.Tensor  # [B, Hq, Nq, D]
     lse: torch.Tensor  # [B, Hq, Nq]
-    p: torch.Tensor  # [B, Hq, Nq, Nk], 0 where not visible
+    p: torch.Tensor | None = None  # [B, Hq, Nq, Nk], 0 where not visible (probabilities=True only)
     delta: torch.Tensor | None = None  # [B, Hq, Nq]
     dq: torch.Tensor | None = None  # [B, Hq, Nq, D]
     dk: torch.Tensor | None = None  # [B, Hkv, Nk, D], summed over the query heads of each group
@@ -168,8 +170,9 @@ def _visible(i: int, j: int, len_q: int, len_k: int, causal: bool, alignment: st
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               scale: float | None = None, alignment: str = "bottom_right",
-              dout: torch.Tensor | None = None) -> MpAttention:
-    """Whole-tensor attention at 50 digits; returns float64 tensors (gradients when ``dout`` is given)."""
+              dout: torch.Tensor | None = None, probabilities: bool = False) -> MpAttention:
+    """Whole-tensor attention at 50 digits; returns float64 tensors (gradients when ``dout`` is given,
+    the ``[B, Hq, Nq, Nk]`` probabilities when ``probabilities``)."""
     if alignment not in ALIGNMENTS:
         raise ValueError(f"alignment={alignment!r}, but should be one of {ALIGNMENTS}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -186,7 +189,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     f64 = dict(dtype=torch.float64)
     out = torch.zeros(b, hq, len_q, d, **f64)
     lse = torch.full((b, hq, len_q), -math.inf, **f64)
-    p = torch.zeros(b, hq, len_q, len_k, **f64)
+    p = torch.zeros(b, hq, len_q, len_k, **f64) if probabilities else None
     grads = dout is not None
     if grads:
         delta = torch.zeros(b, hq, len_q, **f64)
@@ -219,8 +222,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                              row_of("dout", dt, bi, h, i) if grads else None)
                     out[bi, h, i] = torch.tensor([float(x) for x in r.out], **f64)
                     lse[bi, h, i] = float(r.lse)
-                    for j, pj in zip(cols, r.p):
-                        p[bi, h, i, j] = float(pj)
+                    if probabilities:
+                        for j, pj in zip(cols, r.p):
+                            p[bi, h, i, j] = float(pj)
                     if grads:
                         delta[bi, h, i] = float(r.delta)
                         dq[bi, h, i] = torch.tensor([float(x) for x in r.dq], **f64)

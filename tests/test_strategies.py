@@ -69,7 +69,7 @@ def test_layouts():
 
 def _scores(case):
     t = case.build()
-    return reference.attention(t.q, t.k, t.v).scores
+    return reference.attention(t.q, t.k, t.v).dense().scores
 
 
 def test_magnitude_classes_do_what_they_say():
@@ -78,7 +78,7 @@ def test_magnitude_classes_do_what_they_say():
     assert float(s.max()) < -104  # below float32 exp underflow: exp(s) without the max subtraction is 0
     ties = _case(magnitude="ties", len_k=12).build().k
     assert len({tuple(r) for r in ties[0, 0].tolist()}) <= 2
-    p = reference.attention(*(lambda t: (t.q, t.k, t.v))(_case(magnitude="dominant_key").build())).p
+    p = reference.attention(*(lambda t: (t.q, t.k, t.v))(_case(magnitude="dominant_key").build())).dense().p
     assert float(p.amax(dim=-1).min()) > 0.99
     assert float(_case(magnitude="v_offset").build().v.float().mean()) > 900
     v = _case(magnitude="v_wide_range", len_k=30).build().v.float().abs()

@@ -19,7 +19,7 @@ from torch.autograd.gradcheck import GradcheckError
 from kernels.registry import registry
 from references import attention as reference
 from references import baseline, bounds, mp
-from references.criteria import ds_magnitude, magnitudes
+from references.criteria import ds_magnitude_rowsum, magnitudes
 from references.metrics import abs_error, max_ratio, unit_roundoff
 from references.softmax_bounds import softmax_bounds
 from strategies.cases import DTYPES, AttentionCase
@@ -109,7 +109,7 @@ def lse_between_max_and_max_plus_log_n(ctx: Context, case: AttentionCase) -> Non
     _needs_lse(ctx, lse)
     ref = _reference(ctx, case, t.q, t.k, t.v)
     _, lse_bound = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
-    n_visible = ref.visible.sum(dim=-1).to(torch.float64)  # [Nq]
+    n_visible = ref.n_visible.to(torch.float64)  # [Nq]
     has_keys = n_visible > 0
     got = lse.to(torch.float64)
     lo = torch.where(has_keys, ref.row_max - lse_bound, -math.inf)
@@ -130,10 +130,7 @@ def out_within_visible_values(ctx: Context, case: AttentionCase) -> None:
     out, _ = run_forward(ctx, case, t.q, t.k, t.v)
     ref = _reference(ctx, case, t.q, t.k, t.v)
     out_bound, _ = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
-    ve = reference.expand_kv(t.v.to(torch.float64), t.q.shape[1])[:, :, None]  # [B,H,1,Nk,D]
-    vis = ref.visible[None, None, :, :, None]
-    lo = torch.where(vis, ve, math.inf).amin(dim=3) if t.k.shape[2] else torch.zeros_like(ref.out)
-    hi = torch.where(vis, ve, -math.inf).amax(dim=3) if t.k.shape[2] else torch.zeros_like(ref.out)
+    lo, hi = _visible_value_box(ref)
     has = ref.rows_with_keys[None, None, :, None]
     lo, hi = torch.where(has, lo, 0.0) - out_bound, torch.where(has, hi, 0.0) + out_bound
     got = out.to(torch.float64)
@@ -143,6 +140,20 @@ def out_within_visible_values(ctx: Context, case: AttentionCase) -> None:
         ctx.fail(f"out[{', '.join(map(str, idx))}]={float(got[idx]):.6g} is outside the range of the "
                  f"visible v values [{float(lo[idx] + out_bound[idx]):.6g}, {float(hi[idx] - out_bound[idx]):.6g}]"
                  f" (widened by the bound {float(out_bound[idx]):.3e})")
+
+
+def _visible_value_box(ref) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise min and max ``[B, Hq, Nq, D]`` of the ``v`` rows each query row sees (0 for rows
+    that see none). The visible keys of a row are a prefix of the keys, so a running min and max over
+    the keys (``O(Nk D)``) answer every row without an ``Nq x Nk`` mask."""
+    n = ref.n_visible
+    if ref.len_k == 0:
+        return torch.zeros_like(ref.out), torch.zeros_like(ref.out)
+    last = (n - 1).clamp(min=0)  # the last visible key of each row
+    lo = torch.cummin(ref.v_expanded, dim=2).values[:, :, last]
+    hi = torch.cummax(ref.v_expanded, dim=2).values[:, :, last]
+    has = (n > 0)[None, None, :, None]
+    return torch.where(has, lo, 0.0), torch.where(has, hi, 0.0)
 
 
 def _bounds_of(ctx, case, q, k, v):
@@ -298,11 +309,11 @@ def hidden_keys_never_reach_output(ctx: Context, case: AttentionCase) -> None:
         raise Inapplicable("needs a causal mask")
     t = case.build(ctx.device)
     nq, nk = t.q.shape[2], t.k.shape[2]
-    vis = reference.visible_mask(nq, nk, causal=True, alignment=ctx.impl.causal_alignment)
+    per_row, _ = reference.visible_counts(nq, nk, causal=True, alignment=ctx.impl.causal_alignment)
     g = _rng(case, 5)
     cut = int(torch.randint(0, max(1, nq - 1), (1,), generator=g))  # rows 0..cut are checked
-    seen = vis[: cut + 1].any(dim=0)
-    hidden = ~seen
+    # Visible keys are a prefix, growing with the row: rows 0..cut see keys 0 .. per_row[cut] - 1.
+    hidden = torch.arange(nk) >= (per_row[cut] if nq else 0)
     if not bool(hidden.any()):
         raise Inapplicable("every key is visible to the checked rows")
     poison = [float("nan"), float("inf"), float("-inf"), 0.5 * torch.finfo(t.k.dtype).max][
@@ -349,9 +360,9 @@ def layouts_agree(ctx: Context, case: AttentionCase) -> None:
 def fully_masked_rows(ctx: Context, case: AttentionCase) -> None:
     """Rows that see no key (causal with Nq > Nk, bottom-right) give out = 0 and lse = -inf exactly."""
     t = case.build(ctx.device)
-    vis = reference.visible_mask(t.q.shape[2], t.k.shape[2], causal=case.causal,
-                                 alignment=ctx.impl.causal_alignment)
-    empty = ~vis.any(dim=-1)
+    per_row, _ = reference.visible_counts(t.q.shape[2], t.k.shape[2], causal=case.causal,
+                                          alignment=ctx.impl.causal_alignment)
+    empty = per_row == 0
     if not bool(empty.any()):
         raise Inapplicable("no row is fully masked")
     out, lse = run_forward(ctx, case, t.q, t.k, t.v)
@@ -449,7 +460,7 @@ def delta_matches_reference(ctx: Context, case: AttentionCase) -> None:
         kwargs.update(block_m=case.block_m, block_n=case.block_n)
     _, _, _, delta = ctx.impl.backward(t.q, t.k, t.v, out, lse, t.dout, **kwargs)
     ref = _reference(ctx, case, t.q, t.k, t.v, dout=t.dout)
-    identity = (ref.p * ref.dp).sum(dim=-1)
+    identity = ref.rowwise(lambda c: (c.p * c.dp).sum(dim=-1))
     _same(ctx, what="reference identity rowsum(dO*O) vs rowsum(P*dP)", a=ref.delta, b=identity,
           tol=_delta_identity_tolerance(ref))
     # Delta is a function of the kernel's own (rounded) O: compare with the exact rowsum over that O,
@@ -473,7 +484,7 @@ def _delta_identity_tolerance(ref):
     u = unit_roundoff(torch.float64)
     finite = lambda t: torch.where(torch.isfinite(t), t.abs(), 0.0)  # noqa: E731
     exponent = 1.0 + finite(ref.row_max) + finite(ref.lse)
-    return 64 * u * exponent * ds_magnitude(ref).sum(-1)
+    return 64 * u * exponent * ds_magnitude_rowsum(ref)
 
 
 @prop
@@ -492,7 +503,7 @@ def gradient_sums(ctx: Context, case: AttentionCase) -> None:
     do_sum = reference.reduce_group(torch.where(rows, t.dout.to(f64), 0.0), case.heads_kv).sum(dim=2)
     _same(ctx, what="sum over keys of dV vs sum over rows with a key of dO", a=dv.to(f64).sum(dim=2), b=do_sum,
           tol=dv_b.sum(dim=2) + do_sum.abs() * 8 * unit_roundoff(f64))
-    ds_sum = ref.ds.sum(dim=-1)
+    ds_sum = ref.rowwise(lambda c: c.ds.sum(dim=-1))
     _same(ctx, what="reference: sum over keys of dS (should be 0)", a=ds_sum, b=torch.zeros_like(ds_sum),
           tol=_delta_identity_tolerance(ref))
 
@@ -501,9 +512,9 @@ def gradient_sums(ctx: Context, case: AttentionCase) -> None:
 def hidden_positions_get_zero_gradient(ctx: Context, case: AttentionCase) -> None:
     """Keys no query can see get exactly zero dK and dV; rows that see no key get exactly zero dQ."""
     t = case.build(ctx.device)
-    vis = reference.visible_mask(t.q.shape[2], t.k.shape[2], causal=case.causal,
-                                 alignment=ctx.impl.causal_alignment)
-    unseen_keys, empty_rows = ~vis.any(dim=0), ~vis.any(dim=1)
+    per_row, per_key = reference.visible_counts(t.q.shape[2], t.k.shape[2], causal=case.causal,
+                                                alignment=ctx.impl.causal_alignment)
+    unseen_keys, empty_rows = per_key == 0, per_row == 0
     if not bool(unseen_keys.any()) and not bool(empty_rows.any()):
         raise Inapplicable("every key is seen and every row sees a key")
     _, (dq, dk, dv) = _run_backward(ctx, case, t.q, t.k, t.v, t.dout)
