@@ -481,6 +481,8 @@ def _forward_reference(c: _Case, ranks: torch.Tensor):
 def forward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, model: Model | None = None):
     """Elementwise bounds on ``|out - ref.out|`` ``[B, Hq, Nq, D]`` and ``|lse - ref.lse|`` ``[B, Hq, Nq]``
     (float64) for a kernel that follows the contract with inputs of ``dtype``."""
+    if k.shape[2] == 0:  # no keys: every row is fully masked, out = 0 and lse = -inf exactly
+        return torch.zeros(q.shape, dtype=F64, device=q.device), torch.zeros(q.shape[:3], dtype=F64, device=q.device)
     kk = _keys(ref, q, k, v)
     model = kernel_model(dtype) if model is None else model
     out_b = torch.zeros(q.shape, dtype=F64, device=q.device)
@@ -576,6 +578,10 @@ def backward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, out: torch.T
         raise ValueError("backward_bounds: ref has no backward; compute it with attention(..., dout=dout)")
     if tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"backward_bounds: out.shape={tuple(out.shape)}, but should equal q.shape={tuple(q.shape)}")
+    if k.shape[2] == 0:  # no keys: dq = 0 and Delta = rowsum(dO * 0) = 0 exactly; dk and dv are empty
+        zeros = torch.zeros(q.shape, dtype=F64, device=q.device)
+        empty = torch.zeros(k.shape, dtype=F64, device=q.device)
+        return zeros, empty, empty.clone(), torch.zeros(q.shape[:3], dtype=F64, device=q.device)
     kk = _keys(ref, q, k, v)
     model = kernel_model(dtype) if model is None else model
     ref_model = REFERENCE_MODEL

@@ -89,10 +89,11 @@ def summand_magnitude(op: str, ref) -> float:
         mag = _sum_over_rows(ref, lambda c: c.p.transpose(-1, -2) @ ref.dout[:, :, c.r0:c.r1].abs())
     elif op == "dq":
         ak = ref.k_expanded.abs()
-        mag = ref.scale * ref.rowwise(lambda c: ds_magnitude(ref, c) @ ak)
+        # |scale|: a magnitude (a negative scale flips the scores, not the size of what is summed).
+        mag = abs(ref.scale) * ref.rowwise(lambda c: ds_magnitude(ref, c) @ ak)
     elif op == "dk":
         aq = ref.q64.abs()
-        mag = ref.scale * _sum_over_rows(
+        mag = abs(ref.scale) * _sum_over_rows(
             ref, lambda c: ds_magnitude(ref, c).transpose(-1, -2) @ aq[:, :, c.r0:c.r1])
     else:
         raise ValueError(f"op={op!r}, but should be one of {tuple(FACTOR)}")

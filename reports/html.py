@@ -222,7 +222,24 @@ def report_html(summary: dict, rows: list[dict]) -> str:
                     + (f"<p>Replay:</p><pre>{esc(f['replay'])}</pre>" if f.get("replay") else
                        f"<p class=\"muted\">No replay command{': ' + esc(f['note']) if f.get('note') else ''}</p>")
                     + f"<p class=\"muted\">File: <code>{esc(f.get('file', ''))}</code></p></details>")
+    body += _coverage_section(summary.get("coverage") or {})
     return page("flashverify report", body)
+
+def _coverage_section(cov: dict) -> list[str]:
+    """The boundary classes each property's examples reached (``reports/coverage.py``)."""
+    rows = cov.get("by_property") or []
+    if not rows:
+        return []
+    out = ["<h2>Coverage: boundary classes reached</h2>",
+           '<p class="muted">Examples each property ran, and how many of them reached each boundary class '
+           "(a fact of the case: <code>strategies/attention.py</code>, <code>boundary_classes</code>).</p>",
+           table(("property", "tests", "examples", "classes reached (examples)"),
+                 ([r["property"], r["tests"], r["examples"],
+                   ", ".join(f"{k} {v}" for k, v in r["classes"].items()) or "none"] for r in rows))]
+    if cov.get("required_missing"):
+        out.append(f"<p class=\"fail\">Required classes not reached: {esc('; '.join(cov['required_missing']))}.</p>")
+    return out
+
 
 
 

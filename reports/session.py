@@ -11,6 +11,7 @@ Files of a report directory:
 ``run-<worker>.json``          what ran (implementations, device, versions, command); ``finished`` is
                                added when the worker ends normally, so a killed run shows as partial
 ``measurements-<worker>.jsonl`` one JSON object per measurement, in the order they were taken
+``coverage-<worker>.jsonl``    one JSON object per test: the boundary classes its examples reached
 ``failures/*.json``            one per failing test: the shrunk case and the command that replays it
 ``summary.json``, ``report.md``, ``report.html``  written at the end, or by ``python -m reports summarise``
 """
@@ -72,7 +73,7 @@ def dumps(value: Any, **kwargs) -> str:
     return json.dumps(_jsonable(value), allow_nan=False, default=str, **kwargs)
 
 
-REPORT_FILES = ("measurements-*.jsonl", "run-*.json", "failures/*.json", "summary.json", "report.md",
+REPORT_FILES = ("measurements-*.jsonl", "coverage-*.jsonl", "run-*.json", "failures/*.json", "summary.json", "report.md",
                 "report.html", ".*.tmp", "failures/.*.tmp")
 
 
@@ -133,6 +134,11 @@ class ReportSession:
         self.counts["measurements"] += 1
         if measurement.get("pass") is False:
             self.counts["failed_measurements"] += 1
+
+    def coverage(self, entry: dict[str, Any]) -> None:
+        """Append one test's coverage record (the boundary classes reached) to ``coverage-<worker>.jsonl``."""
+        with open(self.dir / f"coverage-{self.worker}.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(dumps(entry) + "\n")
 
     def failure(self, *, test: str, message: str, replay: str | None, case: dict | None,
                 prop: str | None, implementation: str | None, note: str | None = None) -> Path:

@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from reports import coverage
 from reports.session import dumps, replay_command, write_atomic
 
 # How many of the worst measurements the summary lists (with their replay commands).
@@ -236,6 +237,7 @@ def summarise(report_dir: str | Path, *, outcomes: dict | None = None, rows: lis
         "worst_cases": worst_cases(rows, specs=info["specs"], device_of=device_of),
         "failures": failures,
         "outcomes": outcomes,
+        "coverage": coverage.summary(report_dir),
     }
 
 
@@ -295,6 +297,7 @@ def markdown(summary: dict) -> str:
             lines.append("| " + " | ".join(_md(w.get(k)) for k in (
                 "implementation", "property", "op", "case_text", "max_abs", "error_over_bound",
                 "error_over_baseline", "pass")) + " |")
+    lines += coverage.markdown(summary.get("coverage") or {})
     failures = summary.get("failures") or []
     lines += ["", f"## Failures ({len(failures)})", ""]
     for f in failures:

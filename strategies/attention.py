@@ -1,24 +1,46 @@
-"""Hypothesis strategies for attention cases: shapes first, then block sizes, flags and magnitudes.
+"""Hypothesis strategies for attention cases: a boundary class, shapes, block sizes, flags, magnitudes.
 
-Every draw carries a label, so a failing example prints as a readable list of choices. Shapes are
-drawn before anything that depends on them, and lengths are drawn near block boundaries (1, one
-less, one more, exact multiples) as often as anywhere else; everything shrinks towards B = H = 1,
-short sequences, the ``normal`` magnitude class, the contiguous layout and seed 0.
+Every draw carries a label, so a failing example prints as a readable list of choices. A case first
+draws its *shape class*: half the time ``plain`` (short sequences, lengths next to block boundaries as
+often as anywhere else), otherwise one of the classes of input that kernels get wrong and that plain
+uniform draws almost never reach, each built by construction (no filtering):
+
+``decode``              one query (Nq = 1), causal when the property lets the case choose, grouped-query
+                        when the kernel declares it (the decode fast paths of real kernels)
+``no_keys``             Nk = 0: every row is fully masked (out = 0, lse = -inf)
+``long``                B = H = 1 and lengths up to ``max_len``, just below, at and above powers of two
+``wide_head``           head dims just below, at and above 64 and 128 (what kernels split or switch on)
+``kv_tiles_wider``      causal, block_n > block_m and at least two key tiles
+``k_aligned_q_ragged``  causal, Nk a multiple of block_n, Nq not a multiple of block_m
+``masked_q_tiles``      causal with Nq - Nk >= block_m: whole query tiles see no key
+
+For a kernel that declares no block sizes the tile classes use the tile sizes real kernels use
+(:data:`NOMINAL_BLOCKS`, as far as ``max_len`` allows), and are judged against any pair of them. Everything shrinks towards the ``plain`` class,
+B = H = 1, short sequences, the ``normal`` magnitude class, the contiguous layout, the default scale and
+seed 0. :func:`boundary_classes` names the classes a case reaches, whatever class drew it; the runner
+reports them per property (``event()`` and the report's coverage table).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
+import torch
 from hypothesis import strategies as st
 
 from strategies.cases import LAYOUTS, MAGNITUDES, SCALES, AttentionCase
 
+SHAPE_CLASSES = ("plain", "decode", "no_keys", "long", "wide_head", "kv_tiles_wider", "k_aligned_q_ragged",
+                 "masked_q_tiles")
+# Tile sizes of real kernels, for the tile classes of a kernel that declares none.
+NOMINAL_BLOCKS = (16, 32, 64, 128)
+
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """How large generated cases may get (set per Hypothesis profile and device in conftest.py)."""
+    """How large generated cases may get (per Hypothesis profile and device: ``verify/profiles.py``)."""
 
     max_len: int = 48
     max_head_dim: int = 48
@@ -29,11 +51,22 @@ class Limits:
     max_tiles: int = 160
     # Cap on B * Hq * Nq * Nk, keeps the float64 reference's score matrices in memory.
     max_scores: int = 2 ** 22
+    # Lengths and head dims of the ``plain`` class (the other classes go up to max_len / max_head_dim).
+    short_len: int = 40
+    short_head_dim: int = 40
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             if getattr(self, f.name) < 1:
                 raise ValueError(f"Limits.{f.name}={getattr(self, f.name)}, but should be at least 1")
+
+    @property
+    def plain_len(self) -> int:
+        return min(self.short_len, self.max_len)
+
+    @property
+    def plain_head_dim(self) -> int:
+        return min(self.short_head_dim, self.max_head_dim)
 
 
 def _near_blocks(blocks: Sequence[int] | None, max_len: int) -> list[int]:
@@ -45,20 +78,46 @@ def _near_blocks(blocks: Sequence[int] | None, max_len: int) -> list[int]:
                    if 1 <= m * b + o <= max_len} | {max_len})
 
 
-def _lengths(*, near: list[int], max_len: int):
-    """A sequence length: anything up to ``max_len``, or one of the lengths next to a block boundary."""
-    plain = st.integers(min_value=1, max_value=max_len)
+def _near_powers_of_two(lo: int, hi: int) -> list[int]:
+    """``2^k - 1``, ``2^k`` and ``2^k + 1`` for the powers of two from 16, within ``[lo, hi]``."""
+    values = {p + o for k in range(4, 16) for p in (2 ** k,) for o in (-1, 0, 1)}
+    return sorted(v for v in values if lo <= v <= hi)
+
+
+def _wide_head_dims(top: int) -> list[int]:
+    """Head dims next to 64 and 128 (where kernels split the head dim or change tiles), and the largest."""
+    return sorted({d for d in (63, 64, 65, 72, 127, 128, 129, 130, top) if d <= top})
+
+
+def _lengths(*, near: list[int], max_len: int, min_len: int = 1):
+    """A sequence length: anything in ``[min_len, max_len]``, or one next to a block boundary."""
+    plain = st.integers(min_value=min_len, max_value=max(min_len, max_len))
+    near = [n for n in near if min_len <= n <= max_len]
     return st.one_of(plain, st.sampled_from(near)) if near else plain
 
 
-def _blocks(blocks: Sequence[int], length: int, max_tiles_per_axis: int):
-    """A declared block size; one that would split ``length`` into more than ``max_tiles_per_axis``
-    tiles is replaced by the smallest one that does not. The draw is always over the full declared
-    list, so a shrinking length keeps the block it had."""
-    ordered = sorted(blocks)
-    fitting = [b for b in ordered if -(-length // b) <= max_tiles_per_axis] or [ordered[-1]]
-    return st.sampled_from(ordered).map(lambda b: b if b in fitting else min(
-        (f for f in fitting if f >= b), default=fitting[0]))
+def scales():
+    """Return a strategy for the ``scale`` argument: None (the contract's ``1/sqrt(D)``) half the time,
+    else one of :data:`strategies.cases.SCALES`, which holds 0, negative scales, scales above 1, a tiny
+    one and ones float16 cannot represent (the contract takes any finite float)."""
+    return st.one_of(st.none(), st.sampled_from(SCALES))
+
+
+def _tile_pair(block_m: Sequence[int] | None, block_n: Sequence[int] | None, max_len: int, per_axis: int,
+               *, kind: str):
+    """(block_m, block_n) for a tile class: the declared sizes, or :data:`NOMINAL_BLOCKS` that fit
+    ``max_len``; with ``n_wider``, a pair with block_n > block_m and room for two key tiles (within
+    ``max_len``, and within ``per_axis`` tiles of a length that makes the query tiles matter) when the
+    declaration allows one."""
+    bms = [b for b in sorted(block_m or NOMINAL_BLOCKS) if b <= max_len] or [min(block_m or NOMINAL_BLOCKS)]
+    bns = [b for b in sorted(block_n or NOMINAL_BLOCKS) if b <= max_len] or [min(block_n or NOMINAL_BLOCKS)]
+    if kind == "k_aligned_q_ragged":  # a length is never ragged against block 1
+        bms = [b for b in bms if b > 1] or bms
+    if kind == "kv_tiles_wider":
+        pairs = [(m, n) for m in bms for n in bns if n > m and 2 * n <= max_len and 2 <= per_axis]
+        if pairs:
+            return st.sampled_from(pairs)
+    return st.tuples(st.sampled_from(bms), st.sampled_from(bns))
 
 
 @st.composite
@@ -66,46 +125,164 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                     gqa: bool = False, block_m: Sequence[int] | None = None,
                     block_n: Sequence[int] | None = None, causal: bool | None = None,
                     magnitudes: Sequence[str] = MAGNITUDES, layouts: Sequence[str] = LAYOUTS,
-                    draw_scale: bool = True):
+                    draw_scale: bool = True, shape_classes: Sequence[str] = SHAPE_CLASSES,
+                    min_len_k: int = 0):
     """Return a strategy for :class:`AttentionCase` values.
 
-    dtype       the dtype name (``"float16"`` ...), fixed by the test's parametrisation
-    limits      size limits (lengths, head dim, batch, heads, tiles)
-    head_dims   head dims the kernel accepts (None: any up to ``limits.max_head_dim``)
-    gqa         whether to draw grouped-query cases (Hkv < Hq)
-    block_m/n   tile sizes the kernel accepts (None: not tunable; the case carries no blocks)
-    causal      fix the causal flag (None: draw it)
-    magnitudes  magnitude classes to draw from (the first is what failures shrink to)
-    layouts     memory layouts to draw from
-    draw_scale  also draw explicit softmax scales (None, the default 1/sqrt(D), comes first)
+    dtype          the dtype name (``"float16"`` ...), fixed by the test's parametrisation
+    limits         size limits (lengths, head dim, batch, heads, tiles)
+    head_dims      head dims the kernel accepts (None: any up to ``limits.max_head_dim``)
+    gqa            whether to draw grouped-query cases (Hkv < Hq)
+    block_m/n      tile sizes the kernel accepts (None: not tunable; the case carries no blocks)
+    causal         fix the causal flag (None: draw it; the tile classes and ``decode`` then choose causal)
+    magnitudes     magnitude classes to draw from (the first is what failures shrink to)
+    layouts        memory layouts to draw from
+    draw_scale     also draw explicit softmax scales (:func:`scales`; None, the default, comes first)
+    shape_classes  the shape classes to draw from (``plain`` first: what failures shrink to)
+    min_len_k      the fewest keys (0 allows ``no_keys``; a property that needs keys passes 1)
 
-    Shapes come first, then block sizes among those that keep the tile count bounded, then the flags,
-    the magnitude class, the layout and the seed. Every draw has a fixed shape, so the shrinker can
-    simplify each one without disturbing the others. Cost: a dozen small integers per case; tensors
-    are only built when the test calls ``build``.
+    The shape class comes first, then the shapes it implies, then block sizes among those that keep
+    the tile count bounded, then the flags, the magnitude class, the layout, the scale and the seed.
+    Cost: a dozen small integers per case; tensors are only built when the test calls ``build``.
     """
-    if not magnitudes or not layouts:
-        raise ValueError("magnitudes and layouts should not be empty")
+    if not magnitudes or not layouts or not shape_classes:
+        raise ValueError("magnitudes, layouts and shape_classes should not be empty")
+    unknown = sorted(set(shape_classes) - set(SHAPE_CLASSES))
+    if unknown:
+        raise ValueError(f"shape_classes {unknown} are unknown; known: {SHAPE_CLASSES}")
+    classes = list(shape_classes)
+    if min_len_k > 0 and "no_keys" in classes and len(classes) > 1:
+        classes.remove("no_keys")
+    first, rest = classes[0], classes[1:]
+    kind = draw(st.one_of(st.just(first), st.sampled_from(rest)) if rest else st.just(first), label="shape class")
+
+    # Every class makes the same draws in the same order and maps them onto its constraints (monotone
+    # maps, so that smaller draws give smaller cases): the shrinker can then move a failure from any
+    # class to ``plain`` and keep the values it has, and shrinks towards the smallest case of the class.
+    tile_class = kind in ("kv_tiles_wider", "k_aligned_q_ragged", "masked_q_tiles")
+    long_class = kind == "long"
+    wide = kind == "wide_head"
+    one_head = long_class or tile_class  # long sequences stay cheap with B = Hkv = 1
     batch = draw(st.integers(1, limits.max_batch), label="batch")
     heads_kv = draw(st.integers(1, limits.max_heads_kv), label="heads_kv")
     group = draw(st.integers(1, limits.max_group), label="group") if gqa else 1
+    if one_head:
+        batch, heads_kv = 1, 1
+    if kind == "decode" and gqa:  # decode fast paths are grouped-query paths
+        group = max(group, min(2, limits.max_group))
+    heads = batch * heads_kv * group
+    # The longest length of this class that keeps B * Hq * N * N within max_scores.
+    max_len = limits.plain_len
+    if long_class or tile_class:
+        max_len = max(1, min(limits.max_len, math.isqrt(limits.max_scores // heads)))
+    elif kind == "decode":  # one query against a KV cache of any length
+        max_len = max(1, min(limits.max_len, limits.max_scores // heads))
+
+    top_d = limits.max_head_dim if wide else limits.plain_head_dim
     if head_dims is None:
-        head_dim = draw(st.integers(1, limits.max_head_dim), label="head_dim")
+        near = _wide_head_dims(top_d) if wide else []
+        head_dim = draw(st.sampled_from(near) if near else st.integers(1, top_d), label="head_dim")
     else:
-        allowed = sorted(d for d in head_dims if d <= limits.max_head_dim) or [min(head_dims)]
+        allowed = sorted(d for d in head_dims if d <= top_d) or [min(head_dims)]
+        if wide:
+            allowed = [d for d in allowed if any(abs(d - p) <= 8 for p in (64, 128, 256))] or allowed[-1:]
         head_dim = draw(st.sampled_from(allowed), label="head_dim")
-    len_q = draw(_lengths(near=_near_blocks(block_m, limits.max_len), max_len=limits.max_len), label="len_q")
-    max_k = max(1, min(limits.max_len, limits.max_scores // (batch * heads_kv * group * len_q)))
-    len_k = draw(_lengths(near=_near_blocks(block_n, max_k), max_len=max_k), label="len_k")
-    per_axis = max(1, int(limits.max_tiles ** 0.5))
-    bm = draw(_blocks(block_m, len_q, per_axis), label="block_m") if block_m else None
-    bn = draw(_blocks(block_n, len_k, per_axis), label="block_n") if block_n else None
-    is_causal = draw(st.booleans(), label="causal") if causal is None else causal
+
+    # Blocks before lengths, and lengths capped so that each axis has at most sqrt(max_tiles) tiles:
+    # shrinking a length then never changes a block.
+    per_axis = max(1, math.isqrt(limits.max_tiles))
+    bm = draw(st.sampled_from(sorted(block_m)), label="block_m") if block_m else None
+    bn = draw(st.sampled_from(sorted(block_n)), label="block_n") if block_n else None
+    edges = _near_powers_of_two(1, max_len) if (long_class or kind == "decode") else []
+    top_q = min(max_len, per_axis * bm) if bm else max_len
+    len_q = draw(_lengths(near=sorted(set(_near_blocks(block_m, top_q) + edges)), max_len=top_q), label="len_q")
+    top_k = max(1, min(max_len, limits.max_scores // (heads * max(1, len_q))))
+    if kind == "decode":
+        top_k = max_len
+    top_k = min(top_k, per_axis * bn) if bn else top_k
+    len_k = draw(_lengths(near=sorted(set(_near_blocks(block_n, top_k) + edges)), max_len=top_k,
+                          min_len=max(1, min_len_k)), label="len_k")
+    is_causal = causal
+    if is_causal is None:
+        is_causal = draw(st.booleans(), label="causal")
+        if kind == "decode" or tile_class:
+            is_causal = True
+    if kind == "decode":
+        len_q = 1
+    elif kind == "no_keys":
+        len_k = 0
+    elif tile_class:
+        tm, tn = draw(_tile_pair(block_m, block_n, max_len, per_axis, kind=kind), label="tiles")
+        bm, bn = (tm if block_m else None), (tn if block_n else None)
+        # Declared (tunable) tiles keep the tile count bounded; nominal ones cost nothing.
+        max_q = min(max_len, per_axis * tm) if block_m else max_len
+        max_kt = min(max_len, per_axis * tn) if block_n else max_len
+        len_q, len_k = _tile_lengths(kind, tm, tn, len_q, len_k, max_q=max_q, max_k=max_kt, min_len_k=min_len_k)
     magnitude = draw(st.sampled_from(list(magnitudes)), label="magnitude")
     layout = draw(st.sampled_from(list(layouts)), label="layout")
-    scale = draw(st.sampled_from(SCALES), label="scale") if draw_scale else None
+    scale = draw(scales(), label="scale") if draw_scale else None
     seed = draw(st.integers(0, 2 ** 16), label="seed")
     return AttentionCase(batch=batch, heads_q=heads_kv * group, heads_kv=heads_kv, len_q=len_q,
                          len_k=len_k, head_dim=head_dim, dtype=dtype, causal=is_causal,
                          magnitude=magnitude, seed=seed, layout=layout, scale=scale,
                          block_m=bm, block_n=bn)
+
+
+def _tile_lengths(kind: str, bm: int, bn: int, len_q: int, len_k: int, *, max_q: int, max_k: int,
+                  min_len_k: int) -> tuple[int, int]:
+    """Map drawn lengths (monotonely: the smallest draws give the smallest case) onto a tile class."""
+    len_q, len_k = min(len_q, max_q), min(len_k, max_k)
+    if kind == "kv_tiles_wider":  # at least two key tiles, the last one possibly partial
+        return len_q, min(max_k, max(2 * bn, min_len_k) + len_k - 1)
+    if kind == "k_aligned_q_ragged":  # Nk a multiple of block_n, Nq not a multiple of block_m
+        len_k = max(bn, min(max_k - max_k % bn, -(-max(len_k, min_len_k) // bn) * bn))
+        return (len_q if len_q % bm or len_q == 1 else len_q - 1), len_k
+    # masked_q_tiles: Nq - Nk >= block_m (bottom-right: the first Nq - Nk rows see no key)
+    len_k = max(min_len_k, min(len_k - 1, max_q - bm))
+    return min(max(max_q, len_k + bm), len_k + bm + len_q - 1), len_k
+
+
+def boundary_classes(case: AttentionCase) -> list[str]:
+    """The boundary classes ``case`` reaches (a fact of the case, whichever shape class drew it).
+
+    Tile classes are judged with the case's block sizes; a case without them (a kernel that declares
+    no tiles) reaches a tile class when it does so for some pair of :data:`NOMINAL_BLOCKS`."""
+    pairs = ([(case.block_m, case.block_n)] if case.block_m and case.block_n
+             else [(m, n) for m in NOMINAL_BLOCKS for n in NOMINAL_BLOCKS])
+    nq, nk, causal = case.len_q, case.len_k, case.causal
+    lens = (nq, nk)
+    checks = {
+        "decode": nq == 1,
+        "decode_causal_gqa": nq == 1 and causal and case.group > 1,
+        "no_keys": nk == 0,
+        "gqa": case.group > 1,
+        "len_over_64": max(lens) > 64,
+        "len_over_128": max(lens) > 128,
+        "len_at_power_of_two_edge": any(n in _POW2_EDGES for n in lens),
+        "head_dim_over_64": case.head_dim > 64,
+        "head_dim_over_128": case.head_dim > 128,
+        "head_dim_not_power_of_two": case.head_dim & (case.head_dim - 1) != 0,
+        "kv_tiles_wider": causal and any(n > m and nk >= 2 * n for m, n in pairs),
+        "k_aligned_q_ragged": causal and nk > 0 and any(nk % n == 0 and nq % m != 0 for m, n in pairs),
+        "masked_q_tiles": causal and any(nq - nk >= m for m, _ in pairs),
+        "fully_masked_rows": (causal and nq > nk) or nk == 0,
+        "storage_offset": case.layout == "packed",
+        "scale_zero": case.scale == 0,
+        "scale_negative": case.scale is not None and case.scale < 0,
+        "scale_above_one": case.scale is not None and case.scale > 1,
+        "scale_tiny": case.scale is not None and 0 < abs(case.scale) < 1e-4,
+        "scale_not_float16": case.scale is not None and _not_float16(case.scale),
+    }
+    return [name for name, hit in checks.items() if hit]
+
+
+def _not_float16(x: float) -> bool:
+    return float(torch.tensor(x, dtype=torch.float16)) != x
+
+
+_POW2_EDGES = frozenset(_near_powers_of_two(16, 2 ** 16))
+BOUNDARY_CLASSES = ("decode", "decode_causal_gqa", "no_keys", "gqa", "len_over_64", "len_over_128",
+                    "len_at_power_of_two_edge", "head_dim_over_64", "head_dim_over_128",
+                    "head_dim_not_power_of_two", "kv_tiles_wider", "k_aligned_q_ragged", "masked_q_tiles",
+                    "fully_masked_rows", "storage_offset", "scale_zero", "scale_negative", "scale_above_one",
+                    "scale_tiny", "scale_not_float16")

@@ -20,7 +20,13 @@ Magnitude classes (DESIGN.md, "Adversarial inputs"), applied to float64 draws be
 
 Layouts: ``contiguous``; ``bnhd`` (stored as [B, N, H, D], passed as a transposed view); ``padded``
 (a view into a buffer with extra rows and head-dim columns, the padding filled with NaN, so a kernel
-that reads past a tensor's end produces NaN).
+that reads past a tensor's end produces NaN); ``packed`` (q, k, v and dout are [B, N, H, D]-ordered views
+at non-zero storage offsets into one shared buffer, NaN between and around them, as ``qkv.unbind`` of a
+packed projection gives: a kernel that ignores ``storage_offset()`` reads the wrong tensor or NaN).
+
+Scales (the contract's ``scale`` takes any finite float; None means ``1/sqrt(D)``): :data:`SCALES` holds
+0 (uniform weights over the visible keys), negative scales, scales above 1, a tiny one (below float16's
+smallest subnormal) and ones float16 cannot represent (0.1, 1/3).
 """
 
 from __future__ import annotations
@@ -34,10 +40,10 @@ import torch
 
 MAGNITUDES = ("normal", "large_logits", "outliers", "all_negative", "ties", "dominant_key",
               "row_shift", "v_offset", "v_wide_range", "near_subnormal")
-LAYOUTS = ("contiguous", "bnhd", "padded")
+LAYOUTS = ("contiguous", "bnhd", "padded", "packed")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
           "float64": torch.float64}
-SCALES = (None, 0.5, 0.125)
+SCALES = (0.5, 0.125, 0.0, -0.5, 1.0, 2.5, 1e-8, 0.1, 1 / 3, -1 / 3)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -163,6 +169,8 @@ class AttentionCase:
         q, k, v, do = normal(b, hq, nq, d), normal(b, hkv, nk, d), normal(b, hkv, nk, d), normal(b, hq, nq, d)
         q, k, v, do = _MAGNITUDE_BUILDERS[self.magnitude](q, k, v, do, gen, self.torch_dtype)
         dtype = self.torch_dtype
+        if self.layout == "packed":
+            return Tensors(*_pack([t.to(dtype) for t in (q, k, v, do)], device))
         return Tensors(*(_lay_out(t.to(dtype), self.layout, device) for t in (q, k, v, do)))
 
 
@@ -237,6 +245,28 @@ assert set(_MAGNITUDE_BUILDERS) == set(MAGNITUDES)
 
 
 # --------------------------------------------------------------------------------- layouts
+# Gap, in elements, before and between the tensors of the ``packed`` layout: a multiple of 8 keeps each
+# view 16-byte aligned for 16-bit dtypes, as packed projections of real models are.
+PACKED_GAP = 8
+
+
+def _pack(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """[B, H, N, D] tensors as [B, N, H, D]-ordered views into one NaN-filled buffer, each at a non-zero
+    storage offset (``PACKED_GAP`` elements, rounded up, between them)."""
+    step = PACKED_GAP
+    sizes = [-(-t.numel() // step) * step for t in tensors]
+    buf = torch.full((PACKED_GAP + sum(s + PACKED_GAP for s in sizes),), float("nan"), dtype=tensors[0].dtype,
+                     device=device)
+    views, offset = [], PACKED_GAP
+    for t, size in zip(tensors, sizes):
+        b, h, n, d = t.shape
+        view = buf.as_strided((b, n, h, d), (n * h * d, h * d, d, 1), offset).transpose(1, 2)
+        view.copy_(t.to(device))
+        views.append(view)
+        offset += size + PACKED_GAP
+    return views
+
+
 def _lay_out(t: torch.Tensor, layout: str, device) -> torch.Tensor:
     """Return a tensor equal to ``t`` on ``device`` with the given memory layout."""
     if layout == "contiguous":

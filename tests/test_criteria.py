@@ -57,3 +57,16 @@ def test_floor_refuses_a_bare_number():
         criteria.floor("out", torch.float16, 1.0)
     with pytest.raises(ValueError, match="op='o', but should be one of"):
         criteria.allowed_error("o", torch.float16, baseline_error=0.0, magnitude=criteria.Magnitudes(1.0))
+
+
+@pytest.mark.parametrize("op", ["dq", "dk", "dv", "out", "lse", "delta"])
+def test_floor_of_a_negative_scale_equals_that_of_the_same_scores(op):
+    # scale -0.5 with keys -k is the same attention as 0.5 with k (same scores, same P, same sizes):
+    # the floor must be the same (a signed scale once made the dq/dk floors negative, below 3 x eager).
+    t = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float16",
+                      causal=False, seed=1).build()
+    floors = []
+    for scale, k in ((0.5, t.k), (-0.5, -t.k)):
+        ref = reference.attention(t.q, k, t.v, scale=scale, dout=t.dout)
+        floors.append(criteria.floor(op, torch.float16, criteria.magnitudes(op, ref)))
+    assert floors[0] > 0 and floors[1] == pytest.approx(floors[0], rel=1e-12), floors

@@ -10,8 +10,8 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 from references import attention as reference
-from strategies.attention import Limits, attention_cases
-from strategies.cases import LAYOUTS, MAGNITUDES, AttentionCase, CaseError
+from strategies.attention import BOUNDARY_CLASSES, SHAPE_CLASSES, Limits, attention_cases, boundary_classes
+from strategies.cases import LAYOUTS, MAGNITUDES, SCALES, AttentionCase, CaseError
 from strategies.softmax import SOFTMAX_MAGNITUDES, softmax_cases
 
 BLOCKS = (1, 2, 3, 4, 5, 7, 8, 13, 16, 32, 64)
@@ -21,7 +21,7 @@ LIMITS = Limits(max_len=40, max_head_dim=40)
 @settings(max_examples=60)
 @given(attention_cases(dtype="float16", limits=LIMITS, gqa=True, block_m=BLOCKS, block_n=BLOCKS))
 def test_cases_respect_limits_and_declarations(case):
-    assert 1 <= case.len_q <= LIMITS.max_len and 1 <= case.len_k <= LIMITS.max_len
+    assert 1 <= case.len_q <= LIMITS.max_len and 0 <= case.len_k <= LIMITS.max_len
     assert 1 <= case.head_dim <= LIMITS.max_head_dim
     assert case.heads_q % case.heads_kv == 0 and case.heads_q // case.heads_kv <= LIMITS.max_group
     assert case.block_m in BLOCKS and case.block_n in BLOCKS
@@ -36,15 +36,108 @@ def test_declared_head_dims_are_respected():
     assert found.head_dim == 24
 
 
-@pytest.mark.parametrize("target", [
-    lambda c: c.magnitude == m for m in MAGNITUDES] + [lambda c: c.layout == lay for lay in LAYOUTS] + [
-    lambda c: c.len_q == 1, lambda c: c.len_k % c.block_n == c.block_n - 1 and c.len_k > c.block_n,
-    lambda c: c.len_k % c.block_n == 1 and c.len_k > c.block_n, lambda c: c.len_q > c.len_k and c.causal,
-    lambda c: c.len_q < c.len_k, lambda c: c.heads_q > c.heads_kv, lambda c: c.head_dim % 8 not in (0,),
-    lambda c: c.scale is not None])
+# Each target is a (name, predicate) pair built by a factory, so that every predicate keeps its own
+# class (a lambda made in a comprehension binds the loop variable late: all of them would test the last).
+def _field_is(field, value):
+    return f"{field}={value}", lambda c: getattr(c, field) == value
+
+
+SHAPE_FEATURES = [
+    ("Nq=1", lambda c: c.len_q == 1),
+    ("Nk one below a block multiple", lambda c: c.len_k % c.block_n == c.block_n - 1 and c.len_k > c.block_n),
+    ("Nk one above a block multiple", lambda c: c.len_k % c.block_n == 1 and c.len_k > c.block_n),
+    ("causal with Nq > Nk", lambda c: c.len_q > c.len_k and c.causal),
+    ("Nq < Nk", lambda c: c.len_q < c.len_k),
+    ("grouped-query", lambda c: c.heads_q > c.heads_kv),
+    ("head dim not a multiple of 8", lambda c: c.head_dim % 8 != 0),
+    ("explicit scale", lambda c: c.scale is not None),
+]
+TARGETS = ([_field_is("magnitude", m) for m in MAGNITUDES] + [_field_is("layout", lay) for lay in LAYOUTS]
+           + [(f"class {name}", (lambda n: lambda c: n in boundary_classes(c))(name)) for name in BOUNDARY_CLASSES]
+           + SHAPE_FEATURES)
+WIDE = Limits(max_len=136, max_head_dim=136, short_len=40, short_head_dim=40)
+
+
+def test_targets_are_distinct_predicates():
+    # The self-check of the check below: a late-bound predicate list would make these all the same.
+    probe = [_case(magnitude=m) for m in MAGNITUDES] + [_case(layout=lay) for lay in LAYOUTS]
+    firsts = [[pred(c) for c in probe] for _, pred in TARGETS[:len(probe)]]
+    assert len({tuple(f) for f in firsts}) == len(probe)
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=[name for name, _ in TARGETS])
 def test_every_class_and_shape_feature_is_reachable(target):
-    find(attention_cases(dtype="float16", limits=LIMITS, gqa=True, block_m=BLOCKS, block_n=BLOCKS), target,
-         settings=settings(max_examples=2000))
+    _, predicate = target
+    find(attention_cases(dtype="float16", limits=WIDE, gqa=True, block_m=BLOCKS, block_n=BLOCKS), predicate,
+         settings=settings(max_examples=2000, database=None))
+
+
+@pytest.mark.parametrize("shape_class", SHAPE_CLASSES)
+@pytest.mark.parametrize("blocks", [BLOCKS, None], ids=["declared blocks", "no blocks"])
+def test_each_shape_class_builds_what_it_names(shape_class, blocks):
+    # Drawn from that class alone, every case reaches the class of the same name (the tile classes
+    # are judged with the case's blocks, or 64 x 64 for a kernel that declares none).
+    expected = {"decode": "decode", "no_keys": "no_keys", "long": "len_over_64", "wide_head": "head_dim_over_64",
+                "kv_tiles_wider": "kv_tiles_wider", "k_aligned_q_ragged": "k_aligned_q_ragged",
+                "masked_q_tiles": "masked_q_tiles"}.get(shape_class)
+    strategy = attention_cases(dtype="float32", limits=WIDE, gqa=True, block_m=blocks, block_n=blocks,
+                               shape_classes=[shape_class])
+    seen = []
+
+    @settings(max_examples=40, database=None)
+    @given(strategy)
+    def check(case):
+        assert case.len_q >= 1 and case.len_k <= WIDE.max_len + 128 and case.head_dim <= WIDE.max_head_dim
+        if blocks:
+            tiles = math.ceil(case.len_q / case.block_m) * math.ceil(max(case.len_k, 1) / case.block_n)
+            assert tiles <= WIDE.max_tiles, case
+        if shape_class == "plain":
+            assert max(case.len_q, case.len_k) <= WIDE.short_len and case.head_dim <= WIDE.short_head_dim
+        seen.append(expected is None or expected in boundary_classes(case))
+
+    check()
+    if expected in ("len_over_64", "head_dim_over_64"):  # long lengths and wide heads are drawn, not forced
+        assert sum(seen) >= len(seen) // 4, (shape_class, sum(seen), len(seen))
+    else:
+        assert all(seen), (shape_class, seen.count(False))
+
+
+def test_a_property_that_needs_keys_never_gets_none():
+    @settings(max_examples=200, database=None)
+    @given(attention_cases(dtype="float32", limits=WIDE, block_m=BLOCKS, block_n=BLOCKS, min_len_k=1))
+    def check(case):
+        assert case.len_k >= 1
+
+    check()
+
+
+def test_boundary_classes_of_hand_made_cases():
+    assert set(boundary_classes(_case(len_q=1, heads_q=2, causal=True))) >= {"decode", "decode_causal_gqa", "gqa"}
+    assert "no_keys" in boundary_classes(_case(len_k=0))
+    assert "fully_masked_rows" in boundary_classes(_case(len_q=9, len_k=6, causal=True))
+    assert "kv_tiles_wider" in boundary_classes(_case(len_k=64, causal=True, block_m=16, block_n=32))
+    assert "kv_tiles_wider" not in boundary_classes(_case(len_k=63, causal=True, block_m=16, block_n=32))
+    assert "k_aligned_q_ragged" in boundary_classes(_case(len_q=17, len_k=32, causal=True, block_m=16, block_n=16))
+    assert "masked_q_tiles" in boundary_classes(_case(len_q=40, len_k=8, causal=True, block_m=32, block_n=16))
+    assert "masked_q_tiles" not in boundary_classes(_case(len_q=39, len_k=8, causal=True, block_m=32, block_n=16))
+    assert "storage_offset" in boundary_classes(_case(layout="packed"))
+    assert {"scale_negative", "scale_not_float16"} <= set(boundary_classes(_case(scale=-1 / 3)))
+    assert {"scale_tiny", "scale_not_float16"} <= set(boundary_classes(_case(scale=1e-8)))
+    assert "scale_not_float16" in boundary_classes(_case(scale=0.1))
+    assert "scale_not_float16" not in boundary_classes(_case(scale=0.125))
+    assert {"len_over_128", "len_at_power_of_two_edge"} <= set(boundary_classes(_case(len_k=129)))
+    assert "head_dim_over_128" in boundary_classes(_case(head_dim=130))
+    assert boundary_classes(_case(heads_q=1)) == []  # Nq=6 Nk=9 D=16, not causal, default scale: nothing rare
+
+
+def test_scales_cover_the_contract():
+    assert 0.0 in SCALES and any(s < 0 for s in SCALES) and any(0 < s < 1e-4 for s in SCALES)
+    assert any(s > 1 for s in SCALES)
+
+
+def test_unknown_shape_class_is_refused():
+    with pytest.raises(ValueError, match="shape_classes \\['huge'\\] are unknown"):
+        attention_cases(dtype="float16", shape_classes=["huge"]).example()
 
 
 def _case(**kw):
@@ -59,12 +152,20 @@ def test_build_is_deterministic_and_seed_dependent():
 
 
 def test_layouts():
-    bnhd, padded = _case(layout="bnhd").build(), _case(layout="padded").build()
+    bnhd, padded, packed = (_case(layout=lay).build() for lay in ("bnhd", "padded", "packed"))
     plain = _case().build()
     assert plain.q.is_contiguous() and not bnhd.q.is_contiguous() and not padded.q.is_contiguous()
     assert torch.equal(bnhd.q, plain.q) and torch.equal(padded.k, plain.k)
     storage = torch.as_strided(padded.k, (padded.k.untyped_storage().nbytes() // 2,), (1,), 0)
     assert bool(torch.isnan(storage).any()), "the padding of a padded view should be NaN canaries"
+    # packed: q, k, v, dout share one storage, each at its own non-zero offset, NaN between them
+    views = (packed.q, packed.k, packed.v, packed.dout)
+    assert all(torch.equal(a, b) for a, b in zip(views, (plain.q, plain.k, plain.v, plain.dout)))
+    assert len({t.untyped_storage().data_ptr() for t in views}) == 1
+    assert all(t.storage_offset() > 0 for t in views) and len({t.storage_offset() for t in views}) == 4
+    assert not packed.q.is_contiguous()
+    flat = torch.as_strided(packed.q, (packed.q.untyped_storage().nbytes() // 2,), (1,), 0)
+    assert bool(torch.isnan(flat[:packed.q.storage_offset()]).all())
 
 
 def _scores(case):

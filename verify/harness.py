@@ -139,6 +139,13 @@ class Context:
     device: str = "cpu"
     record: Recorder = _no_record
     case: Any = None
+    # The worst value of each ratio the example measured ("dq error/bound", ...): the runner hands them
+    # to Hypothesis's target(), so the search climbs toward the inputs closest to failing.
+    observations: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def observe(self, label: str, value: float) -> None:
+        if not math.isnan(value):
+            self.observations[label] = max(value, self.observations.get(label, -math.inf))
 
     def replay_command(self) -> str:
         parts = ["python", "-m", "verify.replay", "--impl", self.impl.cli_name, "--property", self.prop,
@@ -231,6 +238,9 @@ def assert_accurate(ctx: Context, *, op: str, actual: torch.Tensor, expected: to
     ratio, ratio_at = max_ratio(err, bound)
     passed = stats.max_abs <= allowed and ratio <= 1.0 and stats.nan_count == 0
     over_eager = error_over_eager(stats.max_abs, base_err, criteria.floor(op, input_dtype, magnitude))
+    ctx.observe(f"{op} error/bound", ratio)
+    if base_err:
+        ctx.observe(f"{op} error/eager", stats.max_abs / base_err)
     ctx.record({
         "implementation": ctx.impl.name, "property": ctx.prop, "op": op, "case": ctx.case.to_dict(),
         **{key: value for key, value in stats.as_dict().items() if key not in ("worst_index",)},

@@ -244,7 +244,9 @@ def env(request):
     config = request.config
     report = config._flashverify_report
     return Env(device=_device(config), profile=_profile(config), limits=_limits(config),
-               record=report.record if report is not None else (lambda _m: None))
+               record=report.record if report is not None else (lambda _m: None),
+               seed=config.getoption("hypothesis_seed", default=None),
+               coverage=report.coverage if report is not None else (lambda _m: None))
 
 
 def _property_failures(exc):

@@ -32,16 +32,22 @@ for _name, _kwargs in PROFILES.items():
     settings.register_profile(_name, **_kwargs)
 settings.load_profile(os.environ.get("FLASHVERIFY_PROFILE", "dev"))
 
+# On CPU the ``plain`` shape class stays short (40) and the boundary classes (``long``, ``wide_head``,
+# ``decode``, the tile classes; strategies/attention.py) reach lengths and head dims past 128, with
+# B = H = 1 where the length is long, so what switches on at 64 or 128 keys or head dims is drawn.
+_CPU = dict(max_len=136, max_head_dim=136, short_len=40, short_head_dim=40)
 LIMITS = {
-    ("cpu", "ci"): Limits(max_len=40, max_head_dim=40),
-    ("cpu", "dev"): Limits(max_len=40, max_head_dim=40),
-    ("cpu", "thorough"): Limits(max_len=96, max_head_dim=72, max_tiles=400),
-    ("cpu", "gpu"): Limits(max_len=96, max_head_dim=72, max_tiles=400),
-    ("cuda", "ci"): Limits(max_len=256, max_head_dim=128, max_tiles=4096),
-    ("cuda", "dev"): Limits(max_len=256, max_head_dim=128, max_tiles=4096),
-    ("cuda", "thorough"): Limits(max_len=2048, max_head_dim=256, max_tiles=2 ** 16, max_scores=2 ** 26),
+    ("cpu", "ci"): Limits(**_CPU),
+    ("cpu", "dev"): Limits(**_CPU),
+    ("cpu", "thorough"): Limits(max_len=256, max_head_dim=256, short_len=96, short_head_dim=72, max_tiles=400),
+    ("cpu", "gpu"): Limits(max_len=256, max_head_dim=256, short_len=96, short_head_dim=72, max_tiles=400),
+    ("cuda", "ci"): Limits(max_len=256, max_head_dim=256, short_len=256, short_head_dim=128, max_tiles=4096),
+    ("cuda", "dev"): Limits(max_len=256, max_head_dim=256, short_len=256, short_head_dim=128, max_tiles=4096),
+    ("cuda", "thorough"): Limits(max_len=2048, max_head_dim=256, short_len=2048, short_head_dim=256,
+                                 max_tiles=2 ** 16, max_scores=2 ** 26),
     # max_scores: the float64 reference and its bound hold about twenty [B, H, Nq, Nk] tensors.
-    ("cuda", "gpu"): Limits(max_len=8192, max_head_dim=256, max_tiles=2 ** 20, max_scores=2 ** 25),
+    ("cuda", "gpu"): Limits(max_len=8192, max_head_dim=256, short_len=8192, short_head_dim=256,
+                            max_tiles=2 ** 20, max_scores=2 ** 25),
 }
 
 

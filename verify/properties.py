@@ -22,7 +22,7 @@ from references import baseline, bounds, mp
 from references.criteria import ds_magnitude_rowsum, magnitudes
 from references.metrics import abs_error, max_ratio, unit_roundoff
 from references.softmax_bounds import softmax_bounds
-from strategies.cases import DTYPES, AttentionCase
+from strategies.cases import DTYPES, LAYOUTS, AttentionCase
 from strategies.softmax import SoftmaxCase
 from verify import harness
 from verify.harness import (Context, assert_accurate, assert_close, assert_no_nan, check_tensor, lse_dtype,
@@ -338,17 +338,18 @@ def hidden_keys_never_reach_output(ctx: Context, case: AttentionCase) -> None:
 
 @prop
 def layouts_agree(ctx: Context, case: AttentionCase) -> None:
-    """Contiguous, transposed (``[B, N, H, D]`` storage) and padded views give the same result; padded
-    views sit in buffers full of NaN, so reading past a tensor's end shows up as NaN."""
+    """Contiguous, transposed (``[B, N, H, D]`` storage), padded and packed views (non-zero storage
+    offsets into one shared buffer) give the same result; padded and packed views sit in buffers full
+    of NaN, so reading past a tensor's end, or ignoring its storage offset, shows up as NaN."""
     results = {}
-    for layout in ("contiguous", "bnhd", "padded"):
+    for layout in LAYOUTS:
         c = case.replace(layout=layout)
         t = c.build(ctx.device)
         results[layout] = run_forward(ctx, c, t.q, t.k, t.v)
     t = case.replace(layout="contiguous").build(ctx.device)
     _, ob, lb = _bounds_of(ctx, case, t.q, t.k, t.v)
     out0, lse0 = results["contiguous"]
-    for layout in ("bnhd", "padded"):
+    for layout in LAYOUTS[1:]:
         out1, lse1 = results[layout]
         assert_no_nan(ctx, what=f"out with {layout} inputs", actual=out1)
         _same(ctx, what=f"out with {layout} vs contiguous inputs", a=out1, b=out0, tol=2 * ob)

@@ -4,19 +4,33 @@ The test modules stay one line per property; this module decides what a declarat
 unsupported (a skip with the declaration's words), which cases a property needs (causal only,
 grouped-query only, ...), how many examples the profile and the implementation allow, and turns a
 case a property cannot use into a rejected example.
+
+Coverage, not repetition: under a derandomized profile (``ci``, ``gpu``) every test draws from its own
+seed, derived from the property, the dtype and the test's fixed arguments (and ``--hypothesis-seed``
+when given), so N properties explore N times as many inputs at the same cost and every run still draws
+the same ones. Every implementation gets the same cases for the same property and dtype, so kernels
+(and the mutation self-check's broken ones) are compared on equal terms. Each example labels the
+boundary classes it reaches (``event()``, :func:`strategies.attention.boundary_classes`) and reports its
+worst error/bound and error/eager ratios to ``target()``, so Hypothesis's search climbs toward the inputs
+where a kernel is closest to failing; the classes reached are written to the report (one coverage
+record per test).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
+import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import pytest
-from hypothesis import given, reject, settings
+from hypothesis import event, given, reject, seed, settings, target
 from hypothesis import strategies as st
 
 from kernels.registry import Implementation
-from strategies.attention import Limits, attention_cases
+from strategies.attention import Limits, attention_cases, boundary_classes
 from strategies.cases import DTYPES, AttentionCase, dtype_name
 from strategies.softmax import softmax_cases
 from verify import properties
@@ -26,12 +40,60 @@ from verify.properties import Inapplicable, NotApplicable
 DTYPE_NAMES = tuple(DTYPES)
 
 
+def _ignore(_: dict[str, Any]) -> None:
+    return None
+
+
 @dataclasses.dataclass
 class Env:
     device: str
     profile: str
     limits: Limits
     record: Recorder
+    seed: int | str | None = None  # --hypothesis-seed: mixed into every derandomized test's seed
+    coverage: Recorder = _ignore  # receives one record per test: the boundary classes its examples reached
+
+
+def seed_for(*parts: Any) -> int:
+    """A stable 64-bit seed for the test identified by ``parts`` (the same in every run and process)."""
+    text = "|".join(str(p) for p in parts)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def _own_seed(run, *parts: Any):
+    """Give a derandomized test its own seed (Hypothesis would seed every test from the one inner
+    function's source, so every property would draw the same examples)."""
+    if not settings().derandomize:
+        return run
+    return seed(seed_for(*parts))(run)
+
+
+# target() wants finite observations; a ratio past this is a failure anyway.
+_TARGET_CAP = 1e12
+
+
+def _aim(observations: dict[str, float]) -> None:
+    for label, value in observations.items():
+        if not math.isnan(value):
+            target(min(float(value), _TARGET_CAP), label=label)
+
+
+class _Coverage:
+    """Counts, over one test's examples, the boundary classes reached."""
+
+    def __init__(self) -> None:
+        self.examples = 0
+        self.classes: collections.Counter[str] = collections.Counter()
+
+    def add(self, case: AttentionCase) -> None:
+        self.examples += 1
+        for name in boundary_classes(case):
+            self.classes[name] += 1
+            event(name)
+
+    def emit(self, env: Env, *, impl: Implementation, prop: str, dtype: str) -> None:
+        env.coverage({"kind": "coverage", "implementation": impl.name, "property": prop, "dtype": dtype,
+                      "examples": self.examples, "classes": dict(sorted(self.classes.items()))})
 
 
 REQUIREMENTS = {
@@ -111,6 +173,7 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
     strategy = attention_cases(dtype=dtype, limits=_limits_for(impl, limits or env.limits),
                                head_dims=impl.head_dims, gqa=impl.gqa, block_m=impl.block_m,
                                block_n=impl.block_n, causal=causal if impl.causal else False, **kwargs)
+    coverage = _Coverage()
 
     @settings(max_examples=_max_examples(impl, examples_share))
     @given(data=st.data())
@@ -121,6 +184,7 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
             case = case.replace(heads_q=case.heads_kv * group)
         if adjust is not None:
             case = adjust(case, data)
+        coverage.add(case)
         ctx = Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case)
         try:
             fn(ctx, case)
@@ -128,8 +192,13 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
             pytest.skip(str(exc))
         except Inapplicable:
             reject()
+        _aim(ctx.observations)
 
-    run()
+    run = _own_seed(run, "attention", prop, dtype, causal, gqa_only, examples_share, limits, env.seed)
+    try:
+        run()
+    finally:
+        coverage.emit(env, impl=impl, prop=prop, dtype=dtype)
 
 
 def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bool) -> AttentionCase:
@@ -173,7 +242,7 @@ def check_softmax(prop: str, impl: Implementation, dtype: str, env: Env) -> None
         case = data.draw(strategy, label="case")
         fn(Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case), case)
 
-    run()
+    _own_seed(run, "softmax", prop, dtype, env.seed)()
 
 
 def longer(which: str, *, max_extra: int = 8) -> Adjust:

@@ -1,0 +1,104 @@
+"""What a run reached: the boundary classes of the cases each property ran, from ``coverage-*.jsonl``.
+
+The runner writes one record per test (implementation, property, dtype, examples run, and how many of
+them reached each boundary class of :func:`strategies.attention.boundary_classes`). This module reads
+them back and folds them per property, for the coverage table of ``report.md`` / ``report.html`` and
+for the check that a ``ci`` run on the shipped kernels reaches every class in :data:`REQUIRED`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+from strategies.attention import BOUNDARY_CLASSES
+
+# Classes a `ci` run on the shipped kernels must reach (tests/test_coverage.py): each is allowed by the
+# contract and is where real kernels have had bugs. A value names the property that must reach it
+# (None: any property).
+REQUIRED: dict[str, str | None] = {
+    "decode_causal_gqa": None,
+    "no_keys": None,
+    "kv_tiles_wider": None,
+    "k_aligned_q_ragged": None,
+    "masked_q_tiles": "outputs_stay_in_bounds",  # out=/lse= buffers with whole query tiles masked
+    "storage_offset": None,
+    "len_over_128": None,
+    "len_at_power_of_two_edge": None,
+    "head_dim_over_128": None,
+    "scale_zero": None,
+    "scale_negative": None,
+    "scale_above_one": None,
+    "scale_tiny": None,
+    "scale_not_float16": None,
+}
+
+
+def read_coverage(report_dir: str | Path) -> list[dict]:
+    """Every coverage record of a report directory (truncated lines of a killed run are skipped)."""
+    records = []
+    for path in sorted(Path(report_dir).glob("coverage-*.jsonl")):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("classes"), dict):
+                records.append(row)
+    return records
+
+
+def by_property(records: list[dict]) -> list[dict]:
+    """One row per property: tests, examples run, and the count of examples reaching each class."""
+    rows: dict[str, dict] = {}
+    for r in records:
+        row = rows.setdefault(str(r.get("property")), {"property": str(r.get("property")), "tests": 0,
+                                                       "examples": 0, "classes": collections.Counter()})
+        row["tests"] += 1
+        row["examples"] += int(r.get("examples") or 0)
+        row["classes"].update({str(k): int(v) for k, v in r["classes"].items()})
+    return [{**row, "classes": dict(sorted(row["classes"].items(), key=lambda kv: BOUNDARY_CLASSES.index(kv[0])
+                                          if kv[0] in BOUNDARY_CLASSES else len(BOUNDARY_CLASSES)))}
+            for _, row in sorted(rows.items())]
+
+
+def missing(records: list[dict], required: dict[str, str | None] | None = None) -> list[str]:
+    """The required classes the run never reached, each worded as what is missing."""
+    required = REQUIRED if required is None else required
+    reached: dict[str, set[str]] = collections.defaultdict(set)
+    for r in records:
+        for name, count in r["classes"].items():
+            if count:
+                reached[name].add(str(r.get("property")))
+    out = []
+    for name, prop in required.items():
+        if prop is None and not reached[name]:
+            out.append(f"{name}: reached by no property")
+        elif prop is not None and prop not in reached[name]:
+            out.append(f"{name}: not reached by {prop}")
+    return out
+
+
+def summary(report_dir: str | Path) -> dict:
+    """The coverage part of ``summary.json``: per-property rows and the required classes not reached
+    (only judged when the run wrote coverage records at all)."""
+    records = read_coverage(report_dir)
+    return {"by_property": by_property(records), "required_missing": missing(records) if records else []}
+
+
+def markdown(cov: dict) -> list[str]:
+    """The report's coverage section (Markdown lines)."""
+    rows = cov.get("by_property") or []
+    if not rows:
+        return []
+    lines = ["", "## Coverage: boundary classes reached", "",
+             "Examples each property ran, and how many of them reached each boundary class (classes are "
+             "facts of the case: `strategies/attention.py`, `boundary_classes`).", "",
+             "| property | tests | examples | classes reached (examples) |", "|---|---|---|---|"]
+    for row in rows:
+        classes = ", ".join(f"{k} {v}" for k, v in row["classes"].items()) or "none"
+        lines.append(f"| {row['property']} | {row['tests']} | {row['examples']} | {classes} |")
+    if cov.get("required_missing"):
+        lines += ["", "Required classes not reached: " + "; ".join(cov["required_missing"]) + "."]
+    return lines

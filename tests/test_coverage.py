@@ -1,0 +1,79 @@
+"""Coverage, not repetition: every property draws its own cases, a `ci` run reaches every required
+boundary class, and the report shows which classes each property reached."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+
+from reports import coverage
+from reports.summary import markdown, summarise
+from strategies.attention import BOUNDARY_CLASSES
+from verify.runner import seed_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_required_class_is_a_known_class():
+    assert set(coverage.REQUIRED) <= set(BOUNDARY_CLASSES)
+
+
+def test_missing_names_what_was_not_reached():
+    records = [{"property": "out_matches_reference", "examples": 3, "classes": {"decode": 1}},
+               {"property": "outputs_stay_in_bounds", "examples": 2, "classes": {"masked_q_tiles": 0}}]
+    required = {"decode": None, "no_keys": None, "masked_q_tiles": "outputs_stay_in_bounds"}
+    assert coverage.missing(records, required) == ["no_keys: reached by no property",
+                                                   "masked_q_tiles: not reached by outputs_stay_in_bounds"]
+    records[1]["classes"]["masked_q_tiles"] = 1
+    records.append({"property": "x", "examples": 1, "classes": {"no_keys": 2}})
+    assert coverage.missing(records, required) == []
+
+
+def test_seeds_differ_between_properties_and_dtypes_and_are_stable():
+    a = seed_for("attention", "out_matches_reference", "float16", None)
+    assert a == seed_for("attention", "out_matches_reference", "float16", None)
+    assert len({a, seed_for("attention", "lse_matches_reference", "float16", None),
+                seed_for("attention", "out_matches_reference", "float32", None),
+                seed_for("attention", "out_matches_reference", "float16", 7)}) == 4
+
+
+def _run_ci(tmp_path, *args):
+    report = tmp_path / "report"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "verify", "--hypothesis-profile=ci", "-q",
+                           "-p", "no:cacheprovider", "--report-dir", str(report), *args],
+                          cwd=ROOT, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    return report
+
+
+@pytest.mark.slow
+def test_a_ci_run_reaches_every_required_class_and_draws_distinct_cases(tmp_path):
+    # One shipped kernel in one dtype (the whole catalogue, ~10 s of CPU): every required class is
+    # reached by construction, not by luck of a long run.
+    report = _run_ci(tmp_path, "--impl", "fa2_blocked", "-k", "float32")
+    records = coverage.read_coverage(report)
+    assert coverage.missing(records) == []
+    # Distinct seeds: the properties of one kernel and dtype measure mostly different cases.
+    rows = [json.loads(line) for path in report.glob("measurements-*.jsonl") for line in path.open()]
+    per_prop = {}
+    for r in rows:
+        if r["implementation"] == "fa2_blocked" and r["case"]["dtype"] == "float32":
+            per_prop.setdefault(r["property"], set()).add(json.dumps(r["case"], sort_keys=True))
+    a, b = per_prop["out_matches_reference"], per_prop["gradients_match_reference"]
+    assert len(a & b) <= len(a) // 4, (len(a & b), len(a))
+    # The report shows the table.
+    summary = summarise(report)
+    assert summary["coverage"]["required_missing"] == []
+    text = markdown(summary)
+    assert "## Coverage: boundary classes reached" in text and "| outputs_stay_in_bounds |" in text
+    assert "masked_q_tiles" in (report / "report.md").read_text()
+
+
+def test_derandomized_profiles_are_what_the_seeds_rely_on():
+    # The runner gives each test its own seed only under derandomize (ci, gpu): check the profiles.
+    assert settings.get_profile("ci").derandomize and settings.get_profile("gpu").derandomize
