@@ -22,13 +22,18 @@ float64 summation order changes). The suite's work on one example (this referenc
 baseline, the rounding bounds and the criteria's magnitudes) peaks at about::
 
     peak bytes ~ 8 * B * Hq * (SCORE_MATRICES * rows * Nk + VECTOR_ROWS * Nq * D + VECTOR_KEYS * Nk * D)
+                 + 24 * (centred slice)
 
 with ``rows = rows_per_chunk(Nk, D, B * Hq)`` query rows per chunk: the largest number whose
 ``SCORE_MATRICES`` float64 ``[B, Hq, rows, Nk]`` matrices fit ``DEFAULT_BUDGET_BYTES`` (at least one
-row, at most ``Nq``). :func:`peak_bytes` evaluates this (plus the exact centred term of
-``references.bounds``, at most a few ``[B, Hq, rows, Nk, D]`` slices of ``_CHUNK_ELEMENTS``); the
-constants are measured upper bounds (tests/test_references.py checks them against the allocations).
-The kernel's own memory is not part of it.
+row, at most ``Nq``), so the first term is at most ``max(budget, 8 B Hq (SCORE_MATRICES Nk + D))``.
+The last term is the exact centred term of ``references.bounds``: three float64 ``[B, Hq, r, Nk, D]``
+slices for ``r`` rows of the chunk, at most ``max(_CHUNK_ELEMENTS, B Hq Nk D)`` elements (2^22,
+32 MiB, for most problems).
+:func:`peak_bytes` evaluates this as an upper bound that never decreases when a size grows; the
+constants are measured (tests/test_chunking.py checks the estimate against the measured peak). With
+the default budget of 256 MiB, a problem whose score matrices fit it runs as one chunk, exactly as an
+unchunked computation. Not included: the case's input tensors and the kernel's own memory.
 
 The chunk size can be forced (tests, memory experiments): :func:`forced_chunk_rows` as a context
 manager, or the environment variable ``FLASHVERIFY_CHUNK_ROWS`` for a whole run.
@@ -54,8 +59,8 @@ DEFAULT_BUDGET_BYTES = 256 * 2 ** 20
 # models), and [B, Hq, N, D] tensors held for the whole example (inputs, results, accumulators):
 # measured upper bounds, see tests/test_references.py::test_peak_bytes_bounds_measured_peak.
 SCORE_MATRICES = 32
-VECTOR_ROWS = 24
-VECTOR_KEYS = 24
+VECTOR_ROWS = 16
+VECTOR_KEYS = 40
 CHUNK_ROWS_ENV = "FLASHVERIFY_CHUNK_ROWS"
 _forced_rows: int | None = None
 
@@ -115,28 +120,34 @@ def row_chunks(len_q: int, len_k: int, head_dim: int, heads: int) -> list[tuple[
 
 def peak_bytes(batch: int, heads_q: int, heads_kv: int, len_q: int, len_k: int, head_dim: int, *,
                budget: int | None = None) -> int:
-    """Estimated peak bytes of the suite's own work on one example of this shape (the float64
-    reference with its backward, the eager baseline, the rounding bounds and the criteria's
-    magnitudes), following the module docstring's memory model. Monotone in every size. The kernel's
-    own memory is not included."""
+    """An upper estimate of the peak bytes of the suite's own work on one example of this shape (the
+    float64 reference with its backward, the eager baseline, the rounding bounds of both backward
+    models and the criteria's magnitudes), following the module docstring's memory model, for the
+    chunk size that ``budget`` (default ``DEFAULT_BUDGET_BYTES``) gives. It never decreases when a
+    size grows. Not included: the case's input tensors and the kernel's own memory."""
     for name, value in (("batch", batch), ("heads_q", heads_q), ("heads_kv", heads_kv), ("len_q", len_q),
                         ("len_k", len_k), ("head_dim", head_dim)):
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}={value!r}, but should be an int >= 0")
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"heads_q={heads_q} should be a positive multiple of heads_kv={heads_kv}")
+    from references import bounds  # noqa: PLC0415 (bounds imports this module)
+
     heads = batch * heads_q
-    rows = min(len_q, rows_per_chunk(len_k, head_dim, heads, budget=budget))
-    scores = SCORE_MATRICES * heads * rows * len_k
+    budget = DEFAULT_BUDGET_BYTES if budget is None else budget
+    forced = _forced()
+    per_row = heads * (SCORE_MATRICES * len_k + head_dim)  # float64 elements per query row of a chunk
+    # rows * per_row <= max(budget, per_row) (at least one row); a forced size gives exactly its rows.
+    chunk = (min(len_q, forced) * per_row if forced is not None else
+             min(len_q * per_row, max(budget // 8, per_row)))
     vectors = heads * (VECTOR_ROWS * len_q * head_dim + VECTOR_KEYS * len_k * head_dim)
-    # references.bounds' exact centred term: [B, Hq, step, Nk, D] slices, a few alive at once.
-    from references import bounds
-    centred = 0
-    if heads * len_q * len_k * head_dim <= bounds.EXACT_CENTRED_LIMIT:
-        per_row = heads * len_k * head_dim
-        step = max(1, bounds._CHUNK_ELEMENTS // max(1, per_row))
-        centred = 3 * min(rows, step) * per_row
-    return 8 * (scores + vectors + centred)
+    # references.bounds' exact centred term: [B, Hq, step, Nk, D] slices, three alive at once (an upper
+    # bound that also covers the problems large enough for the cheaper path, so it never decreases).
+    # A chunk of rows holds at most chunk * Nk * D / (SCORE_MATRICES * Nk + D) elements of [rows, Nk, D].
+    slice_max = chunk * len_k * head_dim // max(1, SCORE_MATRICES * len_k + head_dim)
+    key_row = heads * len_k * head_dim
+    centred = 3 * min(slice_max, max(bounds._CHUNK_ELEMENTS, min(key_row, bounds.EXACT_CENTRED_LIMIT)))
+    return 8 * (chunk + vectors + centred)
 
 
 def _offset(len_q: int, len_k: int, alignment: str) -> int:

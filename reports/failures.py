@@ -7,7 +7,8 @@ AttentionCase(batch=1, heads_q=1, ...)``. That text is parsed here with :mod:`as
 (never evaluated) and validated by the case class, so the failure file holds plain JSON and the
 replay command runs the same case. When the property changed the case after drawing it (a second
 draw such as ``group`` or ``len_q longer by``), the drawn case is not the one that failed, and no
-replay command is written; the note says so and points at Hypothesis's own reproduction blob.
+replay command is written; the note says so. (The plugin reads the case from the property's own
+context in the traceback first, which holds the case after any such change: the notes are the fallback.)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import ast
 import re
 import traceback
+from pathlib import Path
 from typing import Any
 
 _DRAW = re.compile(r"^Draw \d+ \(([^)]*)\):\s*", re.MULTILINE)
@@ -54,7 +56,7 @@ def drawn_case(exc: BaseException) -> tuple[dict[str, Any] | None, str | None]:
     labels = [m.group(1) for m in draws]
     if labels != ["case"]:
         return None, (f"the property drew {', '.join(labels)} after the case, so the drawn case is not the one "
-                      "that failed; reproduce with the @reproduce_failure blob in the message")
+                      "that failed, and the failure happened before the property's context held the case")
     start = draws[0].end()
     depth, end = 0, None
     for i in range(start, len(notes)):
@@ -80,6 +82,23 @@ def drawn_case(exc: BaseException) -> tuple[dict[str, Any] | None, str | None]:
         return SoftmaxCase.from_dict(fields).to_dict(), None
     except (ValueError, TypeError) as exc:
         return None, f"the drawn case is not valid: {exc}"
+
+
+def raised_at(exc: BaseException, *, root=None) -> str:
+    """Where ``exc`` was raised, in words: ``at path:line (function)`` of the innermost frame of its
+    traceback (``path`` relative to ``root`` when inside it, else the file's last two parts)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "at an unknown place (the exception has no traceback)"
+    frame = frames[-1]
+    path = Path(frame.filename)
+    try:
+        shown = path.resolve().relative_to(Path(root).resolve()) if root is not None else None
+    except ValueError:
+        shown = None
+    if shown is None:
+        shown = Path(*path.parts[-2:]) if len(path.parts) >= 2 else path
+    return f"at {shown}:{frame.lineno} ({frame.name})"
 
 
 def property_of_test(test_name: str, known: set[str]) -> str | None:

@@ -9,9 +9,12 @@ pytest-xdist each worker writes its own stream (``measurements-gw0.jsonl``, ...)
 Files of a report directory:
 
 ``run-<worker>.json``          what ran (implementations, device, versions, command); ``finished`` is
-                               added when the worker ends normally, so a killed run shows as partial
+                               added when the worker ends normally, so a killed run shows as partial;
+                               ``stopped`` when the run ended early on purpose (a sticky CUDA error):
+                               the test that stopped it and the tests not run
 ``measurements-<worker>.jsonl`` one JSON object per measurement, in the order they were taken
 ``coverage-<worker>.jsonl``    one JSON object per test: the boundary classes its examples reached
+``memory-<worker>.jsonl``      one JSON object per test on a GPU: its peak device memory and the budget
 ``failures/*.json``            one per failing test: the shrunk case and the command that replays it
 ``summary.json``, ``report.md``, ``report.html``  written at the end, or by ``python -m reports summarise``
 """
@@ -73,7 +76,7 @@ def dumps(value: Any, **kwargs) -> str:
     return json.dumps(_jsonable(value), allow_nan=False, default=str, **kwargs)
 
 
-REPORT_FILES = ("measurements-*.jsonl", "coverage-*.jsonl", "run-*.json", "failures/*.json", "summary.json", "report.md",
+REPORT_FILES = ("measurements-*.jsonl", "coverage-*.jsonl", "memory-*.jsonl", "run-*.json", "failures/*.json", "summary.json", "report.md",
                 "report.html", ".*.tmp", "failures/.*.tmp")
 
 
@@ -140,6 +143,11 @@ class ReportSession:
         with open(self.dir / f"coverage-{self.worker}.jsonl", "a", encoding="utf-8") as fh:
             fh.write(dumps(entry) + "\n")
 
+    def memory(self, entry: dict[str, Any]) -> None:
+        """Append one test's peak device memory record to ``memory-<worker>.jsonl``."""
+        with open(self.dir / f"memory-{self.worker}.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(dumps(entry) + "\n")
+
     def failure(self, *, test: str, message: str, replay: str | None, case: dict | None,
                 prop: str | None, implementation: str | None, note: str | None = None) -> Path:
         """Write the failure file of one failing test (atomically) and return its path."""
@@ -152,8 +160,10 @@ class ReportSession:
         self.counts["failures"] += 1
         return path
 
-    def close(self, *, outcomes: dict | None = None, exitstatus: int | None = None) -> None:
-        """End the stream and mark this worker's run as finished (a killed run never gets here)."""
+    def close(self, *, outcomes: dict | None = None, exitstatus: int | None = None,
+              stopped: dict | None = None) -> None:
+        """End the stream and mark this worker's run as finished (a killed run never gets here);
+        ``stopped``: the run ended early on purpose (``{"test", "reason", "not_run"}``)."""
         if self._stream.closed:
             return
         self._stream.close()
@@ -163,4 +173,6 @@ class ReportSession:
             extra["outcomes"] = outcomes
         if exitstatus is not None:
             extra["exitstatus"] = int(exitstatus)
+        if stopped is not None:
+            extra["stopped"] = stopped
         self._write_run_file(**extra)

@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from reports import coverage
+from reports import coverage, memory
 from reports.session import dumps, replay_command, write_atomic
 
 # How many of the worst measurements the summary lists (with their replay commands).
@@ -222,13 +222,15 @@ def summarise(report_dir: str | Path, *, outcomes: dict | None = None, rows: lis
     runs = read_runs(report_dir)
     info = _run_info(runs)
     unfinished = [str(r.get("worker")) for r in runs if not r.get("finished")]
+    stopped = [r["stopped"] for r in runs if isinstance(r.get("stopped"), dict)]
     if outcomes is None:
         main = next((r for r in runs if r.get("worker") == "main"), {})
         outcomes = main.get("outcomes") or {}
     device_of = {str(r.get("worker")): str(r.get("device")) for r in runs if r.get("device")}
     failures = read_failures(report_dir)
     return {
-        "status": "partial" if (unfinished or not runs) else "complete",
+        "status": "partial" if (unfinished or stopped or not runs) else "complete",
+        "stopped": stopped,
         "unfinished_workers": unfinished,
         "run": info,
         "measurements": len(rows), "unreadable_lines": bad,
@@ -236,8 +238,9 @@ def summarise(report_dir: str | Path, *, outcomes: dict | None = None, rows: lis
         "by_implementation_op_dtype": aggregate(rows),
         "worst_cases": worst_cases(rows, specs=info["specs"], device_of=device_of),
         "failures": failures,
-        "outcomes": outcomes,
         "coverage": coverage.summary(report_dir),
+        "outcomes": outcomes,
+        "peak_memory": memory.summary(report_dir),
     }
 
 
@@ -260,6 +263,10 @@ def _md(text: Any) -> str:
 def status_line(summary: dict) -> str:
     if summary["status"] == "complete":
         return "Status: complete."
+    if summary.get("stopped"):
+        return " ".join(f"Status: PARTIAL: the run stopped after {s.get('test')} ({s.get('reason')}); "
+                        f"{len(s.get('not_run') or [])} test(s) not run: "
+                        f"{', '.join(s.get('not_run') or []) or 'none'}." for s in summary["stopped"])
     workers = ", ".join(summary.get("unfinished_workers") or []) or "no run header found"
     return (f"Status: PARTIAL: the run did not finish (unfinished: {workers}); this summarises the "
             "measurements written before it stopped.")
@@ -298,6 +305,7 @@ def markdown(summary: dict) -> str:
                 "implementation", "property", "op", "case_text", "max_abs", "error_over_bound",
                 "error_over_baseline", "pass")) + " |")
     lines += coverage.markdown(summary.get("coverage") or {})
+    lines += memory.markdown(summary.get("peak_memory") or {})
     failures = summary.get("failures") or []
     lines += ["", f"## Failures ({len(failures)})", ""]
     for f in failures:

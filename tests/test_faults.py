@@ -104,7 +104,7 @@ def test_verify_runs_get_a_default_time_limit_and_other_runs_do_not(tmp_path):
 # --- out of memory -----------------------------------------------------------------------------------------
 
 def test_out_of_memory_fails_with_the_case_and_the_run_goes_on(tmp_path):
-    forward = f"{FAULTY}:out_of_memory_on_long_keys"  # forward raises for Nk > 3
+    forward = f"{FAULTY}:out_of_memory_on_long_keys"  # forward raises for Nk > 5
     backward = f"{FAULTY}:out_of_memory_in_backward"  # correct forward, backward raises
     proc, _ = _pytest_verify(tmp_path, "--impl", forward, "--impl", backward, "-k",
                              "(test_out_matches_reference or test_gradients_match_reference) and float32", "-rA")
@@ -122,8 +122,8 @@ def test_out_of_memory_fails_with_the_case_and_the_run_goes_on(tmp_path):
     fwd = failures["test_out_matches_reference/out_of_memory_on_long_keys"]
     assert "the kernel ran out of device memory in its forward (torch.OutOfMemoryError: CUDA out of memory" \
         in fwd["message"]
-    assert fwd["case"]["len_k"] == 4, fwd["case"]  # shrunk to the smallest case that runs out
-    assert "Nk=4" in fwd["message"] and "replay: python -m verify.replay" in fwd["message"]
+    assert fwd["case"]["len_k"] == 6, fwd["case"]  # shrunk to the smallest case that runs out
+    assert "Nk=6" in fwd["message"] and "replay: python -m verify.replay" in fwd["message"]
     bwd = failures["test_gradients_match_reference/out_of_memory_in_backward"]
     assert "the kernel (or the check around it) ran out of device memory" in bwd["message"]
     assert f"raised in {FAULTY}:" in bwd["message"] and bwd["replay"] and bwd["case"]["len_k"] == 1
@@ -213,3 +213,139 @@ def test_out_of_memory_in_the_suite_outside_the_kernel_is_not_blamed_on_the_kern
     message = conftest._out_of_memory_message(item, oom, fields)
     assert "the suite's float64 reference ran out of device memory, not the kernel" in message
     assert "raised in references/" in message
+
+
+# --- sticky CUDA errors (simulated: tests/fixtures/sticky_kernels.py) ----------------------------------------
+
+STICKY = "tests/fixtures/sticky_kernels.py:illegal_address_on_long_keys"  # raises for Nk > 5, else correct
+FORWARD_TESTS = "(test_out_matches_reference or test_lse_matches_reference or test_out_within_visible_values) and float32"
+
+
+def _check_sticky_failure(failure):
+    assert failure["implementation"] == STICKY, failure
+    assert failure["message"].startswith(f"{STICKY}: the kernel hit a sticky CUDA error in its forward "
+                                         "(RuntimeError: CUDA error: an illegal memory access was encountered)")
+    # The case that hit the error, not one shrunk in a broken context: more than five keys.
+    assert failure["case"]["len_k"] > 5, failure["case"]
+    assert failure["replay"].startswith(f"python -m verify.replay --impl {STICKY} --property ")
+
+
+def test_a_sticky_cuda_error_stops_a_run_without_xdist_with_a_partial_report(tmp_path):
+    proc, _ = _pytest_verify(tmp_path, "verify/test_forward.py", "--impl", STICKY, "-k", FORWARD_TESTS)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert re.search(r"\b1 failed, \d+ deselected in", out), out[-2000:]
+    assert "this process's CUDA context is unusable" in out and "replay: python -m verify.replay" in out
+
+    (failure,) = _failures(tmp_path).values()
+    _check_sticky_failure(failure)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "partial", summary["status"]
+    (stop,) = summary["stopped"]
+    assert stop["test"] == failure["test"] and "illegal memory access" in stop["reason"]
+    assert len(stop["not_run"]) == 2 and all(STICKY in t for t in stop["not_run"]), stop
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert f"Status: PARTIAL: the run stopped after {failure['test']}" in md
+    assert all(t in md for t in stop["not_run"])
+    assert "flashverify report: PARTIAL: the run stopped after" in out
+
+
+def test_a_sticky_cuda_error_ends_the_xdist_worker_and_the_run_goes_on(tmp_path):
+    proc, _ = _pytest_verify(tmp_path, "verify/test_forward.py", "--impl", STICKY, "--impl", "fa2_blocked",
+                             "-k", FORWARD_TESTS, "-n", "2", "-rA", timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert "3 failed, 3 passed" in out, out[-3000:]  # each test counted once: no second "crashed" failure
+    for name in ("test_out_matches_reference", "test_lse_matches_reference", "test_out_within_visible_values"):
+        assert re.search(rf"PASSED \S*{name}\[fa2_blocked-float32\]", out), out[-3000:]
+    assert "crashed while running" not in out
+    assert out.count("ended after its sticky CUDA error") == 3, out[-3000:]
+
+    failures = _failures(tmp_path)
+    assert len(failures) == 3, list(failures)
+    for failure in failures.values():
+        _check_sticky_failure(failure)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "complete" and summary["outcomes"] == {"passed": 3, "failed": 3}, summary["outcomes"]
+    # Every worker's part of the report is complete, the replaced ones included.
+    runs = list((tmp_path / "report").glob("run-gw*.json"))
+    assert len(runs) >= 4 and all(json.loads(p.read_text()).get("finished") for p in runs)
+
+    replay = subprocess.run(next(iter(failures.values()))["replay"].replace("python", sys.executable, 1),
+                            shell=True, cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=120)
+    assert replay.returncode != 0 and "illegal memory access" in replay.stdout + replay.stderr
+
+
+# --- every failure replayable ---------------------------------------------------------------------------
+
+def test_each_distinct_failure_gets_its_own_file_case_and_replay_and_no_hypothesis_blob(tmp_path):
+    two_bugs = "tests/fixtures/raising_kernels.py:attention_with_two_bugs"  # ValueError if causal, else RuntimeError
+    proc, _ = _pytest_verify(tmp_path, "verify/test_forward.py", "--impl", two_bugs, "-k",
+                             "test_out_matches_reference and float32")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert "Hypothesis found 2 distinct failures" in out, out[-4000:]
+    failures = sorted(_failures(tmp_path).values(), key=lambda f: f["case"]["causal"])
+    assert [f["case"]["causal"] for f in failures] == [False, True], failures
+    assert failures[0]["message"].startswith("distinct failure ")
+    assert "RuntimeError: non-causal path gave up on Nk=6" in failures[0]["message"]
+    assert "ValueError: causal path gave up on Nk=6" in failures[1]["message"]
+    for f in failures:
+        assert f["case"]["len_k"] == 6  # each shrunk on its own
+        assert f["replay"].startswith(f"python -m verify.replay --impl {two_bugs} --property out_matches_reference")
+        assert f["replay"] in out  # the terminal has the replay line of each kernel exception
+    md = (tmp_path / "report" / "report.md").read_text()
+    for text in (out, md):
+        assert "@reproduce_failure" not in text and "Explanation:" not in text
+
+
+def test_a_failure_outside_any_drawn_example_says_where_it_happened():
+    from verify import plugin
+
+    def fixture_setup():
+        raise RuntimeError("no example was drawn")
+
+    try:
+        fixture_setup()
+    except RuntimeError as exc:
+        error = exc
+    item = types.SimpleNamespace(nodeid="verify/test_forward.py::test_out_matches_reference[x-float32]",
+                                 name="test_out_matches_reference[x-float32]",
+                                 originalname="test_out_matches_reference")
+    fields = plugin._other_failure(item, error)
+    assert fields["case"] is None and fields["replay"] is None
+    assert fields["note"].startswith("it was raised outside any drawn example, at tests/test_faults.py:")
+    assert fields["note"].endswith("(fixture_setup)")
+
+
+def test_out_of_memory_in_the_suite_skips_the_test_and_in_the_kernel_fails_it(monkeypatch):
+    import pytest
+
+    from verify import plugin
+    from references import attention as reference
+    from strategies.cases import AttentionCase
+    from verify.harness import OutOfMemoryError
+
+    _simulate_out_of_memory_in_logsumexp(monkeypatch)
+    case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=6, head_dim=4, dtype="float32",
+                         causal=False, magnitude="normal", seed=1, layout="contiguous")
+    t = case.build()
+    item = types.SimpleNamespace(nodeid="verify/test_forward.py::test_out_matches_reference[x-float32]",
+                                 name="test_out_matches_reference[x-float32]",
+                                 originalname="test_out_matches_reference",
+                                 config=types.SimpleNamespace(_flashverify_budget=None))
+    try:
+        reference.attention(t.q, t.k, t.v)
+    except OutOfMemoryError as exc:
+        suite = exc
+    with pytest.raises(pytest.skip.Exception, match="the suite's float64 reference ran out of device memory, "
+                       "not the kernel"):
+        plugin._skip_if_the_suite_ran_out_of_memory(item, ExceptionGroup("2 distinct failures", [suite]))
+
+    from tests.fixtures import faulty_kernels
+
+    try:
+        faulty_kernels.out_of_memory_on_long_keys(t.q, t.k, t.v)
+    except OutOfMemoryError as exc:
+        kernel = exc
+    plugin._skip_if_the_suite_ran_out_of_memory(item, kernel)  # the kernel's: no skip, the test fails

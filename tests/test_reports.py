@@ -311,7 +311,8 @@ def test_kernel_that_raises_gets_its_drawn_case_and_a_replay_that_raises_again(t
     assert proc.returncode == 1, proc.stdout[-3000:]
     (path,) = (report / "failures").glob("*.json")
     failure = json.loads(path.read_text())
-    assert failure["message"].startswith("RuntimeError: kernel gave up on Nk=4")
-    assert failure["case"]["len_k"] == 4 and failure["property"] == "out_matches_reference"
+    assert failure["message"].startswith("RuntimeError: kernel gave up on Nk=6")
+    assert failure["case"]["len_k"] == 6 and failure["property"] == "out_matches_reference"
+    assert f"  replay: {failure['replay']}" in proc.stdout  # the terminal says how to replay it too
     replay = subprocess.run(failure["replay"], shell=True, cwd=ROOT, capture_output=True, text=True, env=_env())
-    assert replay.returncode == 1 and "kernel gave up on Nk=4" in replay.stderr
+    assert replay.returncode == 1 and "kernel gave up on Nk=6" in replay.stderr

@@ -62,6 +62,24 @@ class TimeoutFailure(BaseException):
         self.replay = ctx.replay_command() if ctx is not None and ctx.case is not None else None
 
 
+class StickyDeviceError(BaseException):
+    """The kernel hit a sticky CUDA error (an illegal memory access, a launch failure, a device-side
+    assert: :func:`verify.gpu.sticky_cuda_error`), which leaves the process's CUDA context unusable.
+
+    A ``BaseException``, like :class:`TimeoutFailure`, so Hypothesis does not shrink it: every later
+    example in this process would fail the same way whatever its case, and the shrunk case would not be
+    the one that failed. The test ends at once with the case that hit the error and its replay command
+    (run it in a fresh process); the plugin then ends the process (``verify/plugin.py``).
+    """
+
+    def __init__(self, ctx: Context, error: BaseException, *, where: str):
+        self.impl, self.prop, self.case = ctx.impl.name, ctx.prop, ctx.case
+        self.replay = ctx.replay_command()
+        super().__init__(f"{ctx.impl.name}: the kernel hit a sticky CUDA error in its {where} "
+                         f"({exception_line(error)})\n  property: {ctx.prop}\n  case: {ctx.case.describe()}\n"
+                         f"  replay: {self.replay}  (in a fresh process)")
+
+
 def running_context(frame: types.FrameType | None) -> Context | None:
     """The :class:`Context` of the property example running in ``frame``'s stack, or None.
 
@@ -198,6 +216,12 @@ def run_forward(ctx: Context, case, q, k, v):
                                  block_m=case.block_m, block_n=case.block_n)
     except OutOfMemoryError as exc:
         out_of_memory = release_out_of_memory(exc)
+    except Exception as exc:
+        from verify.gpu import sticky_cuda_error
+
+        if sticky_cuda_error(exc) is not None:
+            raise StickyDeviceError(ctx, exc, where="forward") from exc
+        raise
     if out_of_memory is not None:  # failed outside the except block: the new failure holds no traceback
         ctx.fail(f"the kernel ran out of device memory in its forward ({out_of_memory}); "
                  "its memory was released and the run goes on")

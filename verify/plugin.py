@@ -36,6 +36,7 @@ import torch  # noqa: E402
 
 from kernels import registry as kernel_registry  # noqa: E402
 from strategies.attention import Limits  # noqa: E402
+from verify import gpu  # noqa: E402
 from verify.profiles import limits_for, profile_name  # noqa: E402
 
 DEFAULT_REPORT_DIR = "flashverify-report"
@@ -54,6 +55,9 @@ def pytest_addoption(parser):
     group.addoption("--device", default=None, metavar="DEVICE",
                     help="device for the inputs: cpu or cuda[:N] (default: cuda if available, else cpu)")
     group.addoption("--no-report", action="store_true", default=False, help="write no report")
+    group.addoption("--gpu-memory", type=float, default=None, metavar="GIB",
+                    help="use at most GIB of each GPU's memory (emulates a smaller card); the workers of "
+                         "pytest -n on one GPU share it (default: the GPU's free memory at the start)")
 
 
 def _profile(config) -> str:
@@ -98,6 +102,90 @@ def _xdist_worker_device(config, dev: str | None) -> str | None:
     return f"cuda:{index}"
 
 
+def _xdist_controller(config) -> bool:
+    """True in the controller of a pytest-xdist run (it hands tests to workers and runs none itself)."""
+    return (_xdist_worker(config) is None and bool(getattr(config.option, "numprocesses", None))
+            and getattr(config.option, "dist", "no") != "no")
+
+
+def _workers(config) -> int:
+    """How many processes run tests: pytest-xdist's worker count, else 1."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        return int(workerinput.get("workercount") or os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    return int(config.option.numprocesses) if _xdist_controller(config) else 1
+
+
+def _spread(config) -> bool:
+    """Whether pytest-xdist workers are spread over the GPUs, one GPU each (:func:`_xdist_worker_device`)."""
+    return (config.getoption("--device") in (None, "cuda") and torch.cuda.is_available()
+            and torch.cuda.device_count() >= 2)
+
+
+_MEMORY_AT_START = "flashverify_memory_at_start"
+
+
+def _memory_at_start(config, index: int) -> tuple[int, int]:
+    """``(free, total)`` bytes of CUDA device ``index`` when the run started: measured once by the
+    process that starts the run and handed to pytest-xdist workers (:func:`pytest_configure_node`),
+    so a worker that replaces a crashed one gets the same budget as the others."""
+    given = getattr(config, "workerinput", {}).get(_MEMORY_AT_START) or {}
+    if str(index) not in given:
+        given = config.__dict__.setdefault("_flashverify_memory_at_start", {})
+        if str(index) not in given:
+            given[str(index)] = list(gpu.memory_at_start(index))
+    free, total = given[str(index)]
+    return int(free), int(total)
+
+
+def _gpu_budget(config) -> gpu.Budget | None:
+    """This process's share of its GPU's memory (``verify/gpu.py``), applied to its allocator; None on
+    CPU. In the controller of a pytest-xdist run: what each worker on that GPU gets (applied there)."""
+    if hasattr(config, "_flashverify_budget"):
+        return config._flashverify_budget
+    device = torch.device(_device(config))
+    cap = config.getoption("--gpu-memory")
+    budget = None
+    if device.type != "cuda":
+        if cap is not None:
+            raise pytest.UsageError(f"--gpu-memory {cap:g} was given, but the run is on {device} "
+                                    f"({'no CUDA device is visible' if not torch.cuda.is_available() else '--device'}):"
+                                    " it caps GPU memory only")
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        free, total = _memory_at_start(config, index)
+        sharing = gpu.workers_on_device(device=index, workers=_workers(config),
+                                        device_count=torch.cuda.device_count(), spread=_spread(config))
+        try:
+            budget = gpu.plan_budget(device=index, total_bytes=total, free_bytes=free, workers=sharing,
+                                     gpu_memory_gib=cap)
+        except gpu.BudgetError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        if not _xdist_controller(config):
+            gpu.apply_budget(budget)
+    config._flashverify_budget = budget
+    return budget
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist controller, before each worker starts: hand it the free memory of each GPU at the
+    start of the run (:func:`_memory_at_start`)."""
+    config = node.config
+    if node.workerinput.get(_MEMORY_AT_START) or not _collects_verify(config):
+        return
+    device = torch.device(_device(config))
+    if device.type != "cuda":
+        return
+    if _spread(config):
+        indices = range(torch.cuda.device_count())
+    else:
+        indices = [device.index if device.index is not None else torch.cuda.current_device()]
+    for index in indices:
+        _memory_at_start(config, index)
+    node.workerinput[_MEMORY_AT_START] = dict(config._flashverify_memory_at_start)
+
+
 def _selection(config):
     cached = getattr(config, "_flashverify_selection", None)
     if cached is not None:
@@ -132,6 +220,8 @@ def pytest_configure(config):
         # The suite's tensors are small: one intra-op thread is several times faster than many
         # (thread start-up dominates), and pytest-xdist workers then share the cores cleanly.
         torch.set_num_threads(int(os.environ.get("FLASHVERIFY_CPU_THREADS", "1")))
+    if _collects_verify(config):
+        _gpu_budget(config)  # validates --gpu-memory; caps this process's allocator before any test
     config._flashverify_report = None
     worker = _xdist_worker(config) or "main"
     if not config.getoption("--no-report") and _collects_verify(config):
@@ -176,11 +266,21 @@ def _header_data(config) -> dict:
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
                      "hypothesis": hypothesis.__version__},
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "memory_budget": (budget.to_dict() if _collects_verify(config) and (budget := _gpu_budget(config))
+                          else None),
     }
 
 
 def _limits(config) -> Limits:
-    return limits_for(torch.device(_device(config)).type, _profile(config))
+    """The profile's size limits, fitted on a GPU to this worker's memory budget (``verify/gpu.py``)."""
+    limits = limits_for(torch.device(_device(config)).type, _profile(config))
+    budget = _gpu_budget(config) if _collects_verify(config) else None
+    if budget is None:
+        return limits
+    try:
+        return gpu.limits_within(limits, budget, from_budget=_profile(config) == "gpu")
+    except gpu.BudgetError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_report_header(config):
@@ -189,6 +289,9 @@ def pytest_report_header(config):
              f"max_len={data['limits']['max_len']}, max_head_dim={data['limits']['max_head_dim']}",
              "flashverify: versions " + ", ".join(f"{k} {v}" for k, v in data["versions"].items())
              + (", TRITON_INTERPRET=1" if data["triton_interpret"] else "")]
+    budget = _gpu_budget(config) if _collects_verify(config) else None
+    if budget is not None:
+        lines.append(f"flashverify: memory budget {budget.describe()}, max_scores={data['limits']['max_scores']}")
     for impl in data["implementations"]:
         caps = [impl["kind"], "/".join(impl["dtypes"]), f"causal {impl['causal_alignment']}"]
         caps += [c for c, on in (("gqa", impl["gqa"]), ("tunable blocks", impl["tunable"]),
@@ -250,12 +353,27 @@ def env(request):
 
 
 def _property_failures(exc):
-    from verify.harness import PropertyFailure, TimeoutFailure
+    from verify.harness import PropertyFailure, StickyDeviceError, TimeoutFailure
 
-    if isinstance(exc, (PropertyFailure, TimeoutFailure)):
+    if isinstance(exc, (PropertyFailure, StickyDeviceError, TimeoutFailure)):
         yield exc
     for sub in getattr(exc, "exceptions", ()) or ():
         yield from _property_failures(sub)
+
+
+def _is_group(exc) -> bool:
+    """An exception group (Hypothesis's "N distinct failures", a FlakyFailure): holds its failures."""
+    subs = getattr(exc, "exceptions", None)
+    return isinstance(subs, (tuple, list)) and bool(subs) and all(isinstance(e, BaseException) for e in subs)
+
+
+def _leaves(exc):
+    """The distinct failures in ``exc``: every exception of a group (nested groups flattened), else ``exc``."""
+    if _is_group(exc):
+        for sub in exc.exceptions:
+            yield from _leaves(sub)
+    else:
+        yield exc
 
 
 def _out_of_memory(exc):
@@ -276,6 +394,162 @@ def _out_of_memory(exc):
     return None
 
 
+# What Hypothesis adds to a failure that is about the suite, not the kernel: its reproduction blob (the
+# failure file's replay command replays the case) and its explain phase's lines of the suite's own files.
+_HYPOTHESIS_NOISE = ("@reproduce_failure(", "Explanation:")
+
+
+def _drop_hypothesis_noise(exc) -> None:
+    notes = getattr(exc, "__notes__", None)
+    if isinstance(notes, list):
+        notes[:] = [n for n in notes if not any(mark in str(n) for mark in _HYPOTHESIS_NOISE)]
+
+
+def _add_note(exc, text: str) -> None:
+    """Add ``text`` to ``exc``'s notes (pytest prints them under the exception)."""
+    try:
+        exc.__notes__ = [*(getattr(exc, "__notes__", None) or []), text]
+    except (AttributeError, TypeError):  # an exception type that takes no attributes
+        pass
+
+
+_FAILURES = pytest.StashKey[list]()
+# Tests whose failure was a sticky CUDA error (seen by the pytest-xdist controller in their reports): the
+# crash of the worker that ran them is the planned end of a poisoned process, not another failure.
+_POISONED_TESTS: dict[str, str] = {}
+_POISONED = "flashverify_poisoned"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """Around each test body: on a GPU, its peak memory into the report and the cache emptied after it;
+    on a failure, the fields of one failure file per distinct failure (:func:`_explain_failure`)."""
+    item.stash[_FAILURES] = []
+    budget = getattr(item.config, "_flashverify_budget", None)
+    if budget is not None:
+        gpu.start_test(budget.device)
+    try:
+        return (yield)
+    except (KeyboardInterrupt, SystemExit, pytest.skip.Exception, pytest.xfail.Exception, pytest.exit.Exception):
+        raise
+    except BaseException as exc:
+        if _collects_verify(item.config):  # the suite's own tests, not another project's that has it installed
+            _skip_if_the_suite_ran_out_of_memory(item, exc)
+            item.stash[_FAILURES] = _explain_failure(item, exc)
+        raise
+    finally:
+        if budget is not None and getattr(item.config, "_flashverify_poisoned", None) is None:
+            _record_peak_memory(item, budget)
+
+
+def _record_peak_memory(item, budget) -> None:
+    """The test's peak allocated device memory into the report (``memory-<worker>.jsonl``); the cache emptied."""
+    try:
+        peak = gpu.end_test(budget.device)
+    except Exception as exc:  # noqa: BLE001 - a device that cannot say must not replace the test's outcome
+        peak = None
+        sys.stderr.write(f"flashverify: no peak memory for {item.nodeid}: {type(exc).__name__}: {exc}\n")
+    report = item.config._flashverify_report
+    if report is None or peak is None:
+        return
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    impl = params.get("impl") or params.get("softmax_impl")
+    report.memory({"test": item.nodeid, "implementation": getattr(impl, "name", None),
+                   "property": getattr(item, "originalname", item.name).removeprefix("test_"),
+                   "dtype": params.get("dtype"), "device": f"cuda:{budget.device}", "peak_bytes": peak,
+                   "budget_bytes": budget.worker_bytes})
+
+
+def _skip_if_the_suite_ran_out_of_memory(item, exc) -> None:
+    """Every failure in ``exc`` is the suite's own float64 work (references/: reference, baseline,
+    bounds) running out of device memory: skip the test with the reason, not a kernel failure."""
+    leaves = list(_leaves(exc))
+    ooms = [_out_of_memory(leaf) for leaf in leaves]
+    if not ooms or not all(o is not None and _raised_in_references(o) for o in ooms):
+        return
+    import traceback
+
+    from verify.harness import release_out_of_memory
+
+    fields = _other_failure(item, leaves[0])
+    reason = _out_of_memory_message(item, ooms[0], fields)
+    traceback.clear_frames(exc.__traceback__)
+    for o in ooms:
+        release_out_of_memory(o)
+    raise pytest.skip.Exception(reason, _use_item_location=True) from None
+
+
+def _explain_failure(item, exc) -> list[dict]:
+    """The failure-file fields of each distinct failure in ``exc`` (each with its case and replay
+    command, or a note saying where it happened outside a drawn example), and the terminal to match:
+    a replay line added to every exception that has none, Hypothesis's reproduction blob and
+    explanation dropped, a sticky CUDA error named (and the process marked poisoned)."""
+    from verify.harness import PropertyFailure, StickyDeviceError, TimeoutFailure, exception_line
+
+    leaves = list(_leaves(exc))
+    _drop_hypothesis_noise(exc)
+    budget = getattr(item.config, "_flashverify_budget", None)
+    out = []
+    for i, leaf in enumerate(leaves):
+        _drop_hypothesis_noise(leaf)
+        own = isinstance(leaf, (PropertyFailure, StickyDeviceError, TimeoutFailure))
+        fields = _failure_fields(leaf) if own else _other_failure(item, leaf)
+        if own and not fields.get("replay"):
+            fields["note"] = "no property example was running (the failure happened drawing or shrinking cases)"
+        oom = None if own else _out_of_memory(leaf)
+        extra = []
+        if oom is not None:
+            fields["message"] = _out_of_memory_message(item, oom, fields)
+        if (oom is not None or (own and "ran out of device memory" in str(leaf))) and budget is not None:
+            extra.append(f"this worker's memory budget is {budget.describe()}; the case was drawn to fit it, so "
+                         "the kernel's out-of-memory error is the kernel's")
+        sticky = gpu.sticky_cuda_error(leaf)
+        if sticky is not None:
+            extra.append(_poison(item, sticky))
+            if not isinstance(leaf, StickyDeviceError):  # raised outside the kernel's forward call
+                extra.append("the error surfaced outside the kernel's forward call, so Hypothesis went on in the "
+                             "broken context: this case may be a smaller one than the first that hit it (every "
+                             "later example fails there); replay it in a fresh process to confirm")
+        if len(leaves) > 1:
+            fields["message"] = (f"distinct failure {i + 1} of {len(leaves)} ({exception_line(exc)})\n"
+                                 + fields["message"])
+        if extra:
+            fields["message"] += "\n  " + "\n  ".join(extra)
+        if not own:
+            where = [f"flashverify: {fields['implementation']} [{fields['prop']}] case: {_case_text(fields['case'])}"
+                     if fields.get("case") else "flashverify: no drawn case"]
+            where.append(f"  replay: {fields['replay']}" if fields.get("replay")
+                         else f"  no replay command: {fields.get('note')}")
+            if oom is not None:
+                where.insert(0, fields["message"])
+            _add_note(leaf, "\n".join(where + [f"  {e}" for e in extra]))
+        elif extra:
+            _add_note(leaf, "\n".join(f"flashverify: {e}" for e in extra))
+        out.append(fields)
+    return out
+
+
+def _case_text(case: dict) -> str:
+    from reports.summary import describe_case
+
+    return describe_case(case)
+
+
+def _poison(item, sticky) -> str:
+    """Mark this process poisoned by a sticky CUDA error (ended after the test: :func:`pytest_runtest_protocol`)
+    and say so."""
+    from verify.harness import exception_line
+
+    config = item.config
+    if getattr(config, "_flashverify_poisoned", None) is None:
+        config._flashverify_poisoned = {"test": item.nodeid, "error": exception_line(sticky)}
+    then = ("this worker ends after the test and pytest-xdist runs its remaining tests in a fresh one"
+            if _xdist_worker(config) else "the run stops after this test (a fresh process is needed: rerun, "
+            "or use pytest -n to have workers replaced); the report is PARTIAL and lists the tests not run")
+    return (f"sticky CUDA error ({exception_line(sticky)}): this process's CUDA context is unusable, every "
+            f"later CUDA call in it would fail; {then}")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -286,23 +560,21 @@ def pytest_runtest_makereport(item, call):
     oom = _out_of_memory(exc)
     report = item.config._flashverify_report
     try:
-        failures = list(_property_failures(exc))
         if rep.when != "call":  # a fixture, or the time limit, failed the test outside its body
+            failures = list(_property_failures(exc))
             if report is not None:
                 fields = _failure_fields(failures[0]) if failures else {
                     "message": _exception_text(exc), "replay": None, "case": None, "prop": None,
-                    "implementation": None}
+                    "implementation": None,
+                    "note": f"the failure happened in the test's {rep.when}, outside any drawn example"}
                 report.failure(test=f"{item.nodeid} ({rep.when})", **fields)
             return
-        if not failures:
-            fields = _other_failure(item, exc)
-            if oom is not None:
-                fields["message"] = _out_of_memory_message(item, oom, fields)
-                rep.sections.append(("flashverify: out of device memory", fields["message"]))
-            if report is not None:
-                report.failure(test=item.nodeid, **fields)
-        for i, f in enumerate(failures if report is not None else ()):
-            report.failure(test=item.nodeid + (f"#{i}" if i else ""), **_failure_fields(f))
+        failures = item.stash.get(_FAILURES, None) or (_explain_failure(item, exc) if report is not None else [])
+        for i, fields in enumerate(failures if report is not None else ()):
+            report.failure(test=item.nodeid + (f"#{i}" if i else ""), **fields)
+        poisoned = getattr(item.config, "_flashverify_poisoned", None)
+        if poisoned is not None and poisoned["test"] == item.nodeid:
+            rep.user_properties.append((_POISONED, poisoned["error"]))
     finally:
         if oom is not None:  # the report is written: drop the tensors the tracebacks hold, then the cache
             import traceback
@@ -312,6 +584,57 @@ def pytest_runtest_makereport(item, call):
             if exc is not oom:
                 traceback.clear_frames(exc.__traceback__)
             release_out_of_memory(oom)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After a test whose failure was a sticky CUDA error (its reports written and sent): end this
+    pytest-xdist worker, which pytest-xdist replaces, or without xdist stop the run (PARTIAL report)."""
+    result = yield
+    poisoned = getattr(item.config, "_flashverify_poisoned", None)
+    if poisoned is not None and poisoned["test"] == item.nodeid:
+        _end_poisoned_process(item, poisoned)
+    return result
+
+
+def _end_poisoned_process(item, poisoned: dict) -> None:
+    config = item.config
+    report = config._flashverify_report
+    items = list(item.session.items)
+    not_run = items[items.index(item) + 1:] if item in items else []
+    if _xdist_worker(config):
+        if report is not None:
+            report.close(exitstatus=1)
+        sys.stderr.write(f"\nflashverify: {_xdist_worker(config)} ends after a sticky CUDA error in {item.nodeid} "
+                         f"({poisoned['error']}); pytest-xdist runs its remaining tests in a fresh worker\n")
+        sys.stderr.flush()
+        os._exit(3)
+    config._flashverify_stopped = {"test": item.nodeid, "reason": f"sticky CUDA error: {poisoned['error']}",
+                                   "not_run": [i.nodeid for i in not_run]}
+    item.session.shouldfail = (f"flashverify: sticky CUDA error in {item.nodeid} ({poisoned['error']}): this "
+                               f"process's CUDA context is unusable, so the run stops here; {len(not_run)} "
+                               "test(s) not run (listed in the report)")
+
+
+def pytest_runtest_logreport(report):
+    """pytest-xdist controller: remember the tests that poisoned their worker (:func:`pytest_handlecrashitem`)."""
+    for key, value in getattr(report, "user_properties", ()) or ():
+        if key == _POISONED:
+            _POISONED_TESTS[report.nodeid] = value
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    """pytest-xdist controller: a worker that ended after a sticky CUDA error crashed "while running" the
+    test that poisoned it, whose failure is already reported: the crash adds no second failure."""
+    if crashitem not in _POISONED_TESTS:
+        return
+    report.outcome, report.when, report.longrepr = "passed", "teardown", None
+    config = getattr(sched, "config", None)
+    reporter = config.pluginmanager.get_plugin("terminalreporter") if config is not None else None
+    if reporter is not None:
+        reporter.write_line(f"flashverify: the worker that ran {crashitem} ended after its sticky CUDA error "
+                            f"({_POISONED_TESTS[crashitem]}); its remaining tests run in a fresh worker")
 
 
 def _failure_fields(f) -> dict:
@@ -325,21 +648,30 @@ def _exception_text(exc) -> str:
     return exception_text(exc)
 
 
-def _out_of_memory_message(item, oom, fields) -> str:
-    """The failure message of an out-of-memory error that escaped the harness (raised in a backward, or
-    in the suite's float64 reference): where it was raised, and whether the suite or the kernel ran out."""
-    import traceback
+def _raised_in_references(oom) -> bool:
+    """Whether ``oom`` was raised by the suite's own float64 work (the innermost frame outside torch is in
+    references/: the reference, the eager baseline, the bounds)."""
+    return _raised_where(oom)[1]
 
-    from verify.harness import exception_line
+
+def _raised_where(oom) -> tuple[str, bool]:
+    import traceback
 
     torch_dir = os.path.dirname(torch.__file__)
     frames = [f for f in traceback.extract_tb(oom.__traceback__) if not f.filename.startswith(torch_dir)]
-    place, in_reference = "", False
-    if frames:
-        path = Path(frames[-1].filename).resolve()
-        in_reference = path.is_relative_to(ROOT / "references")
-        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-        place = f", raised in {shown}:{frames[-1].lineno} ({frames[-1].name})"
+    if not frames:
+        return "", False
+    path = Path(frames[-1].filename).resolve()
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    return f", raised in {shown}:{frames[-1].lineno} ({frames[-1].name})", path.is_relative_to(ROOT / "references")
+
+
+def _out_of_memory_message(item, oom, fields) -> str:
+    """The failure message of an out-of-memory error that escaped the harness (raised in a backward, or
+    in the suite's float64 reference): where it was raised, and whether the suite or the kernel ran out."""
+    from verify.harness import exception_line
+
+    place, in_reference = _raised_where(oom)
     who = ("the suite's float64 reference ran out of device memory, not the kernel: the case is too large "
            "for this device at float64 (lower the profile's limits)" if in_reference
            else "the kernel (or the check around it) ran out of device memory")
@@ -348,9 +680,7 @@ def _out_of_memory_message(item, oom, fields) -> str:
     if fields.get("prop"):
         lines.append(f"property: {fields['prop']}")
     if fields.get("case"):
-        from reports.summary import describe_case
-
-        lines.append(f"case: {describe_case(fields['case'])}")
+        lines.append(f"case: {_case_text(fields['case'])}")
     if fields.get("replay"):
         lines.append(f"replay: {fields['replay']}")
     elif fields.get("note"):
@@ -359,10 +689,11 @@ def _out_of_memory_message(item, oom, fields) -> str:
 
 
 def _other_failure(item, exc) -> dict:
-    """Failure-file fields for a test that failed by an exception other than a PropertyFailure (a kernel
-    that raises): the case is the one the property was running when the exception was raised (read from
-    the traceback), else the one read back from Hypothesis's notes when it can be, with its replay command."""
-    from reports.failures import drawn_case, exception_text, property_of_test
+    """Failure-file fields for one failure other than a PropertyFailure (a kernel that raises): the case
+    is the one the property was running when the exception was raised (read from the traceback), else
+    the one read back from Hypothesis's notes when it can be, with its replay command; with neither, a
+    note saying where the exception was raised."""
+    from reports.failures import drawn_case, exception_text, property_of_test, raised_at
     from reports.session import replay_command
     from verify import properties
     from verify.harness import failing_context
@@ -381,6 +712,8 @@ def _other_failure(item, exc) -> dict:
         replay = replay_command(impl=impl.cli_name, prop=prop, case=case, device=_device(item.config))
     elif case is not None:
         why = "the test is not one property of one implementation"
+    if case is None and why and why.startswith("the failure carries no drawn case"):
+        why = f"it was raised outside any drawn example, {raised_at(exc, root=ROOT)}"
     return {"message": exception_text(exc), "replay": replay, "case": case, "prop": prop,
             "implementation": getattr(impl, "name", None), "note": None if replay else why}
 
@@ -517,7 +850,8 @@ def pytest_sessionfinish(session, exitstatus):
         outcomes[f"{key} (laws, no kernel)"] = n
         if not outcomes[key]:
             del outcomes[key]
-    report.close(outcomes=outcomes, exitstatus=session.exitstatus)
+    report.close(outcomes=outcomes, exitstatus=session.exitstatus,
+                 stopped=getattr(session.config, "_flashverify_stopped", None))
     try:
         session.config._flashverify_summary = write_summary(report.dir, outcomes=outcomes)
     except Exception as exc:  # noqa: BLE001 - a report bug must not turn the test outcome into an error
@@ -537,6 +871,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     summary = getattr(config, "_flashverify_summary", None) or {}
     terminalreporter.write_line(f"flashverify report: {report.dir / 'report.html'} (also report.md, summary.json; "
                                 f"measurements in {report.dir}/measurements-*.jsonl)")
+    for stop in summary.get("stopped") or []:
+        terminalreporter.write_line(f"flashverify report: PARTIAL: the run stopped after {stop['test']} "
+                                    f"({stop['reason']}); {len(stop['not_run'])} test(s) not run, listed in "
+                                    "report.md", red=True)
     failures = summary.get("failures") or []
     if failures:
         terminalreporter.write_line(f"flashverify report: {len(failures)} failing case(s) in {report.dir / 'failures'}"

@@ -6,27 +6,39 @@ the default):
 ``ci``        derandomized, no example database, bounded: the same examples every run
 ``dev``       random examples, remembered failures (the local example database)
 ``thorough``  many more examples and larger shapes, for nightly runs
-``gpu``       derandomized, shapes up to Nk = 8192 (needs a GPU for the float64 reference)
+``gpu``       derandomized, shapes as large as each worker's GPU memory budget holds (Nk up to 8192)
 
 Every profile keeps Hypothesis's health checks on. A case is a handful of drawn scalars (shapes,
 flags, a seed) and its tensors are built from the seed inside the property, so drawing stays fast at
 any size: HealthCheck.too_slow (with deadline=None: 30 s of drawing over the first 10 examples) fires
 only on a generation bug.
+
+What a failure prints is about the kernel: every failure file and failure message carries the case and
+its one-line replay command (``python -m verify.replay``), so Hypothesis's ``@reproduce_failure`` blob is
+off (``print_blob=False``) and its explain phase, whose "Explanation" lists lines of the suite's own
+files, is left out of ``phases``. ``report_multiple_bugs`` stays on: when one test finds several
+distinct failures, each gets its own failure file with its own shrunk case (``verify/plugin.py``), so
+none is hidden behind the first.
+
+On a GPU the size limits below are ceilings: ``verify/gpu.py`` fits them to each worker's memory budget
+(under the ``gpu`` profile ``max_scores`` and ``max_len`` come from the budget alone).
 """
 
 from __future__ import annotations
 
 import os
 
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 from strategies.attention import Limits
 
+# Every phase but explain (see above).
+PHASES = tuple(p for p in Phase if p is not Phase.explain)
 PROFILES = {
-    "ci": dict(derandomize=True, database=None, max_examples=20, deadline=None, print_blob=True),
-    "dev": dict(max_examples=25, deadline=None, print_blob=True),
-    "thorough": dict(max_examples=300, deadline=None, print_blob=True),
-    "gpu": dict(derandomize=True, database=None, max_examples=15, deadline=None, print_blob=True),
+    "ci": dict(derandomize=True, database=None, max_examples=20, deadline=None, print_blob=False, phases=PHASES),
+    "dev": dict(max_examples=25, deadline=None, print_blob=False, phases=PHASES),
+    "thorough": dict(max_examples=300, deadline=None, print_blob=False, phases=PHASES),
+    "gpu": dict(derandomize=True, database=None, max_examples=15, deadline=None, print_blob=False, phases=PHASES),
 }
 for _name, _kwargs in PROFILES.items():
     settings.register_profile(_name, **_kwargs)
@@ -45,7 +57,9 @@ LIMITS = {
     ("cuda", "dev"): Limits(max_len=256, max_head_dim=256, short_len=256, short_head_dim=128, max_tiles=4096),
     ("cuda", "thorough"): Limits(max_len=2048, max_head_dim=256, short_len=2048, short_head_dim=256,
                                  max_tiles=2 ** 16, max_scores=2 ** 26),
-    # max_scores: the float64 reference and its bound hold about twenty [B, H, Nq, Nk] tensors.
+    # max_scores: the float64 reference and its bound hold about twenty [B, H, Nq, Nk] tensors. Under
+    # the gpu profile max_scores and max_len are replaced by what the worker's budget holds
+    # (verify/gpu.py: limits_within); the values here are used only where no budget is known.
     ("cuda", "gpu"): Limits(max_len=8192, max_head_dim=256, short_len=8192, short_head_dim=256,
                             max_tiles=2 ** 20, max_scores=2 ** 25),
 }

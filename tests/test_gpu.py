@@ -1,0 +1,267 @@
+"""Device memory and device faults (verify/gpu.py and the plugin's use of it), on CPU: the budget
+arithmetic, the limits it gives, the usage errors of --gpu-memory, and the sticky CUDA error recogniser,
+with torch.cuda's functions replaced by stand-ins where the plugin calls them."""
+
+import math
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from strategies.attention import Limits
+from verify import gpu
+from verify import plugin
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = gpu.GIB
+
+
+# --- the estimate and the budget ------------------------------------------------------------------------
+
+def test_suite_peak_bytes_is_the_documented_estimate():
+    got = gpu.suite_peak_bytes(batch=2, heads_q=3, len_q=5, len_k=7, head_dim=11)
+    assert got == 8 * 20 * (2 * 3 * 5 * 7) + 8 * 16 * (2 * 3 * (5 + 7) * 11)
+    with pytest.raises(ValueError, match="len_k=-1, but should be at least 0"):
+        gpu.suite_peak_bytes(batch=1, heads_q=1, len_q=1, len_k=-1, head_dim=1)
+
+
+def test_each_worker_gets_the_free_memory_over_the_workers_less_its_context():
+    b = gpu.plan_budget(device=0, total_bytes=80 * GIB, free_bytes=78 * GIB, workers=12)
+    assert b.worker_bytes == 78 * GIB // 12 - gpu.CONTEXT_RESERVE
+    assert b.fraction == pytest.approx(b.worker_bytes / (80 * GIB))
+    assert b.source == "free memory at start" and "12 worker(s)" in b.describe()
+
+
+def test_gpu_memory_caps_the_run_as_a_smaller_card_would():
+    b = gpu.plan_budget(device=0, total_bytes=80 * GIB, free_bytes=78 * GIB, workers=4, gpu_memory_gib=16)
+    assert b.usable_bytes == 16 * GIB and b.worker_bytes == 4 * GIB - gpu.CONTEXT_RESERVE
+    assert b.source == "--gpu-memory 16"
+    # More than is free (but not more than the card): the free memory, and the budget says so.
+    b = gpu.plan_budget(device=0, total_bytes=80 * GIB, free_bytes=10 * GIB, workers=1, gpu_memory_gib=40)
+    assert b.usable_bytes == 10 * GIB and "only 10.0 GiB were free" in b.source
+
+
+@pytest.mark.parametrize("cap, words", [
+    (100, "--gpu-memory 100 GiB is more than cuda:0 has (80.0 GiB)"),
+    (0, "--gpu-memory 0: the memory cap must be a positive number of GiB"),
+    (-2, "--gpu-memory -2: the memory cap must be a positive number of GiB"),
+    (math.nan, "--gpu-memory nan: the memory cap must be a positive number of GiB"),
+])
+def test_a_gpu_memory_cap_that_cannot_be_is_refused(cap, words):
+    with pytest.raises(gpu.BudgetError) as info:
+        gpu.plan_budget(device=0, total_bytes=80 * GIB, free_bytes=78 * GIB, workers=1, gpu_memory_gib=cap)
+    assert str(info.value) == words
+
+
+def test_too_many_workers_for_the_memory_is_refused_with_what_to_change():
+    with pytest.raises(gpu.BudgetError, match=r"2.00 GiB \(--gpu-memory 2\) shared by 4 worker\(s\) leaves 0.00 GiB "
+                       r"per worker .* use fewer workers \(-n\) or more memory"):
+        gpu.plan_budget(device=0, total_bytes=80 * GIB, free_bytes=78 * GIB, workers=4, gpu_memory_gib=2)
+
+
+def test_workers_share_the_device_they_are_spread_to():
+    assert gpu.workers_on_device(device=0, workers=8, device_count=3, spread=True) == 3  # gw0, gw3, gw6
+    assert gpu.workers_on_device(device=2, workers=8, device_count=3, spread=True) == 2  # gw2, gw5
+    assert gpu.workers_on_device(device=1, workers=8, device_count=3, spread=False) == 8  # --device cuda:1
+    assert gpu.workers_on_device(device=0, workers=2, device_count=4, spread=True) == 1
+
+
+def _largest_case_bytes(limits: Limits) -> int:
+    heads = limits.max_batch * limits.max_heads_kv * limits.max_group
+    return (gpu.BYTES_PER_SCORE * limits.max_scores
+            + gpu.BYTES_PER_ROW_ELEMENT * heads * 2 * limits.max_len * limits.max_head_dim)
+
+
+@pytest.mark.parametrize("gib, workers", [(80, 1), (80, 12), (16, 4), (24, 1), (4, 2)])
+def test_the_gpu_profile_limits_come_from_the_budget_and_fit_it(gib, workers):
+    from verify.profiles import limits_for
+
+    budget = gpu.plan_budget(device=0, total_bytes=gib * GIB, free_bytes=gib * GIB, workers=workers)
+    table = limits_for("cuda", "gpu")
+    limits = gpu.limits_within(table, budget, from_budget=True)
+    assert _largest_case_bytes(limits) <= budget.worker_bytes
+    assert limits.max_len <= min(gpu.MAX_LEN_CEILING, 2 * math.isqrt(limits.max_scores))
+    # Not a fixed table: a quarter of the memory holds about a quarter of the scores.
+    smaller = gpu.plan_budget(device=0, total_bytes=gib * GIB, free_bytes=gib * GIB // 4, workers=workers) \
+        if gib * GIB // 4 // workers > gpu.CONTEXT_RESERVE + gpu.MIN_WORKER_BUDGET else None
+    if smaller is not None:
+        assert gpu.limits_within(table, smaller, from_budget=True).max_scores < limits.max_scores
+
+
+def test_other_profiles_limits_are_only_lowered_by_the_budget():
+    from verify.profiles import limits_for
+
+    table = limits_for("cuda", "ci")
+    roomy = gpu.plan_budget(device=0, total_bytes=80 * GIB, free_bytes=80 * GIB, workers=1)
+    assert gpu.limits_within(table, roomy, from_budget=False) == table
+    tight = gpu.Budget(device=0, total_bytes=80 * GIB, usable_bytes=GIB, workers=1, worker_bytes=4 * 2 ** 20,
+                       source="test")
+    lowered = gpu.limits_within(table, tight, from_budget=False)
+    assert lowered.max_scores < table.max_scores and _largest_case_bytes(lowered) <= tight.worker_bytes
+
+
+# --- the plugin's budget, with torch.cuda's functions replaced ---------------------------------------------
+
+class _Config:
+    """What the plugin reads of a pytest config, for one process of a run."""
+
+    def __init__(self, *, device="cuda", gpu_memory=None, workerinput=None, numprocesses=None):
+        self.option = types.SimpleNamespace(numprocesses=numprocesses, dist="load" if numprocesses else "no")
+        self._options = {"--device": device, "--gpu-memory": gpu_memory}
+        self.args = ["verify"]
+        if workerinput is not None:
+            self.workerinput = workerinput
+
+    def getoption(self, name, default=None):
+        return self._options.get(name, default)
+
+    def getini(self, name):
+        return []
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """An 80 GiB GPU with 78 GiB free; records the memory fraction set and the calls made."""
+    calls = types.SimpleNamespace(fractions=[], measured=[], emptied=0, reset=[])
+
+    def mem_get_info(index):
+        calls.measured.append(index)
+        return 78 * GIB, 80 * GIB
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device: calls.fractions.append((fraction, device)))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: calls.reset.append(device))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 123 * 2 ** 20)
+
+    def empty_cache():
+        calls.emptied += 1
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    return calls
+
+
+def test_a_worker_caps_its_allocator_at_its_share_of_the_memory_measured_at_the_start(fake_cuda):
+    # gw5 replaces a crashed worker of a 4-worker run: it gets the free memory the controller measured
+    # at the start (40 GiB here), not what is free now, which the other workers hold part of.
+    config = _Config(workerinput={"workerid": "gw5", "workercount": 4,
+                                  "flashverify_memory_at_start": {"0": [40 * GIB, 80 * GIB]}})
+    budget = plugin._gpu_budget(config)
+    assert budget.workers == 4 and budget.worker_bytes == 10 * GIB - gpu.CONTEXT_RESERVE
+    assert fake_cuda.measured == []  # nothing measured in the worker
+    assert fake_cuda.fractions == [(budget.fraction, 0)]
+
+
+def test_the_controller_measures_once_and_hands_the_measurement_to_every_worker(fake_cuda):
+    config = _Config(numprocesses=4)
+    budget = plugin._gpu_budget(config)
+    assert budget.workers == 4 and fake_cuda.fractions == []  # the controller runs no tests: no cap there
+    nodes = [types.SimpleNamespace(config=config, workerinput={"workerid": f"gw{i}"}) for i in range(2)]
+    for node in nodes:
+        plugin.pytest_configure_node(node)
+    assert fake_cuda.measured == [0]
+    for node in nodes:
+        assert node.workerinput["flashverify_memory_at_start"] == {"0": [78 * GIB, 80 * GIB]}
+
+
+def test_gpu_memory_usage_errors(fake_cuda, monkeypatch):
+    with pytest.raises(pytest.UsageError, match="--gpu-memory 100 GiB is more than cuda:0 has"):
+        plugin._gpu_budget(_Config(gpu_memory=100))
+    with pytest.raises(pytest.UsageError, match="--gpu-memory 0: the memory cap must be a positive number"):
+        plugin._gpu_budget(_Config(gpu_memory=0))
+    with pytest.raises(pytest.UsageError, match=r"--gpu-memory 8 was given, but the run is on cpu .*GPU memory only"):
+        plugin._gpu_budget(_Config(device="cpu", gpu_memory=8))
+    assert fake_cuda.fractions == []
+    assert plugin._gpu_budget(_Config(device="cpu")) is None
+
+
+def test_gpu_memory_on_a_machine_without_a_gpu_is_a_usage_error():
+    proc = subprocess.run([sys.executable, "-m", "pytest", "verify", "--gpu-memory", "16", "--collect-only",
+                           "-p", "no:cacheprovider", "--no-report"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-3000:]
+    assert "--gpu-memory 16 was given, but the run is on cpu (no CUDA device is visible)" in out
+
+
+def test_each_test_resets_and_reads_the_peak_and_empties_the_cache(fake_cuda):
+    gpu.start_test(0)
+    assert gpu.end_test(0) == 123 * 2 ** 20
+    assert fake_cuda.reset == [0] and fake_cuda.emptied == 1
+
+
+def test_peak_memory_per_property_in_the_report(tmp_path):
+    from reports import memory
+    from reports.session import ReportSession
+    from reports.summary import markdown, summarise
+
+    report = ReportSession(tmp_path, worker="gw0")
+    for test, prop, peak in (("t1", "out_matches_reference", 3), ("t2", "out_matches_reference", 5),
+                             ("t3", "gradients_match_reference", 7)):
+        report.memory({"test": test, "property": prop, "peak_bytes": peak * 2 ** 20, "budget_bytes": 2 ** 30})
+    report.close()
+    mem = memory.summary(tmp_path)
+    assert mem["budget_bytes"] == 2 ** 30
+    rows = {r["property"]: r for r in mem["by_property"]}
+    assert rows["out_matches_reference"]["max_peak_bytes"] == 5 * 2 ** 20
+    assert rows["out_matches_reference"]["max_peak_test"] == "t2" and rows["out_matches_reference"]["tests"] == 2
+    md = markdown(summarise(tmp_path))
+    assert "## Peak device memory per property" in md and "budget: 1024 MiB" in md
+    assert "| gradients_match_reference | 1 | 7.0 | 7.0 | t3 |" in md
+
+
+def test_a_cpu_run_has_no_memory_section(tmp_path):
+    from reports.session import ReportSession
+    from reports.summary import markdown, summarise
+
+    ReportSession(tmp_path, worker="main").close()
+    assert "Peak device memory" not in markdown(summarise(tmp_path))
+
+
+# --- sticky CUDA errors ----------------------------------------------------------------------------------
+
+STICKY = [
+    "CUDA error: an illegal memory access was encountered",
+    "CUDA error: unspecified launch failure",
+    "CUDA error: device-side assert triggered",
+    "CUDA error: unknown error",
+    "CUDA error: misaligned address",
+    "Triton Error [CUDA]: an illegal memory access was encountered",
+    "Triton Error [CUDA]: unknown error",
+    "CUDA driver error: CUDA_ERROR_ILLEGAL_ADDRESS",
+]
+
+
+@pytest.mark.parametrize("message", STICKY)
+def test_sticky_cuda_errors_are_recognised(message):
+    exc = RuntimeError(message + "\nCUDA kernel errors might be asynchronously reported at some other API call")
+    assert gpu.sticky_cuda_error(exc) is exc
+
+
+def test_a_sticky_error_is_found_where_it_was_raised_from_and_in_groups():
+    inner = RuntimeError(STICKY[0])
+    try:
+        try:
+            raise inner
+        except RuntimeError as e:
+            raise ValueError("the kernel failed") from e
+    except ValueError as outer:
+        assert gpu.sticky_cuda_error(outer) is inner
+    group = ExceptionGroup("2 distinct failures", [ValueError("wrong"), RuntimeError(STICKY[1])])
+    assert str(gpu.sticky_cuda_error(group)) == STICKY[1]
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),  # the context survives it
+    RuntimeError("CUDA error: invalid argument"),  # an API misuse, not sticky
+    ValueError("head_dim=300 is not supported"),
+    AssertionError("out differs ... illegal memory access ..."),  # a property's message quoting anything
+])
+def test_other_errors_are_not_sticky(exc):
+    assert gpu.sticky_cuda_error(exc) is None
