@@ -18,6 +18,11 @@ A bound is exactly 0 only where the error must be 0: rows that see no key (``out
 ``Delta = 0``; ``lse = -inf`` in both, which the metrics count as no error), and keys that no row
 sees (``dk = dv = 0``). Everything is vectorised float64 torch: matrix products of absolute values,
 a sort per score row, and one ``[rows, Nk, D]`` tensor per chunk of rows for the centred term.
+Both functions work in chunks of query rows (:meth:`references.attention.Reference.chunks`, sized by
+the memory budget of :mod:`references.attention`): every per-pair term belongs to one row, so the
+``out``, ``lse``, ``dq`` and ``Delta`` bounds are computed chunk by chunk, and the per-key sums behind
+the ``dk`` and ``dv`` bounds are added over the chunks (per query head) before their final terms. No
+``Nq x Nk`` matrix of the whole problem is formed.
 
 1. The model of a kernel
 ------------------------
