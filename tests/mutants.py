@@ -85,6 +85,29 @@ MUTATIONS = (
              "dk[:, :, n0:n1] = dk_acc * scale", "dk[:, :, n0:n1] = dk_acc"),
     Mutation("backward_skips_visible_q_tiles", "backward starts at the Q tile of row n0, ignoring Nk - Nq",
              "first_row = max(0, n0 - (len_k - len_q))", "first_row = max(0, n0)"),
+    # Bugs that live in one boundary class (strategies/attention.py): none of these inputs was drawn
+    # before each property drew its own cases from the shape classes.
+    Mutation("ignores_storage_offset", "K is read from the start of its storage (a packed qkv's k is q)",
+             "k_all, v_all = _expand_kv(k, hq), _expand_kv(v, hq)",
+             "k_all, v_all = _expand_kv(k.as_strided(k.shape, k.stride(), 0), hq), _expand_kv(v, hq)",
+             occurrence=0),
+    Mutation("decode_gqa_wrong_heads", "a decode fast path (Nq = 1) maps query head h to K/V head h % Hkv",
+             "k_all, v_all = _expand_kv(k, hq), _expand_kv(v, hq)",
+             "k_all, v_all = ((k.repeat(1, hq // k.shape[1], 1, 1), v.repeat(1, hq // v.shape[1], 1, 1))\n"
+             "                    if len_q == 1 else (_expand_kv(k, hq), _expand_kv(v, hq)))", occurrence=0),
+    Mutation("masked_q_tiles_skipped", "a Q tile that sees no key is skipped: out and lse are never written",
+             "kv_end = _kv_end(m1, len_q, len_k, causal)\n        for n0 in range(0, kv_end, block_n):",
+             "kv_end = _kv_end(m1, len_q, len_k, causal)\n        if kv_end == 0:\n            continue\n"
+             "        for n0 in range(0, kv_end, block_n):", occurrence=0),
+    Mutation("negative_scale_as_positive", "the softmax scale's sign is dropped",
+             "return _default_scale(q.shape[-1]) if scale is None else float(scale)",
+             "return _default_scale(q.shape[-1]) if scale is None else abs(float(scale))"),
+    Mutation("keys_beyond_64_dropped", "the KV loop stops at 64 keys (a fixed-size bound)",
+             "for n0 in range(0, kv_end, block_n):", "for n0 in range(0, min(kv_end, 64), block_n):",
+             occurrence=0),
+    Mutation("second_head_dim_half_not_rescaled", "for D > 64 the accumulator's second half is not rescaled",
+             "acc = acc * alpha[..., None] + pv",
+             "acc = torch.cat([acc[..., :64] * alpha[..., None], acc[..., 64:]], dim=-1) + pv"),
 )
 
 
