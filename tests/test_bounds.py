@@ -434,3 +434,16 @@ def test_ratio_summary():
         lines.append(f"{dtype:9} {impl:6} {op:6} {len(rs):4d} {statistics.median(rs):9.3g} {max(rs):9.3g}")
     print("\nerr/bound per example (max over elements)\n" + "\n".join(lines))
     assert all(max(rs) <= 1 for rs in RATIOS.values())
+
+
+def test_forward_bounds_stay_finite_where_p_underflows_and_the_exponent_is_large():
+    # scale 7e4 on logits ~1e4: scores ~1e9 apart, P = 0 for all but the top key, and the bound's
+    # exponents ~700: p * exp(phi) was 0 * inf = NaN (a NaN bound fails every kernel).
+    from strategies.cases import AttentionCase
+
+    case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=1, len_k=2, head_dim=1, dtype="float16",
+                         causal=False, magnitude="large_logits", scale=70000.0)
+    t = case.build()
+    ref = ref_attention.attention(t.q, t.k, t.v, scale=case.scale)
+    out_b, lse_b = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=torch.float16)
+    assert bool(torch.isfinite(out_b).all()) and bool(torch.isfinite(lse_b).all()), (out_b, lse_b)
