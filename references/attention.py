@@ -35,8 +35,10 @@ constants are measured (tests/test_chunking.py checks the estimate against the m
 the default budget of 256 MiB, a problem whose score matrices fit it runs as one chunk, exactly as an
 unchunked computation. Not included: the case's input tensors and the kernel's own memory.
 
-The chunk size can be forced (tests, memory experiments): :func:`forced_chunk_rows` as a context
-manager, or the environment variable ``FLASHVERIFY_CHUNK_ROWS`` for a whole run.
+The budget is read at each call: a worker with more (or less) device memory sets
+``references.attention.DEFAULT_BUDGET_BYTES`` (fewer, larger chunks cost less Python and kernel-launch
+overhead). The chunk size can be forced (tests, memory experiments): :func:`forced_chunk_rows` as a
+context manager, or the environment variable ``FLASHVERIFY_CHUNK_ROWS`` for a whole run.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ ALIGNMENTS = ("bottom_right", "top_left")
 DEFAULT_BUDGET_BYTES = 256 * 2 ** 20
 # Float64 [B, Hq, rows, Nk] matrices alive at once in the heaviest step (the backward bounds, two
 # models), and [B, Hq, N, D] tensors held for the whole example (inputs, results, accumulators):
-# measured upper bounds, see tests/test_references.py::test_peak_bytes_bounds_measured_peak.
+# measured upper bounds, see tests/test_chunking.py::test_peak_bytes_bounds_measured_peak.
 SCORE_MATRICES = 32
 VECTOR_ROWS = 16
 VECTOR_KEYS = 40
