@@ -91,6 +91,19 @@ def test_the_gpu_profile_limits_come_from_the_budget_and_fit_it(gib, workers):
         assert gpu.limits_within(table, smaller, from_budget=True).max_scores < limits.max_scores
 
 
+def test_max_len_is_the_longest_that_fits_the_budget():
+    from verify.profiles import limits_for
+
+    table = limits_for("cuda", "gpu")
+    card16 = gpu.plan_budget(device=0, total_bytes=80 * GIB, free_bytes=78 * GIB, workers=4, gpu_memory_gib=16)
+    limits = gpu.limits_within(table, card16, from_budget=True)
+    assert 2048 <= limits.max_len < gpu.MAX_LEN_CEILING, limits
+    longer = gpu.max_scores_within(card16.worker_bytes, Limits(**{**limits.__dict__, "max_len": limits.max_len + 1}))
+    assert limits.max_len + 1 > 2 * math.isqrt(longer)  # one more and the rule breaks: the longest
+    whole = gpu.plan_budget(device=0, total_bytes=80 * GIB, free_bytes=78 * GIB, workers=1)
+    assert gpu.limits_within(table, whole, from_budget=True).max_len == gpu.MAX_LEN_CEILING
+
+
 def test_other_profiles_limits_are_only_lowered_by_the_budget():
     from verify.profiles import limits_for
 
@@ -147,7 +160,10 @@ def fake_cuda(monkeypatch):
     return calls
 
 
-def test_a_worker_caps_its_allocator_at_its_share_of_the_memory_measured_at_the_start(fake_cuda):
+def test_a_worker_caps_its_allocator_at_its_share_of_the_memory_measured_at_the_start(fake_cuda, monkeypatch):
+    from references import attention as reference
+
+    monkeypatch.setattr(reference, "DEFAULT_BUDGET_BYTES", 256 * 2 ** 20)
     # gw5 replaces a crashed worker of a 4-worker run: it gets the free memory the controller measured
     # at the start (40 GiB here), not what is free now, which the other workers hold part of.
     config = _Config(workerinput={"workerid": "gw5", "workercount": 4,
@@ -156,6 +172,8 @@ def test_a_worker_caps_its_allocator_at_its_share_of_the_memory_measured_at_the_
     assert budget.workers == 4 and budget.worker_bytes == 10 * GIB - gpu.CONTEXT_RESERVE
     assert fake_cuda.measured == []  # nothing measured in the worker
     assert fake_cuda.fractions == [(budget.fraction, 0)]
+    # The reference's row chunks may take an eighth of the budget (9 GiB / 8 here).
+    assert reference.DEFAULT_BUDGET_BYTES == budget.worker_bytes // gpu.REFERENCE_CHUNK_SHARE
 
 
 def test_the_controller_measures_once_and_hands_the_measurement_to_every_worker(fake_cuda):

@@ -52,8 +52,10 @@ def suite_peak_bytes(*, batch: int, heads_q: int, len_q: int, len_k: int, head_d
     """Estimated peak device memory (bytes) of the suite's own work on one example of this shape:
     ``BYTES_PER_SCORE * B*Hq*Nq*Nk + BYTES_PER_ROW_ELEMENT * B*Hq*(Nq+Nk)*D``.
 
-    A documented over-estimate of the float64 reference, baseline and bounds holding whole score
-    matrices; the one function to swap for the references' own peak estimate (the limits follow it).
+    A documented over-estimate for the whole example, the kernel's own memory included (a kernel that
+    is not fused, like the eager one checked as a kernel, holds its score matrices; the references work in
+    row chunks, whose peak ``references.attention.peak_bytes`` estimates without the kernel and inputs).
+    The one function to swap for a measured estimate: the limits follow it.
     """
     for name, value in (("batch", batch), ("heads_q", heads_q), ("len_q", len_q), ("len_k", len_k),
                         ("head_dim", head_dim)):
@@ -146,28 +148,33 @@ def max_scores_within(worker_bytes: int, limits: Limits) -> int:
 def limits_within(limits: Limits, budget: Budget, *, from_budget: bool) -> Limits:
     """``limits`` fitted to one worker's budget.
 
-    ``from_budget`` (the gpu profile): ``max_scores`` is what the budget holds and ``max_len`` twice its
-    square root (at most :data:`MAX_LEN_CEILING` and the profile's own); otherwise the profile's
-    limits are only lowered to fit.
+    ``max_len`` is the longest length (at most :data:`MAX_LEN_CEILING` under ``from_budget``, the gpu
+    profile, else the profile's own) at most twice the square root of the ``max_scores`` that fits beside
+    its row term (:func:`max_scores_within`); ``max_scores`` is what the budget then holds, and without
+    ``from_budget`` no more than the profile's own.
     """
-    max_len = limits.max_len
-    if from_budget:
-        max_len = MAX_LEN_CEILING
-    for _ in range(64):  # the row term shrinks with max_len: settle both (a few rounds)
-        fitted = dataclasses.replace(limits, max_len=max_len)
-        scores = max_scores_within(budget.worker_bytes, fitted)
-        top = min(max_len, max(1, 2 * math.isqrt(scores)))
-        if top == max_len:
-            break
-        max_len = top
-    if scores < 1:
+    ceiling = MAX_LEN_CEILING if from_budget else limits.max_len
+
+    def scores_at(max_len: int) -> int:
+        return max_scores_within(budget.worker_bytes, dataclasses.replace(limits, max_len=max_len))
+
+    def fits(max_len: int) -> bool:
+        scores = scores_at(max_len)
+        return scores >= 1 and max_len <= max(1, 2 * math.isqrt(scores))
+
+    if not fits(1):
         raise BudgetError(f"{budget.describe()} holds no case at all (the suite needs "
                           f"{suite_peak_bytes(batch=1, heads_q=1, len_q=1, len_k=1, head_dim=1)} bytes for the smallest)")
+    lo, hi = 1, ceiling  # fits() holds up to some length and fails beyond it: find the last that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    scores = scores_at(lo)
     if not from_budget:
         scores = min(scores, limits.max_scores)
-    fitted = dataclasses.replace(limits, max_len=max_len, max_scores=scores)
+    fitted = dataclasses.replace(limits, max_len=lo, max_scores=scores)
     if hasattr(limits, "short_len"):  # the plain class's length stays within max_len
-        fitted = dataclasses.replace(fitted, short_len=min(limits.short_len, max_len))
+        fitted = dataclasses.replace(fitted, short_len=min(limits.short_len, lo))
     return fitted
 
 
@@ -181,12 +188,21 @@ def memory_at_start(device: int) -> tuple[int, int]:
     return int(free), int(total)
 
 
+# The share of a worker's budget the float64 reference's row chunks may take (references/attention.py:
+# DEFAULT_BUDGET_BYTES, never lowered below its default): larger chunks cost less Python and launch overhead.
+REFERENCE_CHUNK_SHARE = 8
+
+
 def apply_budget(budget: Budget) -> None:
     """Cap this process's caching allocator on ``budget.device`` at the worker's budget: an allocation
-    past it raises ``torch.OutOfMemoryError`` in this process, and the other workers keep their share."""
+    past it raises ``torch.OutOfMemoryError`` in this process, and the other workers keep their share.
+    The reference's row chunks get ``1 / REFERENCE_CHUNK_SHARE`` of it."""
     import torch
 
+    from references import attention as reference
+
     torch.cuda.set_per_process_memory_fraction(budget.fraction, budget.device)
+    reference.DEFAULT_BUDGET_BYTES = max(reference.DEFAULT_BUDGET_BYTES, budget.worker_bytes // REFERENCE_CHUNK_SHARE)
 
 
 def start_test(device: int) -> None:
