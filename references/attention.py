@@ -33,7 +33,10 @@ slices for ``r`` rows of the chunk, at most ``max(_CHUNK_ELEMENTS, B Hq Nk D)`` 
 :func:`peak_bytes` evaluates this as an upper bound that never decreases when a size grows; the
 constants are measured (tests/test_chunking.py checks the estimate against the measured peak). With
 the default budget of 256 MiB, a problem whose score matrices fit it runs as one chunk, exactly as an
-unchunked computation. Not included: the case's input tensors and the kernel's own memory.
+unchunked computation (the Reference then keeps that one chunk, four ``[B, Hq, Nq, Nk]`` matrices, so
+that the bounds and criteria need not recompute it). Not included: the case's input tensors and the
+kernel's own memory. The estimate is per Reference: a property that holds two at once
+(``gqa_gradients_sum_over_group``: the grouped case and its repeated-heads twin) needs up to twice it.
 
 The budget is read at each call: a worker with more (or less) device memory sets
 ``references.attention.DEFAULT_BUDGET_BYTES`` (fewer, larger chunks cost less Python and kernel-launch
