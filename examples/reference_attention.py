@@ -49,9 +49,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         s = s.masked_fill(~visible, -math.inf)
 
     # Softmax with the row max subtracted; a row with no visible key (or Nk = 0) has max -inf: use 0
-    # there, so its exponentials are exp(-inf) = 0 and its sum 0 (no NaN from -inf - -inf).
+    # there, so its exponentials are exp(-inf) = 0 and its sum 0 (no NaN from -inf - -inf). The max is
+    # a constant to autograd: the softmax does not depend on it, and differentiating through it only
+    # adds rounding error to dQ and dK.
     m = s.amax(dim=-1, keepdim=True) if len_k else s.new_full((*s.shape[:-1], 1), -math.inf)
-    m = torch.where(torch.isneginf(m), 0.0, m)
+    m = torch.where(torch.isneginf(m), 0.0, m).detach()
     p = torch.exp(s - m)
     l = p.sum(dim=-1, keepdim=True)
 

@@ -571,10 +571,12 @@ def markdown(result: dict) -> str:
              "How to read it: every input is rounded to the dtype first, and the float64 reference is computed from "
              "those rounded inputs, so the numbers are the kernels' own error. RMSE is sqrt(mean((x - ref)^2)) over "
              "all elements (the FlashAttention-3 paper's measure); ULP is the error in units of the stored dtype "
-             "at the reference value; err/bound is the largest error divided by the componentwise rounding-error "
-             "bound of references/bounds.py (criterion 2: at most 1); err/eager is the max error divided by that of "
-             "the same-precision eager attention (criterion 1: at most 2 for O and LSE, 3 for gradients, plus a "
-             "tiny floor). SDPA and FlexAttention return no LSE.", ""]
+             "at the reference value, over the elements whose reference is a normal number (a zero or subnormal "
+             "reference is left out: one ULP there is ~1e-45); err/bound is the largest error divided by the "
+             "componentwise rounding-error bound of references/bounds.py (criterion 2: at most 1); err/eager is "
+             "the max error divided by that of the same-precision eager attention, or by criterion 1's absolute "
+             "floor where eager's error is below it (criterion 1: at most 2 for O and LSE, 3 for gradients, plus "
+             "the floor). SDPA and FlexAttention return no LSE.", ""]
     cols = result.get("rmse_columns") or []
     for op, per_impl in (result.get("rmse") or {}).items():
         lines += [f"## RMSE of {OP_WORDS.get(op, op)} (geometric mean over N, D, causal and seeds)", "",

@@ -1,7 +1,8 @@
 """``python -m reports``: re-summarise a report directory, or run the accuracy sweep.
 
     python -m reports summarise DIR        # a pytest verify report dir (finished or killed) or an accuracy dir
-    python -m reports accuracy [options]   # the fp16/bf16 accuracy report (see --help)
+    python -m reports accuracy [options]   # the fp16/bf16 accuracy report (see --help); exits 1 when a
+                                           # measured case fails a criterion, 2 when nothing was measured
 """
 
 from __future__ import annotations
@@ -113,6 +114,25 @@ def _accuracy(args, parser) -> int:
     print(f"wrote {', '.join(str(Path(args.out) / n) for n in accuracy.OUTPUTS)}")
     if result.get("html_error"):
         print(f"accuracy.html not written: {result['html_error']}", file=sys.stderr)
+    return accuracy_exit_status(result, asked=[i.name for i in impls if args.impl and i.cli_name in args.impl])
+
+
+def accuracy_exit_status(result: dict, *, asked: list[str] = ()) -> int:
+    """2 when nothing was measured for an implementation named with ``--impl`` (``asked``; by default:
+    for any implementation at all), 1 when a measured case fails a criterion, else 0. A sweep that
+    judged nothing, or judged a failure, does not exit 0."""
+    measured = {r["implementation"] for r in result["results"]}
+    unmeasured = [name for name in asked if name not in measured] if asked else ([] if measured else ["any"])
+    if unmeasured:
+        why = ("the sweep stopped before measuring it (rerun with --resume)" if result["status"] != "complete"
+               else "every case was skipped: see 'Not measured' in accuracy.md")
+        print(f"nothing was measured for {', '.join(unmeasured)}: {why}", file=sys.stderr)
+        return 2
+    failed = [c for c in result["criteria"] if c.get("failed_cases", 0)]
+    if failed:
+        print("a criterion failed: " + ", ".join(f"{c['implementation']} {c['dtype']} ({c['failed_cases']} cases)" for c in failed),
+              file=sys.stderr)
+        return 1
     return 0
 
 

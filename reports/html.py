@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from reports import plots
-from reports.summary import TABLE_COLUMNS, fmt, num, status_line
+from reports.summary import LEGEND, TABLE_COLUMNS, fmt, num, status_line
 
 STYLE = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto; max-width: 1400px;
@@ -197,11 +197,10 @@ def report_html(summary: dict, rows: list[dict]) -> str:
     body += run_plots(rows, names)
     table_rows = summary.get("by_implementation_op_dtype") or []
     body += ["<h2>By implementation, op and dtype</h2>",
-             '<p class="muted">err/bound: error divided by the componentwise rounding-error bound (criterion 2, '
-             "must be at most 1). err/eager: max error divided by the same-precision eager baseline's "
-             "(criterion 1 allows 2 for out/lse/Delta and 3 for gradients, plus a tiny floor).</p>",
              table([h for _, h in TABLE_COLUMNS], ([r.get(k) for k, _ in TABLE_COLUMNS] for r in table_rows),
-                   failed=[bool(r.get("failed")) for r in table_rows])]
+                   failed=[bool(r.get("failed")) for r in table_rows]),
+             '<dl class="muted">' + "".join(f"<dt>{esc(name)}</dt><dd>{esc(words)}</dd>" for name, words in LEGEND)
+             + "</dl>"]
     worst = summary.get("worst_cases") or []
     body += [f"<h2>Worst cases ({len(worst)})</h2>",
              '<p class="muted">The measurements with the largest error/bound, failed ones first; each replays on '

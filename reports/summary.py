@@ -278,6 +278,28 @@ TABLE_COLUMNS = (("implementation", "implementation"), ("op", "op"), ("dtype", "
                  ("max_error_over_bound", "max err/bound"), ("max_error_over_baseline", "max err/eager"))
 
 
+# What each column of the report's tables means (report.md and report.html print it under the table).
+LEGEND = (
+    ("implementation, op, dtype", "the kernel under test, the result compared (out, lse, delta, dq, dk, dv) and "
+                                  "the input dtype"),
+    ("n, failed", "measurements (one per property example that compared this op with the float64 reference) "
+                  "and how many of them failed a criterion"),
+    ("max abs err", "largest |kernel - float64 reference|, in the stored dtype's values (NaN and disagreeing "
+                    "infinities count as inf)"),
+    ("max RMSE", "largest root-mean-square error over one measurement's elements"),
+    ("max ULP", "largest error in units in the last place of the stored dtype at the reference value, over the "
+                "elements whose reference is a normal number; elements whose reference is 0 or subnormal (a "
+                "fully masked row, an exact cancellation) are left out of it (their error is in max abs err); "
+                "0 when no element qualifies"),
+    ("median / max err/bound", "error divided by the componentwise rounding-error bound, "
+                               "references/bounds.py (criterion 2: at most 1)"),
+    ("max err/eager", "max abs error divided by that of the same-precision eager attention, or by criterion 1's "
+                      "absolute floor where eager's error is below it (eager exact included), so it is never inf; "
+                      "criterion 1 allows 2 for out, lse and delta and 3 for dq, dk, dv"),
+    ("pass", "both criteria held"),
+)
+
+
 def markdown(summary: dict) -> str:
     run = summary.get("run") or {}
     lines = ["# flashverify report", "", status_line(summary), ""]
@@ -295,6 +317,7 @@ def markdown(summary: dict) -> str:
               "|" + "---|" * len(TABLE_COLUMNS)]
     for row in summary["by_implementation_op_dtype"]:
         lines.append("| " + " | ".join(_md(row.get(k)) for k, _ in TABLE_COLUMNS) + " |")
+    lines += ["", "Columns: " + "; ".join(f"**{name}**: {words}" for name, words in LEGEND) + "."]
     worst = summary.get("worst_cases") or []
     if worst:
         lines += ["", f"## Worst cases by error/bound ({len(worst)})", "",

@@ -66,15 +66,9 @@ def test_bad_impl_spec_is_a_usage_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_correct_outside_callable_passes(tmp_path):
-    proc = _pytest_verify(f"{FIXTURE}:attention", tmp_path)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert "skipped" in proc.stdout  # GQA and tiles are not declared: visible skips, not silence
-
-
-@pytest.mark.slow
 def test_out_only_callable_skips_lse_properties_with_the_reason(tmp_path):
-    proc = _pytest_verify(f"{FIXTURE}:attention_out_only", tmp_path, "-k", "lse_matches", "-rs")
+    proc = _pytest_verify(f"{FIXTURE}:attention_out_only", tmp_path, "-rs", "-k",
+                          "lse_matches or (test_out_matches_reference and float32)")  # out: a verdict on it
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "returns out alone (no LSE)" in proc.stdout
 

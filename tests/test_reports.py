@@ -253,7 +253,7 @@ def test_accuracy_sweep_writes_all_three_outputs_and_resumes(tmp_path, capsys):
     out = tmp_path / "acc"
     args = ["accuracy", "--device", "cpu", "--len", "16", "--head-dim", "8", "--dtype", "float16",
             "--magnitude", "normal", "outliers", "--causal", "yes", "--impl", "fa2_blocked", "--out", str(out)]
-    assert cli.main([*args, "--time-limit", "0"]) == 0
+    assert cli.main([*args, "--time-limit", "0"]) == 2  # nothing measured yet
     partial = json.loads((out / "accuracy.json").read_text())
     assert partial["status"] == "partial" and partial["missing"] == 2 * 2
     assert cli.main([*args, "--resume"]) == 0
@@ -269,6 +269,17 @@ def test_accuracy_sweep_writes_all_three_outputs_and_resumes(tmp_path, capsys):
     assert len(result["meta"]["commands"]) == 2
     capsys.readouterr()
     assert cli.main(["summarise", str(out)]) == 0 and "complete" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("spec, status, words", [
+    (BROKEN, 1, "a criterion failed: "),
+    ("sdpa_flash", 2, "nothing was measured for sdpa_flash: every case was skipped"),
+])
+def test_accuracy_exit_status_says_failed_or_nothing_measured(tmp_path, capsys, spec, status, words):
+    args = ["accuracy", "--device", "cpu", "--len", "8", "--head-dim", "4", "--dtype", "float16",
+            "--magnitude", "normal", "--causal", "no", "--no-backward", "--impl", spec, "--out", str(tmp_path)]
+    assert cli.main(args) == status
+    assert words in capsys.readouterr().err
 
 
 def test_accuracy_reports_unrunnable_implementations_instead_of_crashing(tmp_path):

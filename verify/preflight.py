@@ -6,7 +6,7 @@ of identical failures that hide the one cause. The plugin calls :func:`preflight
 implementation and turns a :class:`PreflightError` into one usage error naming the problem.
 
 What is called, on the suite's device in the first dtype the implementation declares among float32,
-float64, float16, bfloat16 (float32 for a plain callable): ``B=1, Hq=Hkv=2, Nq=3, Nk=5``, the smallest
+float64, float16, bfloat16 (float32 for a plain callable): ``B=1, Hq=Hkv=2, Nq=2, Nk=3``, the smallest
 head dim it declares (8 for a plain callable), N(0, 1) inputs,
 
 1. ``forward(q, k, v, causal=False, scale=None)``: must return ``out`` (q's shape, dtype and device) or
@@ -28,7 +28,7 @@ from kernels import registry as registry_module
 from kernels.registry import Implementation
 
 # The tiny case (Nq < Nk, so that a causal call exercises a mask with a visible key for every row).
-BATCH, HEADS, LEN_Q, LEN_K, HEAD_DIM = 1, 2, 3, 5, 8
+BATCH, HEADS, LEN_Q, LEN_K, HEAD_DIM = 1, 2, 2, 3, 8
 PREFERRED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
