@@ -349,3 +349,25 @@ def test_out_of_memory_in_the_suite_skips_the_test_and_in_the_kernel_fails_it(mo
     except OutOfMemoryError as exc:
         kernel = exc
     plugin._skip_if_the_suite_ran_out_of_memory(item, kernel)  # the kernel's: no skip, the test fails
+
+
+def test_a_group_of_one_failure_keeps_the_group_s_words_and_its_case(tmp_path):
+    from verify import plugin
+
+    def kernel_call():
+        raise RuntimeError("kernel gave up")
+
+    try:
+        kernel_call()
+    except RuntimeError as exc:
+        inner = exc
+    group = ExceptionGroup("Inconsistent results: an example failed on the first run but now succeeds", [inner])
+    item = types.SimpleNamespace(nodeid="verify/test_forward.py::test_out_matches_reference[x-float32]",
+                                 name="test_out_matches_reference[x-float32]",
+                                 originalname="test_out_matches_reference",
+                                 config=types.SimpleNamespace(_flashverify_budget=None))
+    (fields,) = plugin._explain_failure(item, group)
+    assert fields["message"].startswith("ExceptionGroup: Inconsistent results: an example failed on the first run")
+    assert "RuntimeError: kernel gave up" in fields["message"]
+    assert fields["note"].startswith("it was raised outside any drawn example, at tests/test_faults.py:")
+    assert any("no replay command: it was raised outside any drawn example" in n for n in inner.__notes__)

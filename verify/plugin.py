@@ -513,6 +513,8 @@ def _explain_failure(item, exc) -> list[dict]:
         if len(leaves) > 1:
             fields["message"] = (f"distinct failure {i + 1} of {len(leaves)} ({exception_line(exc)})\n"
                                  + fields["message"])
+        elif leaf is not exc:  # a group of one, e.g. Hypothesis's FlakyFailure: its own words come first
+            fields["message"] = f"{exception_line(exc)}\n" + fields["message"]
         if extra:
             fields["message"] += "\n  " + "\n  ".join(extra)
         if not own:
