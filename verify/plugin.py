@@ -633,6 +633,12 @@ def pytest_handlecrashitem(crashitem, report, sched):
         return
     report.outcome, report.when, report.longrepr = "passed", "teardown", None
     config = getattr(sched, "config", None)
+    dsession = config.pluginmanager.get_plugin("dsession") if config is not None else None
+    if isinstance(getattr(dsession, "_failed_nodes_count", None), int):
+        # A planned end is not a crash: it must not count toward --max-worker-restart (4 x workers by
+        # default), or a kernel that corrupts the context in every test would stop the run half-way.
+        # pytest-xdist adds one for this node after this hook.
+        dsession._failed_nodes_count -= 1
     reporter = config.pluginmanager.get_plugin("terminalreporter") if config is not None else None
     if reporter is not None:
         reporter.write_line(f"flashverify: the worker that ran {crashitem} ended after its sticky CUDA error "
