@@ -264,9 +264,12 @@ def status_line(summary: dict) -> str:
     if summary["status"] == "complete":
         return "Status: complete."
     if summary.get("stopped"):
-        return " ".join(f"Status: PARTIAL: the run stopped after {s.get('test')} ({s.get('reason')}); "
-                        f"{len(s.get('not_run') or [])} test(s) not run: "
-                        f"{', '.join(s.get('not_run') or []) or 'none'}." for s in summary["stopped"])
+        unfinished = summary.get("unfinished_workers") or []
+        return " ".join("Status: PARTIAL: " + (f"the run stopped after {s['test']} ({s.get('reason')}); "
+                                                 if s.get("test") else f"{s.get('reason')}; ")
+                        + f"{len(s.get('not_run') or [])} test(s) not run: "
+                        f"{', '.join(s.get('not_run') or []) or 'none'}." for s in summary["stopped"]) + (
+            f" Workers that did not finish: {', '.join(unfinished)}." if unfinished else "")
     workers = ", ".join(summary.get("unfinished_workers") or []) or "no run header found"
     return (f"Status: PARTIAL: the run did not finish (unfinished: {workers}); this summarises the "
             "measurements written before it stopped.")

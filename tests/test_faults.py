@@ -372,3 +372,20 @@ def test_a_group_of_one_failure_keeps_the_group_s_words_and_its_case(tmp_path):
     assert "RuntimeError: kernel gave up" in fields["message"]
     assert fields["note"].startswith("it was raised outside any drawn example, at tests/test_faults.py:")
     assert any("no replay command: it was raised outside any drawn example" in n for n in inner.__notes__)
+
+
+def test_tests_that_never_ran_because_xdist_gave_up_make_the_report_partial(tmp_path):
+    # A kernel that kills its process in every test, with worker restarts disabled: pytest-xdist stops at
+    # the first crash, and the tests it never ran are named, not a "complete" report.
+    crashes = "tests/fixtures/sticky_kernels.py:crashes_the_process"
+    proc, _ = _pytest_verify(tmp_path, "verify/test_forward.py", "--impl", crashes, "-k", FORWARD_TESTS,
+                             "-n", "1", "--max-worker-restart", "0", timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    summary = _summary(tmp_path)
+    assert summary["status"] == "partial", summary["status"]
+    (stop,) = summary["stopped"]
+    assert stop["test"] is None and stop["reason"].startswith("pytest-xdist: worker gw0 crashed"), stop
+    assert 1 <= len(stop["not_run"]) <= 2 and all(crashes in t for t in stop["not_run"]), stop
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "Status: PARTIAL: pytest-xdist: worker gw0 crashed" in md and "Workers that did not finish: gw0." in md

@@ -618,11 +618,32 @@ def _end_poisoned_process(item, poisoned: dict) -> None:
                                "test(s) not run (listed in the report)")
 
 
+# Tests with an outcome (pytest-xdist controller): any other collected test never ran (:func:`_never_ran`).
+_REPORTED: set[str] = set()
+
+
 def pytest_runtest_logreport(report):
-    """pytest-xdist controller: remember the tests that poisoned their worker (:func:`pytest_handlecrashitem`)."""
+    """pytest-xdist controller: remember the tests that poisoned their worker (:func:`pytest_handlecrashitem`)
+    and the tests that got an outcome."""
     for key, value in getattr(report, "user_properties", ()) or ():
         if key == _POISONED:
             _POISONED_TESTS[report.nodeid] = value
+    if report.when in ("call", "???") or (report.when == "setup" and not report.passed):
+        _REPORTED.add(report.nodeid)
+
+
+def _never_ran(session) -> dict | None:
+    """pytest-xdist controller: the collected tests that never got an outcome (pytest-xdist stopped
+    replacing crashed workers, or ended early for another reason than -x), as the report's ``stopped``."""
+    dsession = session.config.pluginmanager.get_plugin("dsession")
+    collection = getattr(getattr(dsession, "sched", None), "collection", None)
+    if not collection or session.shouldfail or session.shouldstop:
+        return None  # nothing was distributed, or -x / --maxfail stopped the run (its exit status says so)
+    missing = [nodeid for nodeid in collection if nodeid not in _REPORTED]
+    if not missing:
+        return None
+    why = getattr(dsession, "_summary_report", None) or "pytest-xdist ended before every test ran"
+    return {"test": None, "reason": f"pytest-xdist: {why}", "not_run": missing}
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -858,8 +879,10 @@ def pytest_sessionfinish(session, exitstatus):
         outcomes[f"{key} (laws, no kernel)"] = n
         if not outcomes[key]:
             del outcomes[key]
-    report.close(outcomes=outcomes, exitstatus=session.exitstatus,
-                 stopped=getattr(session.config, "_flashverify_stopped", None))
+    stopped = getattr(session.config, "_flashverify_stopped", None)
+    if stopped is None and _xdist_controller(session.config):
+        stopped = _never_ran(session)
+    report.close(outcomes=outcomes, exitstatus=session.exitstatus, stopped=stopped)
     try:
         session.config._flashverify_summary = write_summary(report.dir, outcomes=outcomes)
     except Exception as exc:  # noqa: BLE001 - a report bug must not turn the test outcome into an error
@@ -880,9 +903,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(f"flashverify report: {report.dir / 'report.html'} (also report.md, summary.json; "
                                 f"measurements in {report.dir}/measurements-*.jsonl)")
     for stop in summary.get("stopped") or []:
-        terminalreporter.write_line(f"flashverify report: PARTIAL: the run stopped after {stop['test']} "
-                                    f"({stop['reason']}); {len(stop['not_run'])} test(s) not run, listed in "
-                                    "report.md", red=True)
+        after = f"the run stopped after {stop['test']} ({stop['reason']})" if stop.get("test") else stop["reason"]
+        terminalreporter.write_line(f"flashverify report: PARTIAL: {after}; {len(stop['not_run'])} test(s) not run, "
+                                    "listed in report.md", red=True)
     failures = summary.get("failures") or []
     if failures:
         terminalreporter.write_line(f"flashverify report: {len(failures)} failing case(s) in {report.dir / 'failures'}"
