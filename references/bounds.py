@@ -438,13 +438,16 @@ def _phi(c: _Case, model: Model, ranks: torch.Tensor) -> torch.Tensor:
     return torch.where(c.vis, phi, 0.0)
 
 
-def _p_times(p: torch.Tensor, fn, x: torch.Tensor) -> torch.Tensor:
-    """``p * fn(x)`` (``fn`` is exp or expm1 of a relative-error exponent), 0 where ``p`` is 0.
+def _p_times(c: _Case, fn, x: torch.Tensor) -> torch.Tensor:
+    """``P * fn(x)`` (``fn`` is exp or expm1 of a relative-error exponent ``x``) without ``0 * inf``.
 
-    Where ``P = exp(s - lse)`` underflows to 0 the true product is 0 as well (the exponent, a few
-    roundings of ``|lse - s|``, is far below ``lse - s``), but ``fn(x)`` may overflow: scores ~1e9
-    (scale 7e4 on logits ~1e4) give ``x`` ~ 700 and ``0 * inf = NaN``, a NaN bound."""
-    return torch.where(p > 0, p * fn(x), 0.0)
+    Where ``P = exp(s - lse)`` underflows to 0 the product is ``exp(s - lse + x)`` (minus ``P``, below
+    float64's range for expm1), which is finite however large ``x`` grows as long as it stays below
+    ``lse - s``, and honestly infinite past it. Scores ~1e9 apart (scale 7e4 on logits ~1e4) give
+    exponents ~700 where ``P`` is 0, and ``P * exp(x)`` was NaN there: a NaN bound. 0 where hidden."""
+    product = c.p * fn(x)
+    log_p = torch.where(c.vis, c.s - c.lse[..., None], -math.inf)
+    return torch.where(c.p > 0, product, torch.where(c.vis, torch.exp(log_p + x), 0.0))
 
 
 def _lse_kernel(c: _Case, model: Model, phi: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
@@ -452,7 +455,7 @@ def _lse_kernel(c: _Case, model: Model, phi: torch.Tensor, ranks: torch.Tensor) 
     u, p = model.u_acc, c.p
     g = gamma(c.n_rows[:, None] + ranks, u)
     phi_l = torch.where(c.vis, phi + torch.where(g < 1, -torch.log1p(-torch.where(g < 1, g, 0.0)), math.inf), 0.0)
-    up = torch.log(torch.where(c.rows, _p_times(p, torch.exp, phi_l).sum(dim=-1), 1.0))
+    up = torch.log(torch.where(c.rows, _p_times(c, torch.exp, phi_l).sum(dim=-1), 1.0))
     down = -torch.log(torch.where(c.rows, (p * torch.exp(-phi_l)).sum(dim=-1), 1.0))
     dlog = torch.maximum(up, down) + c.n_rows * model.eta_acc
     log_err = C_LOG * u * (c.lse - c.m + dlog) + LOG_ABS * u
@@ -464,8 +467,8 @@ def _out_kernel(c: _Case, model: Model, phi: torch.Tensor) -> torch.Tensor:
     """Output error bound of a contract-following kernel against exact attention (sections 3-5)."""
     p, vis = c.p, c.vis.to(F64)
     z_low = torch.where(c.rows, (p * torch.exp(-phi)).sum(dim=-1), 1.0)[..., None]
-    p_hat = _p_times(p, torch.exp, phi) / z_low + model.eta_acc * vis
-    term_a = _centred(c, _p_times(p, torch.expm1, phi) / z_low)
+    p_hat = _p_times(c, torch.exp, phi) / z_low + model.eta_acc * vis
+    term_a = _centred(c, _p_times(c, torch.expm1, phi) / z_low)
     term_b = rounding_error(p_hat, model.u_cast, model.eta_cast) @ c.av
     # Underflow: of p or alpha (an absolute eta per key in numerator and l), and of each operation on
     # the accumulator (products, additions, rescaling multiplies, FA1's steps).
@@ -486,8 +489,8 @@ def _forward_reference(c: _Case, ranks: torch.Tensor):
     pi = _score_error(c, model) + lse[..., None] + u * (c.lse[..., None] - c.s) + C_EXP * u
     pi = torch.where(c.vis, pi, 0.0)
     eta = model.eta_acc * c.vis.to(F64)
-    out = ((_p_times(c.p, torch.expm1, pi) + eta) @ c.av
-           + gamma(c.n_rows + 1, u)[:, None] * ((_p_times(c.p, torch.exp, pi) + eta) @ c.av)
+    out = ((_p_times(c, torch.expm1, pi) + eta) @ c.av
+           + gamma(c.n_rows + 1, u)[:, None] * ((_p_times(c, torch.exp, pi) + eta) @ c.av)
            + (2 * c.n_rows + 2)[:, None] * model.eta_acc)
     return torch.where(c.rows[:, None], out, 0.0), lse
 
@@ -523,8 +526,8 @@ def _backward_terms(c: _Case, model: Model, *, dout_abs, lse_err, delta_err, dp_
     pi = (_score_error(c, model) + lse_err[..., None] + C_ARG * u * (c.lse[..., None] - c.s)
           + u * c.lse.abs()[..., None] + (C_EXP + 2) * u)
     pi = torch.where(c.vis, pi, 0.0)
-    dp_err = _p_times(c.p, torch.expm1, pi) + model.eta_acc * vis
-    p_hat = _p_times(c.p, torch.exp, pi) + model.eta_acc * vis
+    dp_err = _p_times(c, torch.expm1, pi) + model.eta_acc * vis
+    p_hat = _p_times(c, torch.exp, pi) + model.eta_acc * vis
     e_dp = torch.where(c.vis, gamma(c.d, model.u_dot) * (dout_abs @ c.av.transpose(-1, -2)) + 2 * c.d * eta, 0.0)
     g, e_delta, chain = dp_minus_delta, delta_err[..., None], 0.0
     if model.autograd_eager:  # section 11
