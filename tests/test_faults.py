@@ -389,3 +389,33 @@ def test_tests_that_never_ran_because_xdist_gave_up_make_the_report_partial(tmp_
     assert 1 <= len(stop["not_run"]) <= 2 and all(crashes in t for t in stop["not_run"]), stop
     md = (tmp_path / "report" / "report.md").read_text()
     assert "Status: PARTIAL: pytest-xdist: worker gw0 crashed" in md and "Workers that did not finish: gw0." in md
+
+
+def test_a_sticky_cuda_error_after_the_forward_ends_the_test_with_the_case_that_ran():
+    # Raised by the backward or by the suite's own work once the kernel broke the context: the runner
+    # turns it into StickyDeviceError (not shrunk) naming this example's case; on CPU it is left alone.
+    import pytest
+
+    from kernels import registry
+    from strategies.attention import Limits
+    from strategies.cases import AttentionCase
+    from verify.harness import Context, StickyDeviceError
+    from verify.runner import Env, _run_example
+
+    case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float16",
+                         causal=False)
+    impl = registry.load("fa2_blocked", device="cpu")
+
+    def backward_breaks(ctx, case):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def env(device):
+        return Env(device=device, profile="ci", limits=Limits(), record=lambda _m: None)
+
+    ctx = Context(impl=impl, prop="gradients_match_reference", device="cuda:0", case=case)
+    with pytest.raises(StickyDeviceError) as info:
+        _run_example(backward_breaks, ctx, case, env("cuda:0"))
+    assert info.value.case == case and "replay: python -m verify.replay" in str(info.value)
+    assert "illegal memory access" in str(info.value)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        _run_example(backward_breaks, Context(impl=impl, prop="x", case=case), case, env("cpu"))

@@ -34,7 +34,8 @@ from strategies.attention import Limits, attention_cases, boundary_classes
 from strategies.cases import DTYPES, AttentionCase, dtype_name
 from strategies.softmax import softmax_cases
 from verify import properties
-from verify.harness import Context, Recorder
+from verify.gpu import sticky_cuda_error
+from verify.harness import Context, Recorder, StickyDeviceError, free_device_memory
 from verify.properties import Inapplicable, NotApplicable
 
 DTYPE_NAMES = tuple(DTYPES)
@@ -187,7 +188,7 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
         coverage.add(case)
         ctx = Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case)
         try:
-            fn(ctx, case)
+            _run_example(fn, ctx, case, env)
         except NotApplicable as exc:
             pytest.skip(str(exc))
         except Inapplicable:
@@ -199,6 +200,24 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
         run()
     finally:
         coverage.emit(env, impl=impl, prop=prop, dtype=dtype)
+
+
+def _run_example(fn, ctx: Context, case, env: Env) -> None:
+    """Run one example of a property. On a GPU: a sticky CUDA error raised anywhere in it (the kernel's
+    backward, or the suite's own work after the kernel broke the context) ends the test with this case
+    (:class:`verify.harness.StickyDeviceError`, which Hypothesis does not shrink: every later example in
+    this process would fail the same way); and the memory the example cached is released, so that the
+    next one starts from what the worker's budget allows."""
+    on_gpu = not env.device.startswith("cpu")
+    try:
+        fn(ctx, case)
+    except Exception as exc:
+        if on_gpu and sticky_cuda_error(exc) is not None:
+            raise StickyDeviceError(ctx, exc, where="property (its backward, or the checks after it)") from exc
+        raise
+    finally:
+        if on_gpu:
+            free_device_memory()
 
 
 def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bool) -> AttentionCase:
@@ -222,7 +241,7 @@ def check_longest(prop: str, impl: Implementation, dtype: str, env: Env, *, caus
     case = longest_case(impl, dtype, env.limits, causal=causal)
     ctx = Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case)
     try:
-        properties.PROPERTIES[prop](ctx, case)
+        _run_example(properties.PROPERTIES[prop], ctx, case, env)
     except (NotApplicable, Inapplicable) as exc:
         pytest.skip(f"{case.describe()}: {exc}")
 
