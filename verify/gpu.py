@@ -239,7 +239,7 @@ STICKY_PATTERNS = (
 _STICKY = re.compile("|".join(STICKY_PATTERNS), re.IGNORECASE)
 
 
-def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
     """``exc``, the exceptions of a group, and what each was raised from or during, each once."""
     seen: set[int] = set()
     stack = [exc]
@@ -256,7 +256,7 @@ def sticky_cuda_error(exc: BaseException | None) -> BaseException | None:
     """The exception in ``exc`` (itself, in a group, or one it was raised from) whose message is a
     sticky CUDA error, or None. An out-of-memory error is not one (the context survives it), nor is a
     property's own failure (an ``AssertionError``, whose message may quote anything)."""
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         if isinstance(e, Exception) and not isinstance(e, AssertionError) and _STICKY.search(str(e)):
             return e
     return None

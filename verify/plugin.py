@@ -379,19 +379,10 @@ def _leaves(exc):
 def _out_of_memory(exc):
     """The ``torch.OutOfMemoryError`` in ``exc`` (itself, in an exception group, or what it was raised
     from), or None."""
+    from verify.gpu import exception_chain
     from verify.harness import OutOfMemoryError
 
-    seen = set()
-    stack = [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OutOfMemoryError):
-            return e
-        stack += [*(getattr(e, "exceptions", ()) or ()), e.__cause__, e.__context__]
-    return None
+    return next((e for e in exception_chain(exc) if isinstance(e, OutOfMemoryError)), None)
 
 
 # What Hypothesis adds to a failure that is about the suite, not the kernel: its reproduction blob (the
