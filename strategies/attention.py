@@ -96,6 +96,13 @@ def _lengths(*, near: list[int], max_len: int, min_len: int = 1):
     return st.one_of(plain, st.sampled_from(near)) if near else plain
 
 
+def _blocks_for(blocks: Sequence[int], per_axis: int, long_class: bool) -> list[int]:
+    """The declared blocks to draw from; for the ``long`` class only those whose tile limit lets a
+    length pass 64 (when any does)."""
+    ordered = sorted(blocks)
+    return ([b for b in ordered if per_axis * b > 64] or ordered) if long_class else ordered
+
+
 def scales():
     """Return a strategy for the ``scale`` argument: None (the contract's ``1/sqrt(D)``) half the time,
     else one of :data:`strategies.cases.SCALES`, which holds 0, negative scales, scales above 1, a tiny
@@ -191,8 +198,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     # Blocks before lengths, and lengths capped so that each axis has at most sqrt(max_tiles) tiles:
     # shrinking a length then never changes a block.
     per_axis = max(1, math.isqrt(limits.max_tiles))
-    bm = draw(st.sampled_from(sorted(block_m)), label="block_m") if block_m else None
-    bn = draw(st.sampled_from(sorted(block_n)), label="block_n") if block_n else None
+    bm = draw(st.sampled_from(_blocks_for(block_m, per_axis, long_class)), label="block_m") if block_m else None
+    bn = draw(st.sampled_from(_blocks_for(block_n, per_axis, long_class)), label="block_n") if block_n else None
     edges = _near_powers_of_two(1, max_len) if (long_class or kind == "decode") else []
     top_q = min(max_len, per_axis * bm) if bm else max_len
     len_q = draw(_lengths(near=sorted(set(_near_blocks(block_m, top_q) + edges)), max_len=top_q), label="len_q")
