@@ -51,6 +51,7 @@ class Magnitudes:
     summands: float
     scores: float = 0.0
     lse: float = 0.0
+    head_dim: int = 1  # the length of the score dot products
 
 
 def magnitudes(op: str, ref) -> Magnitudes:
@@ -59,7 +60,8 @@ def magnitudes(op: str, ref) -> Magnitudes:
     largest finite |LSE| (gradients)."""
     return Magnitudes(summands=summand_magnitude(op, ref),
                       scores=score_magnitude(ref) if op != "delta" else 0.0,
-                      lse=max_finite_lse(ref) if op in GRADIENTS else 0.0)
+                      lse=max_finite_lse(ref) if op in GRADIENTS else 0.0,
+                      head_dim=int(ref.q64.shape[-1]))
 
 
 def stored_dtype(op: str, input_dtype: torch.dtype) -> torch.dtype:
@@ -140,13 +142,32 @@ def floor(op: str, input_dtype: torch.dtype, magnitude: Magnitudes) -> float:
     # log2(e), converting scores to base 2 and the LSE back, each one more rounding eager never does.
     relative = unit_roundoff(dtype) + EXTRA_ROUNDINGS * u_acc
     absolute = torch.finfo(dtype).tiny
+    score_error = score_roundings(input_dtype, magnitude.head_dim) * u_acc * magnitude.scores
     if op in FROM_P:
-        relative += u_acc * magnitude.scores
+        relative += score_error
     elif op == "lse":
-        absolute += u_acc * magnitude.scores
+        absolute += score_error
     if op in GRADIENTS:
         relative += u_acc * (magnitude.lse + 1.0)
     return relative * magnitude.summands + absolute
+
+
+# The k-depth of one tensor-core step for 16-bit inputs (mma/wgmma on float16 and bfloat16).
+MATRIX_UNIT_K = 16
+
+
+def score_roundings(input_dtype: torch.dtype, head_dim: int) -> float:
+    """How many roundings of the score magnitude two correct kernels' scores may differ by.
+
+    float32 and float64: one (dots summed in other orders, errors of both signs). float16 and bfloat16
+    scores come from matrix units that add ``MATRIX_UNIT_K`` exact products per step to a float32
+    accumulator, ``ceil(D / 16)`` steps in sequence, each of which may truncate rather than round
+    (``references/bounds.py``, section 12: ``2 u``). When every product has the same sign (all-negative
+    scores) those errors do not cancel: a Triton kernel on an H100 gave an LSE 14 u |s| from the
+    float64 one at D = 184 (12 steps), eager (cuBLAS) 1.2 u |s|."""
+    if input_dtype in (torch.float16, torch.bfloat16):
+        return max(1.0, 2.0 * -(-head_dim // MATRIX_UNIT_K))
+    return 1.0
 
 
 def allowed_error(op: str, input_dtype: torch.dtype, *, baseline_error: float, magnitude: Magnitudes) -> float:

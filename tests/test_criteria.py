@@ -44,9 +44,12 @@ def test_floor_terms_by_op():
     u32 = 2.0 ** -24
     for op in ("out", "dq", "dk", "dv"):
         assert criteria.floor(op, torch.float16, m) > criteria.floor(op, torch.float16, criteria.Magnitudes(2.0, 0.0, 5.0))
-    # The LSE gets the score rounding as an absolute term; Delta (from the kernel's own O) gets none.
+    # The LSE gets the score roundings as an absolute term (float16: two per 16-deep tensor-core step,
+    # which may truncate; float32: one); Delta (from the kernel's own O) gets none.
     lse = criteria.floor("lse", torch.float16, m) - criteria.floor("lse", torch.float16, criteria.Magnitudes(2.0))
-    assert lse == pytest.approx(10.0 * u32, rel=1e-12)
+    assert lse == pytest.approx(2 * 10.0 * u32, rel=1e-12)
+    lse32 = criteria.floor("lse", torch.float32, m) - criteria.floor("lse", torch.float32, criteria.Magnitudes(2.0))
+    assert lse32 == pytest.approx(10.0 * u32, rel=1e-12)
     assert criteria.floor("delta", torch.float16, m) == criteria.floor("delta", torch.float16, criteria.Magnitudes(2.0))
     t = CASE.build()
     assert criteria.magnitudes("delta", reference.attention(t.q, t.k, t.v, dout=t.dout)).scores == 0.0
@@ -70,3 +73,18 @@ def test_floor_of_a_negative_scale_equals_that_of_the_same_scores(op):
         ref = reference.attention(t.q, k, t.v, scale=scale, dout=t.dout)
         floors.append(criteria.floor(op, torch.float16, criteria.magnitudes(op, ref)))
     assert floors[0] > 0 and floors[1] == pytest.approx(floors[0], rel=1e-12), floors
+
+
+def test_floor_covers_tensor_core_scores_with_same_sign_products():
+    # H100, triton_fa2 and triton_fa1, float16, D = 184, all-negative scores (every q_d k_jd < 0):
+    # LSE error 1.052e-3 (14 u |s|), eager's 8.840e-5. Twelve 16-deep tensor-core steps that may
+    # truncate; one rounding of the score magnitude (the floor before) allowed 9.9e-4.
+    case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=4, len_k=64, head_dim=184, dtype="float16",
+                         causal=True, magnitude="all_negative", seed=0, layout="contiguous", block_m=16, block_n=32)
+    t = case.build()
+    mags = criteria.magnitudes("lse", reference.attention(t.q, t.k, t.v, causal=True))
+    assert criteria.allowed_error("lse", torch.float16, baseline_error=8.840e-5, magnitude=mags) >= 1.052e-3
+    without = criteria.allowed_error("lse", torch.float16, baseline_error=8.840e-5, magnitude=mags)
+    without -= (criteria.score_roundings(torch.float16, 184) - 1) * 2.0 ** -24 * mags.scores  # one rounding
+    assert without < 1.052e-3
+    assert criteria.score_roundings(torch.float16, 184) == 24 and criteria.score_roundings(torch.float32, 184) == 1
