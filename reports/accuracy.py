@@ -35,6 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from reports.session import read_jsonl
+
 SWEEP_MAGNITUDES = ("normal", "outliers", "large_logits")
 OPS = ("out", "lse", "dq", "dk", "dv")
 PROPERTY_OF = {"out": "out_matches_reference", "lse": "lse_matches_reference", "dq": "gradients_match_reference",
@@ -231,25 +233,7 @@ def _case_key(spec: str, case: dict) -> str:
 
 def read_stream(out_dir: Path) -> tuple[list[dict], int]:
     """The lines of the sweep's stream (a truncated last line is skipped and counted)."""
-    path = Path(out_dir) / STREAM
-    lines, bad = [], 0
-    if not path.exists():
-        return lines, bad
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for raw in fh:
-            raw = raw.strip()
-            if not raw:
-                continue
-            try:
-                item = json.loads(raw)
-            except json.JSONDecodeError:
-                bad += 1
-                continue
-            if isinstance(item, dict):
-                lines.append(item)
-            else:
-                bad += 1
-    return lines, bad
+    return read_jsonl(Path(out_dir) / STREAM)
 
 
 def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command: str, resume: bool = False,

@@ -9,9 +9,9 @@ for the check that a ``ci`` run on the shipped kernels reaches every class in :d
 from __future__ import annotations
 
 import collections
-import json
 from pathlib import Path
 
+from reports.session import read_stream
 from strategies.attention import BOUNDARY_CLASSES
 
 # Classes a `ci` run on the shipped kernels must reach (tests/test_coverage.py): each is allowed by the
@@ -37,16 +37,8 @@ REQUIRED: dict[str, str | None] = {
 
 def read_coverage(report_dir: str | Path) -> list[dict]:
     """Every coverage record of a report directory (truncated lines of a killed run are skipped)."""
-    records = []
-    for path in sorted(Path(report_dir).glob("coverage-*.jsonl")):
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("classes"), dict):
-                records.append(row)
-    return records
+    rows, _ = read_stream(report_dir, "coverage")
+    return [r for r in rows if isinstance(r.get("classes"), dict)]
 
 
 def by_property(records: list[dict]) -> list[dict]:

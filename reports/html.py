@@ -224,6 +224,7 @@ def report_html(summary: dict, rows: list[dict]) -> str:
     body += _coverage_section(summary.get("coverage") or {})
     return page("flashverify report", body)
 
+
 def _coverage_section(cov: dict) -> list[str]:
     """The boundary classes each property's examples reached (``reports/coverage.py``)."""
     rows = cov.get("by_property") or []
@@ -238,7 +239,6 @@ def _coverage_section(cov: dict) -> list[str]:
     if cov.get("required_missing"):
         out.append(f"<p class=\"fail\">Required classes not reached: {esc('; '.join(cov['required_missing']))}.</p>")
     return out
-
 
 
 

@@ -8,24 +8,17 @@ run writes none, and the section is left out.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from reports.session import read_stream
 
 MIB = 2 ** 20
 
 
 def read_memory(report_dir: str | Path) -> list[dict]:
     """Every peak-memory record of a report directory (truncated lines of a killed run are skipped)."""
-    records = []
-    for path in sorted(Path(report_dir).glob("memory-*.jsonl")):
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("peak_bytes"), int):
-                records.append(row)
-    return records
+    rows, _ = read_stream(report_dir, "memory")
+    return [r for r in rows if isinstance(r.get("peak_bytes"), int)]
 
 
 def summary(report_dir: str | Path) -> dict:

@@ -105,6 +105,43 @@ def safe_file_name(text: str, *, limit: int = 150) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)[-limit:].lstrip(".") or "unnamed"
 
 
+def read_jsonl(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of one JSON-lines file, and the number of unreadable lines (a killed run's
+    truncated last line, say: counted and skipped, never fatal). A missing file has none."""
+    rows, bad = [], 0
+    if not Path(path).exists():
+        return rows, bad
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                bad += 1
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                bad += 1
+    return rows, bad
+
+
+def read_stream(report_dir: str | os.PathLike, name: str) -> tuple[list[dict[str, Any]], int]:
+    """Every JSON object of the ``<name>-<worker>.jsonl`` streams of a report directory, in file order,
+    each with a ``worker`` field (from its file name) if it has none, and the number of unreadable lines."""
+    rows, bad = [], 0
+    for path in sorted(Path(report_dir).glob(f"{name}-*.jsonl")):
+        worker = path.stem.removeprefix(f"{name}-")
+        got, unreadable = read_jsonl(path)
+        for row in got:
+            row.setdefault("worker", worker)
+        rows += got
+        bad += unreadable
+    return rows, bad
+
+
 class ReportSession:
     """Writes the report of one run into ``report_dir`` (one stream per worker)."""
 

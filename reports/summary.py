@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from reports import coverage, memory
-from reports.session import dumps, replay_command, write_atomic
+from reports.session import dumps, read_stream, replay_command, write_atomic
 
 # How many of the worst measurements the summary lists (with their replay commands).
 WORST_CASES = 25
@@ -54,25 +54,7 @@ def read_measurements(report_dir: str | Path) -> tuple[list[dict], int]:
 
     Each measurement gets a ``worker`` field (from its stream's file name) if it has none.
     """
-    rows, bad = [], 0
-    for path in sorted(Path(report_dir).glob("measurements-*.jsonl")):
-        worker = path.stem.removeprefix("measurements-")
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    bad += 1
-                    continue
-                if not isinstance(row, dict):
-                    bad += 1
-                    continue
-                row.setdefault("worker", worker)
-                rows.append(row)
-    return rows, bad
+    return read_stream(report_dir, "measurements")
 
 
 def read_runs(report_dir: str | Path) -> list[dict]:
@@ -230,16 +212,16 @@ def summarise(report_dir: str | Path, *, outcomes: dict | None = None, rows: lis
     failures = read_failures(report_dir)
     return {
         "status": "partial" if (unfinished or stopped or not runs) else "complete",
-        "stopped": stopped,
         "unfinished_workers": unfinished,
+        "stopped": stopped,
         "run": info,
         "measurements": len(rows), "unreadable_lines": bad,
         "failed_measurements": sum(1 for r in rows if r.get("pass") is False),
         "by_implementation_op_dtype": aggregate(rows),
         "worst_cases": worst_cases(rows, specs=info["specs"], device_of=device_of),
         "failures": failures,
-        "coverage": coverage.summary(report_dir),
         "outcomes": outcomes,
+        "coverage": coverage.summary(report_dir),
         "peak_memory": memory.summary(report_dir),
     }
 

@@ -376,7 +376,6 @@ def assert_close(ctx: Context, *, what: str, actual: torch.Tensor, expected: tor
         ctx.fail("\n  ".join(lines))
 
 
-
 def assert_no_nan(ctx: Context, *, what: str, actual: torch.Tensor) -> None:
     __tracebackhide__ = True
     nan = torch.isnan(actual)
