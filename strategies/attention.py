@@ -112,10 +112,9 @@ def scales():
 
 def _tile_pair(block_m: Sequence[int] | None, block_n: Sequence[int] | None, max_len: int, per_axis: int,
                *, kind: str):
-    """(block_m, block_n) for a tile class: the declared sizes, or :data:`NOMINAL_BLOCKS` that fit
-    ``max_len``; with ``n_wider``, a pair with block_n > block_m and room for two key tiles (within
-    ``max_len``, and within ``per_axis`` tiles of a length that makes the query tiles matter) when the
-    declaration allows one."""
+    """(block_m, block_n) for a tile class: the declared sizes, or :data:`NOMINAL_BLOCKS`, that fit
+    ``max_len``; for ``kv_tiles_wider`` a pair with block_n > block_m and room for two key tiles within
+    ``max_len`` when the declaration allows one; for ``k_aligned_q_ragged`` a block_m above 1."""
     bms = [b for b in sorted(block_m or NOMINAL_BLOCKS) if b <= max_len] or [min(block_m or NOMINAL_BLOCKS)]
     bns = [b for b in sorted(block_n or NOMINAL_BLOCKS) if b <= max_len] or [min(block_n or NOMINAL_BLOCKS)]
     if kind == "k_aligned_q_ragged":  # a length is never ragged against block 1
@@ -148,8 +147,9 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     shape_classes  the shape classes to draw from (``plain`` first: what failures shrink to)
     min_len_k      the fewest keys (0 allows ``no_keys``; a property that needs keys passes 1)
 
-    The shape class comes first, then the shapes it implies, then block sizes among those that keep
-    the tile count bounded, then the flags, the magnitude class, the layout, the scale and the seed.
+    The shape class comes first, then batch, heads and head dim, then block sizes and the lengths they
+    allow (at most sqrt(max_tiles) tiles per axis), then the flags, the magnitude class, the layout, the
+    scale and the seed; every class makes the same draws and maps them onto its constraints.
     Cost: a dozen small integers per case; tensors are only built when the test calls ``build``.
     """
     if not magnitudes or not layouts or not shape_classes:

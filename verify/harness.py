@@ -263,8 +263,7 @@ def assert_accurate(ctx: Context, *, op: str, actual: torch.Tensor, expected: to
     passed = stats.max_abs <= allowed and ratio <= 1.0 and stats.nan_count == 0
     over_eager = error_over_eager(stats.max_abs, base_err, criteria.floor(op, input_dtype, magnitude))
     ctx.observe(f"{op} error/bound", ratio)
-    if base_err:
-        ctx.observe(f"{op} error/eager", stats.max_abs / base_err)
+    ctx.observe(f"{op} error/eager", over_eager)
     ctx.record({
         "implementation": ctx.impl.name, "property": ctx.prop, "op": op, "case": ctx.case.to_dict(),
         **{key: value for key, value in stats.as_dict().items() if key not in ("worst_index",)},

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -74,9 +73,9 @@ _TARGET_CAP = 1e12
 
 
 def _aim(observations: dict[str, float]) -> None:
+    """Hand each ratio the example measured (NaN left out by ``Context.observe``) to ``target()``."""
     for label, value in observations.items():
-        if not math.isnan(value):
-            target(min(float(value), _TARGET_CAP), label=label)
+        target(min(float(value), _TARGET_CAP), label=label)
 
 
 class _Coverage:
