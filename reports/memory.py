@@ -1,8 +1,8 @@
-"""Peak device memory per property, from ``memory-*.jsonl``.
+"""Peak device memory and time per property, from ``memory-*.jsonl``.
 
-On a GPU the plugin writes one record per test: the peak bytes allocated while it ran
-(``torch.cuda.max_memory_allocated``, reset before each test) and the worker's budget
-(``verify/gpu.py``). This module folds them per property for ``summary.json`` and ``report.md``. A CPU
+On a GPU the plugin writes one record per test as it ends: the peak bytes allocated while it ran
+(``torch.cuda.max_memory_allocated``, reset before each test), the worker's budget
+(``verify/gpu.py``) and the test's wall time. This module folds them per property for ``summary.json`` and ``report.md``. A CPU
 run writes none, and the section is left out.
 """
 
@@ -23,14 +23,20 @@ def read_memory(report_dir: str | Path) -> list[dict]:
 
 def summary(report_dir: str | Path) -> dict:
     """``{"budget_bytes": the smallest worker budget, "by_property": [one row per property]}``; each row:
-    tests, the largest peak and the test it was reached in, the median peak."""
+    tests, the largest peak and the test it was reached in, the median peak, the tests' seconds in all
+    and the slowest test's."""
     records = read_memory(report_dir)
     rows: dict[str, dict] = {}
     for r in records:
         prop = str(r.get("property"))
         row = rows.setdefault(prop, {"property": prop, "tests": 0, "peaks": [], "max_peak_bytes": -1,
-                                     "max_peak_test": None})
+                                     "max_peak_test": None, "seconds": 0.0,
+                                     "max_seconds": 0.0})
         row["tests"] += 1
+        seconds = r.get("seconds")
+        if isinstance(seconds, (int, float)):
+            row["seconds"] = round(row["seconds"] + seconds, 3)
+            row["max_seconds"] = max(row["max_seconds"], seconds)
         row["peaks"].append(r["peak_bytes"])
         if r["peak_bytes"] > row["max_peak_bytes"]:
             row["max_peak_bytes"], row["max_peak_test"] = r["peak_bytes"], r.get("test")
@@ -49,13 +55,14 @@ def markdown(mem: dict) -> list[str]:
     if not rows:
         return []
     budget = mem.get("budget_bytes")
-    lines = ["", "## Peak device memory per property", "",
+    lines = ["", "## Peak device memory and time per property", "",
              "The most device memory one test of the property allocated (kernel and suite together, "
-             "torch.cuda.max_memory_allocated, reset per test)"
+             "torch.cuda.max_memory_allocated, reset per test), and the wall time of its tests"
              + (f"; each worker's budget: {budget / MIB:.0f} MiB" if budget else "") + ".", "",
-             "| property | tests | max peak MiB | median peak MiB | max in test |", "|---|---|---|---|---|"]
+             "| property | tests | max peak MiB | median peak MiB | max in test | seconds | slowest test s |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows:
         test = str(row.get("max_peak_test") or "-").replace("|", "\\|")
         lines.append(f"| {row['property']} | {row['tests']} | {row['max_peak_bytes'] / MIB:.1f} | "
-                     f"{row['median_peak_bytes'] / MIB:.1f} | {test} |")
+                     f"{row['median_peak_bytes'] / MIB:.1f} | {test} | {row['seconds']:.1f} | {row['max_seconds']:.1f} |")
     return lines

@@ -220,9 +220,10 @@ def test_peak_memory_per_property_in_the_report(tmp_path):
     from reports.summary import markdown, summarise
 
     report = ReportSession(tmp_path, worker="gw0")
-    for test, prop, peak in (("t1", "out_matches_reference", 3), ("t2", "out_matches_reference", 5),
-                             ("t3", "gradients_match_reference", 7)):
-        report.memory({"test": test, "property": prop, "peak_bytes": peak * 2 ** 20, "budget_bytes": 2 ** 30})
+    for test, prop, peak, seconds in (("t1", "out_matches_reference", 3, 1.5), ("t2", "out_matches_reference", 5, 2.0),
+                                      ("t3", "gradients_match_reference", 7, 4.25)):
+        report.memory({"test": test, "property": prop, "peak_bytes": peak * 2 ** 20, "budget_bytes": 2 ** 30,
+                       "seconds": seconds})
     report.close()
     mem = memory.summary(tmp_path)
     assert mem["budget_bytes"] == 2 ** 30
@@ -230,8 +231,9 @@ def test_peak_memory_per_property_in_the_report(tmp_path):
     assert rows["out_matches_reference"]["max_peak_bytes"] == 5 * 2 ** 20
     assert rows["out_matches_reference"]["max_peak_test"] == "t2" and rows["out_matches_reference"]["tests"] == 2
     md = markdown(summarise(tmp_path))
-    assert "## Peak device memory per property" in md and "budget: 1024 MiB" in md
-    assert "| gradients_match_reference | 1 | 7.0 | 7.0 | t3 |" in md
+    assert rows["out_matches_reference"]["seconds"] == 3.5 and rows["out_matches_reference"]["max_seconds"] == 2.0
+    assert "## Peak device memory and time per property" in md and "budget: 1024 MiB" in md
+    assert "| gradients_match_reference | 1 | 7.0 | 7.0 | t3 | 4.2 | 4.2 |" in md
 
 
 def test_a_cpu_run_has_no_memory_section(tmp_path):

@@ -25,6 +25,7 @@ import platform
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -417,6 +418,7 @@ def pytest_runtest_call(item):
     on a failure, the fields of one failure file per distinct failure (:func:`_explain_failure`)."""
     item.stash[_FAILURES] = []
     budget = getattr(item.config, "_flashverify_budget", None)
+    started = time.monotonic()
     if budget is not None:
         gpu.start_test(budget.device)
     try:
@@ -430,11 +432,13 @@ def pytest_runtest_call(item):
         raise
     finally:
         if budget is not None and getattr(item.config, "_flashverify_poisoned", None) is None:
-            _record_peak_memory(item, budget)
+            _record_peak_memory(item, budget, time.monotonic() - started)
 
 
-def _record_peak_memory(item, budget) -> None:
-    """The test's peak allocated device memory into the report (``memory-<worker>.jsonl``); the cache emptied."""
+def _record_peak_memory(item, budget, seconds: float) -> None:
+    """The test's peak allocated device memory and its wall time into the report (``memory-<worker>.jsonl``,
+    written as each test ends, so a run cut by a time limit still says where its time went); the cache
+    emptied."""
     try:
         peak = gpu.end_test(budget.device)
     except Exception as exc:  # noqa: BLE001 - a device that cannot say must not replace the test's outcome
@@ -448,7 +452,7 @@ def _record_peak_memory(item, budget) -> None:
     report.memory({"test": item.nodeid, "implementation": getattr(impl, "name", None),
                    "property": getattr(item, "originalname", item.name).removeprefix("test_"),
                    "dtype": params.get("dtype"), "device": f"cuda:{budget.device}", "peak_bytes": peak,
-                   "budget_bytes": budget.worker_bytes})
+                   "budget_bytes": budget.worker_bytes, "seconds": round(seconds, 3)})
 
 
 def _skip_if_the_suite_ran_out_of_memory(item, exc) -> None:
