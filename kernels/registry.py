@@ -91,6 +91,10 @@ class Implementation:
     out_buffers: bool = False
     # Largest sequence length and head dim the suite should try (None: no limit of the kernel's own).
     max_seq_len: int | None = None
+    # Most (query tiles) x (key tiles) per head the suite should draw, for a kernel whose tile loop
+    # runs in Python (one launch per tile: its time grows with the tile count, not the work); None: the
+    # profile's own cap (verify/profiles.py).
+    max_tiles: int | None = None
     # Cap on Hypothesis examples per property (for slow environments such as the Triton interpreter).
     max_examples: int | None = None
     # Dtypes for which the environment, not the kernel, makes results meaningless, with the reason
@@ -123,6 +127,10 @@ class Implementation:
             sizes = getattr(self, field)
             if sizes is not None and (len(sizes) == 0 or any(int(s) < 1 for s in sizes)):
                 raise ImplementationError(f"{self.name}: {field}={sizes!r} must hold positive ints")
+        for field in ("max_seq_len", "max_tiles"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ImplementationError(f"{self.name}: {field}={value!r}, but should be a positive int or None")
         if self.backward is not None and not callable(self.backward):
             raise ImplementationError(f"{self.name}: backward={self.backward!r} is not callable")
 

@@ -164,12 +164,19 @@ def _bounds_of(ctx, case, q, k, v):
 
 @prop
 def block_size_invariance(ctx: Context, case: AttentionCase) -> None:
-    """Another tiling (drawn from the declared block sizes) gives the same out and lse, up to bounds."""
+    """Another tiling (drawn from the declared block sizes) gives the same out and lse, up to bounds.
+
+    For a kernel that declares ``max_tiles`` the other tiling is drawn among the block sizes that keep
+    each axis within its share of it, as the case's own tiling was."""
     if not ctx.impl.tunable:
         raise NotApplicable(f"{ctx.impl.name} declares no tunable block sizes")
     t = case.build(ctx.device)
     g = _rng(case, 1)
     sizes_m, sizes_n = list(ctx.impl.block_m), list(ctx.impl.block_n)
+    if ctx.impl.max_tiles is not None:
+        per_axis = max(1, math.isqrt(ctx.impl.max_tiles))
+        sizes_m = [b for b in sizes_m if -(-case.len_q // b) <= per_axis] or [case.block_m]
+        sizes_n = [b for b in sizes_n if -(-case.len_k // b) <= per_axis] or [case.block_n]
     other = case.replace(block_m=sizes_m[int(torch.randint(len(sizes_m), (1,), generator=g))],
                          block_n=sizes_n[int(torch.randint(len(sizes_n), (1,), generator=g))])
     out_a, lse_a = run_forward(ctx, case, t.q, t.k, t.v)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -124,9 +125,13 @@ def skip_reason(impl: Implementation, dtype: str, env: Env, requires: Iterable[s
     return None
 
 
-def _limits_for(impl: Implementation, limits: Limits) -> Limits:
+def limits_of(impl: Implementation, limits: Limits) -> Limits:
+    """``limits`` narrowed by what ``impl`` declares: its longest sequence, its tile cap (``max_tiles``),
+    and a head dim it accepts when the profile's largest is below its smallest."""
     if impl.max_seq_len is not None and impl.max_seq_len < limits.max_len:
         limits = dataclasses.replace(limits, max_len=impl.max_seq_len)
+    if impl.max_tiles is not None and impl.max_tiles < limits.max_tiles:
+        limits = dataclasses.replace(limits, max_tiles=impl.max_tiles)
     if impl.head_dims is not None:
         smallest = min(impl.head_dims)
         if smallest > limits.max_head_dim:
@@ -170,7 +175,7 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
         kwargs["magnitudes"] = tuple(magnitudes)
     if layouts is not None:
         kwargs["layouts"] = tuple(layouts)
-    strategy = attention_cases(dtype=dtype, limits=_limits_for(impl, limits or env.limits),
+    strategy = attention_cases(dtype=dtype, limits=limits_of(impl, limits or env.limits),
                                head_dims=impl.head_dims, gqa=impl.gqa, block_m=impl.block_m,
                                block_n=impl.block_n, causal=causal if impl.causal else False, **kwargs)
     coverage = _Coverage()
@@ -222,14 +227,24 @@ def _run_example(fn, ctx: Context, case, env: Env) -> None:
 def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bool) -> AttentionCase:
     """The largest case the limits allow, for one fixed example that drawing may never reach: Nk at
     ``max_len``, as many queries as ``max_scores`` leaves (at most Nk), one head, the largest head dim
-    up to 128 the implementation accepts, N(0, 1) inputs, the implementation's own block sizes."""
-    limits = _limits_for(impl, limits)
+    up to 128 the implementation accepts, N(0, 1) inputs, the implementation's own block sizes.
+
+    A tunable kernel that declares ``max_tiles`` (its tile loop runs in Python) runs its largest
+    declared tiles instead, and the lengths stop where the tile count would pass ``max_tiles``."""
+    limits = limits_of(impl, limits)
     len_k = limits.max_len
+    block_m = block_n = None
+    if impl.max_tiles is not None and impl.tunable:
+        block_m, block_n = max(impl.block_m), max(impl.block_n)
+        len_k = min(len_k, math.isqrt(limits.max_tiles) * block_n)
     len_q = max(1, min(len_k, limits.max_scores // len_k))
+    if block_m is not None:
+        len_q = min(len_q, math.isqrt(limits.max_tiles) * block_m)
     dims = [d for d in (impl.head_dims or range(1, limits.max_head_dim + 1))
             if d <= min(128, limits.max_head_dim) and d % 8 == 0] or sorted(impl.head_dims or [8])[:1]
     return AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=len_q, len_k=len_k, head_dim=max(dims),
-                         dtype=dtype, causal=causal, magnitude="normal", seed=0, layout="contiguous")
+                         dtype=dtype, causal=causal, magnitude="normal", seed=0, layout="contiguous",
+                         block_m=block_m, block_n=block_n)
 
 
 def check_longest(prop: str, impl: Implementation, dtype: str, env: Env, *, causal: bool,
