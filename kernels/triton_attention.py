@@ -62,6 +62,7 @@ bucket); under the Triton interpreter one small fixed configuration is used.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 
@@ -108,6 +109,24 @@ def _launch_options(block_m: int, block_n: int, block_d: int, dtype: torch.dtype
         warps = min(16, max(4, triton.next_power_of_2(block_m * block_n * block_d // (32 * 512))))
         return {"num_warps": warps, "num_stages": 1 if block_d > 128 else 2}
     return {"num_warps": 8 if block_m * block_n >= 128 * 64 else 4, "num_stages": 2 if block_d > 128 else 3}
+
+
+# Integer arguments Triton would otherwise compile a variant for by value (divisible by 16, equal to 1):
+# the head dim and the lengths and head counts only bound masks and loops, so one compiled kernel per
+# padded head dim serves them all (31 accepted head dims, 5 padded ones). EVEN_D (head dim = padded
+# head dim) keeps the unmasked column loads of the common head dims; strides stay specialised (their
+# divisibility is what lets loads vectorise).
+_NOT_SPECIALIZED = ("head_dim", "len_q", "len_k", "heads_q", "heads_kv", "group")
+
+
+def _kernel(fn):
+    """``triton.jit`` for a launched kernel: no value specialisation of :data:`_NOT_SPECIALIZED`."""
+    params = inspect.signature(fn).parameters
+    return triton.jit(fn, do_not_specialize=[name for name in _NOT_SPECIALIZED if name in params])
+
+
+def _head_dim_meta(head_dim: int, block_d: int) -> dict:
+    return {"head_dim": head_dim, "BLOCK_D": block_d, "EVEN_D": head_dim == block_d}
 
 
 def _split_stages(dtype: torch.dtype) -> bool:
@@ -196,27 +215,27 @@ def _bwd_tiles(block_m: int, block_n: int, block_d: int, dtype: torch.dtype):
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _load_rows(ptrs, rows, row_end, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _load_rows(ptrs, rows, row_end, offs_d, head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                CHECK_ROWS: tl.constexpr):
-    """Load a [rows, BLOCK_D] tile; rows >= row_end and columns >= HEAD_DIM read as 0."""
+    """Load a [rows, BLOCK_D] tile; rows >= row_end and columns >= head_dim read as 0."""
     if CHECK_ROWS:
-        tile = tl.load(ptrs, mask=(rows[:, None] < row_end) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    elif HEAD_DIM == BLOCK_D:
+        tile = tl.load(ptrs, mask=(rows[:, None] < row_end) & (offs_d[None, :] < head_dim), other=0.0)
+    elif EVEN_D:
         tile = tl.load(ptrs)
     else:
-        tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        tile = tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
     return tile
 
 
 @triton.jit
-def _store_rows(ptrs, tile, rows, row_end, offs_d, HEAD_DIM: tl.constexpr):
-    tl.store(ptrs, tile, mask=(rows[:, None] < row_end) & (offs_d[None, :] < HEAD_DIM))
+def _store_rows(ptrs, tile, rows, row_end, offs_d, head_dim):
+    tl.store(ptrs, tile, mask=(rows[:, None] < row_end) & (offs_d[None, :] < head_dim))
 
 
 @triton.jit
 def _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
                     lo, hi, kv_end, causal_offset, qk_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, MASKED: tl.constexpr, INNER_SCALED: tl.constexpr):
     """Consume the KV blocks lo, lo + BLOCK_N, ... < hi into the running (acc, m, l) of one Q tile;
     ``qk_scale = scale * log2(e)``; ``m`` is the running max of ``sign(scale) * q.k`` (raw units).
@@ -229,8 +248,8 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = _load_rows(K + cols[:, None] * stride_kn, cols, kv_end, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        k = _load_rows(K + cols[:, None] * stride_kn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
+        v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
         # -- raw scores q.k in float32, sign-adjusted so that the largest is the largest scaled score
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sign
         if MASKED:
@@ -270,7 +289,7 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n
 # Forward kernel
 # --------------------------------------------------------------------------------------------------
 
-@triton.jit
+@_kernel
 def _attn_fwd(Q, K, V, Out, Lse, qk_scale,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
@@ -278,7 +297,7 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale,
               stride_ob, stride_oh, stride_om, stride_od,
               stride_lb, stride_lh, stride_lm,
               heads_q, group, len_q, len_k, seq_bucket,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
+              head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
               INNER_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Causal: heavy (late) Q blocks first, so the light ones fill the last wave.
     if CAUSAL:
@@ -289,14 +308,13 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale,
     off_b = (pid_bh // heads_q).to(tl.int64)
     off_h = (pid_bh % heads_q).to(tl.int64)
     off_hkv = off_h // group
-    tl.static_assert(BLOCK_D >= HEAD_DIM)
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh
                    + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                   offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
+                   offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
     # [1, BLOCK_D] pointers to the head-dim columns of this (batch, kv head); the loop adds the key rows.
     K += off_b * stride_kb + off_hkv * stride_kh + offs_d[None, :] * stride_kd
     V += off_b * stride_vb + off_hkv * stride_vh + offs_d[None, :] * stride_vd
@@ -318,13 +336,13 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale,
         full_end = (full_end // BLOCK_N) * BLOCK_N
         acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
                                         0, full_end, kv_end, causal_offset, qk_scale,
-                                        HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, False, INNER_SCALED)
+                                        head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, False, INNER_SCALED)
     else:
         full_end = 0
     # Stage 2: blocks crossing the diagonal or the end of the keys, masked (every block if not SPLIT).
     acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
                                     full_end, kv_end, kv_end, causal_offset, qk_scale,
-                                    HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, True, INNER_SCALED)
+                                    head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, True, INNER_SCALED)
 
     # Epilogue: rows with no visible key have l = 0, acc = 0: out = 0, lse = -inf. Natural-log LSE.
     empty = l_i == 0.0
@@ -340,7 +358,7 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale,
     lse = tl.where(empty, float("-inf"), (m_i * c_abs + tl.log2(l_safe)) * _LN2)
     _store_rows(Out + off_b * stride_ob + off_h * stride_oh
                 + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-                out.to(Out.dtype.element_ty), offs_m, len_q, offs_d, HEAD_DIM)
+                out.to(Out.dtype.element_ty), offs_m, len_q, offs_d, head_dim)
     tl.store(Lse + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm, lse, mask=offs_m < len_q)
 
 
@@ -355,12 +373,12 @@ _attn_fwd_tuned = triton.autotune(
 # Backward kernels
 # --------------------------------------------------------------------------------------------------
 
-@triton.jit
+@_kernel
 def _attn_bwd_delta(Out, DOut, Delta,
                     stride_ob, stride_oh, stride_om, stride_od,
                     stride_gb, stride_gh, stride_gm, stride_gd,
                     heads_q, len_q,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                    head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """Delta = rowsum(dO * O) in float32, stored as a contiguous [B, Hq, Nq] tensor."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -370,10 +388,10 @@ def _attn_bwd_delta(Out, DOut, Delta,
     offs_d = tl.arange(0, BLOCK_D)
     o = _load_rows(Out + off_b * stride_ob + off_h * stride_oh
                    + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-                   offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
+                   offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
     do = _load_rows(DOut + off_b * stride_gb + off_h * stride_gh
                     + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd,
-                    offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
+                    offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(Delta + pid_bh.to(tl.int64) * len_q + offs_m, delta, mask=offs_m < len_q)
 
@@ -381,7 +399,7 @@ def _attn_bwd_delta(Out, DOut, Delta,
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, stride_qm, stride_gm, stride_lm,
                          offs_n, offs_d, lo, hi, len_q, causal_offset, qk_scale,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          CAUSAL: tl.constexpr, MASKED: tl.constexpr):
     """Add the Q blocks lo, lo + BLOCK_M, ... < hi of one query head to a KV tile's dK, dV (transposed
     form: rows are keys, columns queries). MASKED: rows past len_q are read as 0, and (if CAUSAL)
@@ -389,8 +407,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, stride_qm, stride_gm, 
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(Q + rows[:, None] * stride_qm, rows, len_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        do = _load_rows(DO + rows[:, None] * stride_gm, rows, len_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        q = _load_rows(Q + rows[:, None] * stride_qm, rows, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
+        do = _load_rows(DO + rows[:, None] * stride_gm, rows, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
         if MASKED:
             lse = tl.load(Lse + rows * stride_lm, mask=rows < len_q, other=float("inf"))
             delta = tl.load(Delta + rows, mask=rows < len_q, other=0.0)
@@ -416,7 +434,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, stride_qm, stride_gm, 
     return dk, dv
 
 
-@triton.jit
+@_kernel
 def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
@@ -426,7 +444,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale,
                    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                    heads_q, heads_kv, group, len_q, len_k, seq_bucket,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
+                   head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -439,10 +457,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale,
     # The KV tile stays in registers for the whole program; keys past len_k read as 0 (never stored).
     k = _load_rows(K + off_b * stride_kb + off_hkv * stride_kh
                    + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                   offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, True)
+                   offs_n, len_k, offs_d, head_dim, BLOCK_D, EVEN_D, True)
     v = _load_rows(V + off_b * stride_vb + off_hkv * stride_vh
                    + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                   offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, True)
+                   offs_n, len_k, offs_d, head_dim, BLOCK_D, EVEN_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
@@ -471,39 +489,39 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale,
             # Q blocks crossing the diagonal (masked), those seeing the whole tile, then the ragged tail.
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
                                           offs_n, offs_d, lo, diag_end, len_q, causal_offset, qk_scale,
-                                          HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, True)
+                                          head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
                                           offs_n, offs_d, diag_end, even_end, len_q, causal_offset, qk_scale,
-                                          HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, False)
+                                          head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, False)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
                                           offs_n, offs_d, even_end, len_q, len_q, causal_offset, qk_scale,
-                                          HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, True)
+                                          head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True)
         else:
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
                                           offs_n, offs_d, lo, len_q, len_q, causal_offset, qk_scale,
-                                          HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, True)
+                                          head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True)
 
     dk = dk * sm_scale
     _store_rows(DK + off_b * stride_dkb + off_hkv * stride_dkh
                 + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-                dk.to(DK.dtype.element_ty), offs_n, len_k, offs_d, HEAD_DIM)
+                dk.to(DK.dtype.element_ty), offs_n, len_k, offs_d, head_dim)
     _store_rows(DV + off_b * stride_dvb + off_hkv * stride_dvh
                 + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
-                dv.to(DV.dtype.element_ty), offs_n, len_k, offs_d, HEAD_DIM)
+                dv.to(DV.dtype.element_ty), offs_n, len_k, offs_d, head_dim)
 
 
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
                        lo, hi, kv_end, causal_offset, qk_scale,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, MASKED: tl.constexpr):
     """Add the KV blocks lo, lo + BLOCK_N, ... < hi to a Q tile's dQ (masking as in the forward);
     ``lse2 = log2(e) * lse`` (+inf for rows that see no key), ``qk_scale = log2(e) * scale``."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = _load_rows(K + cols[:, None] * stride_kn, cols, kv_end, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        k = _load_rows(K + cols[:, None] * stride_kn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
+        v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
         arg = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale - lse2[:, None]
         if MASKED:
             visible = cols[None, :] < kv_end
@@ -517,7 +535,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_
     return dq
 
 
-@triton.jit
+@_kernel
 def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
@@ -526,7 +544,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale,
                  stride_lb, stride_lh, stride_lm,
                  stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                  heads_q, group, len_q, len_k, seq_bucket,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
+                 head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -543,10 +561,10 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale,
 
     q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh
                    + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                   offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
+                   offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
     do = _load_rows(DO + off_b * stride_gb + off_h * stride_gh
                     + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd,
-                    offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
+                    offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
     lse = tl.load(Lse + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm,
                   mask=offs_m < len_q, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
@@ -566,16 +584,16 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale,
         full_end = (full_end // BLOCK_N) * BLOCK_N
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
                                 0, full_end, kv_end, causal_offset, qk_scale,
-                                HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, False)
+                                head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, False)
     else:
         full_end = 0
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
                             full_end, kv_end, kv_end, causal_offset, qk_scale,
-                            HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, True)
+                            head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, True)
     dq = dq * sm_scale
     _store_rows(DQ + off_b * stride_dqb + off_h * stride_dqh
                 + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-                dq.to(DQ.dtype.element_ty), offs_m, len_q, offs_d, HEAD_DIM)
+                dq.to(DQ.dtype.element_ty), offs_m, len_q, offs_d, head_dim)
 
 
 _bwd_key = ["BLOCK_D", "CAUSAL", "seq_bucket"]
@@ -636,7 +654,7 @@ def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bo
     block_d = _padded_head_dim(d)
     args = (q, k, v, out, lse, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
             hq, hq // hkv, len_q, len_k, _seq_bucket(max(len_q, len_k)))
-    meta = {"HEAD_DIM": d, "BLOCK_D": block_d, "CAUSAL": causal, "SPLIT": _split_stages(q.dtype),
+    meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype),
             "INNER_SCALED": inner_scaled}
     _run(_attn_fwd, _attn_fwd_tuned, lambda bm, bn: (triton.cdiv(len_q, bm), b * hq), args, meta,
          _fixed_blocks(block_m, block_n), block_d, q.dtype, name=kernel)
@@ -691,9 +709,9 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
         delta_block = 32 if INTERPRET or block_d > 128 else 64
         _attn_bwd_delta[(triton.cdiv(len_q, delta_block), b * hq)](
             out, dout, delta, *out.stride(), *dout.stride(), hq, len_q,
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=delta_block)
+            **_head_dim_meta(d, block_d), BLOCK_M=delta_block)
     common = (scale, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride())
-    meta = {"HEAD_DIM": d, "BLOCK_D": block_d, "CAUSAL": causal, "SPLIT": _split_stages(q.dtype)}
+    meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype)}
     if b * hkv * len_k > 0:
         _run(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, lambda bm, bn: (triton.cdiv(len_k, bn), b * hkv),
              (q, k, v, dout, lse, delta, dk, dv, *common, *dk.stride(), *dv.stride(),
