@@ -114,9 +114,15 @@ def _launch_options(block_m: int, block_n: int, block_d: int, dtype: torch.dtype
 # Integer arguments Triton would otherwise compile a variant for by value (divisible by 16, equal to 1):
 # the head dim and the lengths and head counts only bound masks and loops, so one compiled kernel per
 # padded head dim serves them all (31 accepted head dims, 5 padded ones). EVEN_D (head dim = padded
-# head dim) keeps the unmasked column loads of the common head dims; strides stay specialised (their
-# divisibility is what lets loads vectorise).
-_NOT_SPECIALIZED = ("head_dim", "len_q", "len_k", "heads_q", "heads_kv", "group")
+# head dim) keeps the unmasked column loads of the common head dims. The batch and head strides change
+# with every length (Nq * D, Hq * Nq * D): one flag, ALIGNED (every one of them a multiple of 16), tells
+# the kernel what the per-stride specialisation did, so that aligned tiles still load in vectors; the
+# row and column strides stay specialised.
+_ALIGNABLE = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb", "stride_vh", "stride_ob", "stride_oh",
+              "stride_gb", "stride_gh", "stride_dkb", "stride_dkh", "stride_dvb", "stride_dvh", "stride_dqb",
+              "stride_dqh")
+_NOT_SPECIALIZED = ("head_dim", "len_q", "len_k", "heads_q", "heads_kv", "group", "stride_lb", "stride_lh",
+                    *_ALIGNABLE)
 
 
 def _kernel(fn):
@@ -127,6 +133,11 @@ def _kernel(fn):
 
 def _head_dim_meta(head_dim: int, block_d: int) -> dict:
     return {"head_dim": head_dim, "BLOCK_D": block_d, "EVEN_D": head_dim == block_d}
+
+
+def _aligned(*tensors) -> bool:
+    """ALIGNED: the batch and head strides of every tensor (dims 0 and 1) are multiples of 16."""
+    return all(t.stride(dim) % 16 == 0 for t in tensors for dim in (0, 1))
 
 
 def _split_stages(dtype: torch.dtype) -> bool:
@@ -228,6 +239,14 @@ def _load_rows(ptrs, rows, row_end, offs_d, head_dim, BLOCK_D: tl.constexpr, EVE
 
 
 @triton.jit
+def _hint16(stride, ALIGNED: tl.constexpr):
+    """``stride``, known to the compiler as a multiple of 16 when ALIGNED (the launcher checked it)."""
+    if ALIGNED:
+        stride = (stride // 16) * 16
+    return stride
+
+
+@triton.jit
 def _store_rows(ptrs, tile, rows, row_end, offs_d, head_dim):
     tl.store(ptrs, tile, mask=(rows[:, None] < row_end) & (offs_d[None, :] < head_dim))
 
@@ -298,7 +317,11 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale,
               stride_lb, stride_lh, stride_lm,
               heads_q, group, len_q, len_k, seq_bucket,
               head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
-              INNER_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              INNER_SCALED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
+    stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
+    stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
+    stride_ob, stride_oh = _hint16(stride_ob, ALIGNED), _hint16(stride_oh, ALIGNED)
     # Causal: heavy (late) Q blocks first, so the light ones fill the last wave.
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -378,8 +401,11 @@ def _attn_bwd_delta(Out, DOut, Delta,
                     stride_ob, stride_oh, stride_om, stride_od,
                     stride_gb, stride_gh, stride_gm, stride_gd,
                     heads_q, len_q,
-                    head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                    head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, ALIGNED: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
     """Delta = rowsum(dO * O) in float32, stored as a contiguous [B, Hq, Nq] tensor."""
+    stride_ob, stride_oh = _hint16(stride_ob, ALIGNED), _hint16(stride_oh, ALIGNED)
+    stride_gb, stride_gh = _hint16(stride_gb, ALIGNED), _hint16(stride_gh, ALIGNED)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // heads_q).to(tl.int64)
@@ -445,7 +471,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale,
                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                    heads_q, heads_kv, group, len_q, len_k, seq_bucket,
                    head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
+    stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
+    stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
+    stride_gb, stride_gh = _hint16(stride_gb, ALIGNED), _hint16(stride_gh, ALIGNED)
+    stride_dkb, stride_dkh = _hint16(stride_dkb, ALIGNED), _hint16(stride_dkh, ALIGNED)
+    stride_dvb, stride_dvh = _hint16(stride_dvb, ALIGNED), _hint16(stride_dvh, ALIGNED)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // heads_kv).to(tl.int64)
@@ -545,7 +577,12 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale,
                  stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                  heads_q, group, len_q, len_k, seq_bucket,
                  head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
+    stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
+    stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
+    stride_gb, stride_gh = _hint16(stride_gb, ALIGNED), _hint16(stride_gh, ALIGNED)
+    stride_dqb, stride_dqh = _hint16(stride_dqb, ALIGNED), _hint16(stride_dqh, ALIGNED)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
@@ -655,7 +692,7 @@ def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bo
     args = (q, k, v, out, lse, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
             hq, hq // hkv, len_q, len_k, _seq_bucket(max(len_q, len_k)))
     meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype),
-            "INNER_SCALED": inner_scaled}
+            "INNER_SCALED": inner_scaled, "ALIGNED": _aligned(q, k, v, out)}
     _run(_attn_fwd, _attn_fwd_tuned, lambda bm, bn: (triton.cdiv(len_q, bm), b * hq), args, meta,
          _fixed_blocks(block_m, block_n), block_d, q.dtype, name=kernel)
     return out, lse
@@ -709,15 +746,17 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
         delta_block = 32 if INTERPRET or block_d > 128 else 64
         _attn_bwd_delta[(triton.cdiv(len_q, delta_block), b * hq)](
             out, dout, delta, *out.stride(), *dout.stride(), hq, len_q,
-            **_head_dim_meta(d, block_d), BLOCK_M=delta_block)
+            **_head_dim_meta(d, block_d), ALIGNED=_aligned(out, dout), BLOCK_M=delta_block)
     common = (scale, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride())
     meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype)}
     if b * hkv * len_k > 0:
+        meta["ALIGNED"] = _aligned(q, k, v, dout, dk, dv)
         _run(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, lambda bm, bn: (triton.cdiv(len_k, bn), b * hkv),
              (q, k, v, dout, lse, delta, dk, dv, *common, *dk.stride(), *dv.stride(),
               hq, hkv, group, len_q, len_k, bucket),
              meta, dkdv_blocks, block_d, q.dtype, name=kernel)
     if b * hq * len_q > 0:
+        meta["ALIGNED"] = _aligned(q, k, v, dout, dq)
         _run(_attn_bwd_dq, _attn_bwd_dq_tuned, lambda bm, bn: (triton.cdiv(len_q, bm), b * hq),
              (q, k, v, dout, lse, delta, dq, *common, *dq.stride(), hq, group, len_q, len_k, bucket),
              meta, dq_blocks, block_d, q.dtype, name=kernel)
