@@ -132,7 +132,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                     block_n: Sequence[int] | None = None, causal: bool | None = None,
                     magnitudes: Sequence[str] = MAGNITUDES, layouts: Sequence[str] = LAYOUTS,
                     draw_scale: bool = True, shape_classes: Sequence[str] = SHAPE_CLASSES,
-                    min_len_k: int = 0):
+                    min_len_k: int = 0, min_len_q: int = 1, min_group: int = 1, longer: str | None = None,
+                    max_extra: int = 8):
     """Return a strategy for :class:`AttentionCase` values.
 
     dtype          the dtype name (``"float16"`` ...), fixed by the test's parametrisation
@@ -146,6 +147,12 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     draw_scale     also draw explicit softmax scales (:func:`scales`; None, the default, comes first)
     shape_classes  the shape classes to draw from (``plain`` first: what failures shrink to)
     min_len_k      the fewest keys (0 allows ``no_keys``; a property that needs keys passes 1)
+    min_len_q      the fewest queries (above 1 leaves ``decode`` out)
+    min_group      the fewest query heads per KV head (above 1: grouped-query cases only; needs ``gqa``)
+    longer         ``"len_q"`` or ``"len_k"``: that length exceeds the other by 1..``max_extra`` (drawn);
+                   leaves out the class it contradicts (``decode``, ``no_keys``)
+
+    These constraints are part of the draw: the case a property runs is the case Hypothesis drew.
 
     The shape class comes first, then batch, heads and head dim, then block sizes and the lengths they
     allow (at most sqrt(max_tiles) tiles per axis), then the flags, the magnitude class, the layout, the
@@ -157,9 +164,19 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     unknown = sorted(set(shape_classes) - set(SHAPE_CLASSES))
     if unknown:
         raise ValueError(f"shape_classes {unknown} are unknown; known: {SHAPE_CLASSES}")
+    if longer not in (None, "len_q", "len_k"):
+        raise ValueError(f"longer={longer!r}, but should be None, 'len_q' or 'len_k'")
+    if min_len_q < 1 or max_extra < 1:
+        raise ValueError(f"min_len_q={min_len_q}, max_extra={max_extra}, but both should be at least 1")
+    if min_group > 1 and not gqa:
+        raise ValueError(f"min_group={min_group} needs gqa=True (grouped-query cases)")
+    if min_group > limits.max_group:
+        raise ValueError(f"min_group={min_group}, but limits.max_group={limits.max_group}")
     classes = list(shape_classes)
-    if min_len_k > 0 and "no_keys" in classes and len(classes) > 1:
-        classes.remove("no_keys")
+    for name, excluded in (("no_keys", min_len_k > 0 or longer == "len_k"),
+                           ("decode", min_len_q > 1 or longer == "len_q")):
+        if excluded and name in classes and len(classes) > 1:
+            classes.remove(name)
     first, rest = classes[0], classes[1:]
     kind = draw(st.one_of(st.just(first), st.sampled_from(rest)) if rest else st.just(first), label="shape class")
 
@@ -172,7 +189,7 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     one_head = long_class or tile_class  # long sequences stay cheap with B = Hkv = 1
     batch = draw(st.integers(1, limits.max_batch), label="batch")
     heads_kv = draw(st.integers(1, limits.max_heads_kv), label="heads_kv")
-    group = draw(st.integers(1, limits.max_group), label="group") if gqa else 1
+    group = draw(st.integers(min_group, limits.max_group), label="group") if gqa else 1
     if one_head:
         batch, heads_kv = 1, 1
     if kind == "decode" and gqa:  # decode fast paths are grouped-query paths
@@ -225,6 +242,13 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         max_q = min(max_len, per_axis * tm) if block_m else max_len
         max_kt = min(max_len, per_axis * tn) if block_n else max_len
         len_q, len_k = _tile_lengths(kind, tm, tn, len_q, len_k, max_q=max_q, max_k=max_kt, min_len_k=min_len_k)
+    len_q = max(len_q, min_len_q)
+    if longer is not None:
+        extra = draw(st.integers(1, max_extra), label=f"{longer} longer by")
+        if longer == "len_q":
+            len_q = len_k + extra
+        else:
+            len_k = len_q + extra
     magnitude = draw(st.sampled_from(list(magnitudes)), label="magnitude")
     layout = draw(st.sampled_from(list(layouts)), label="layout")
     scale = draw(scales(), label="scale") if draw_scale else None

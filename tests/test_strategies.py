@@ -3,6 +3,7 @@ JSON-replayable builds, layouts that really are strided, and failures that shrin
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -109,6 +110,42 @@ def test_a_property_that_needs_keys_never_gets_none():
         assert case.len_k >= 1
 
     check()
+
+
+@pytest.mark.parametrize("which", ["len_q", "len_k"])
+def test_a_longer_length_is_drawn_not_edited(which):
+    other = "len_k" if which == "len_q" else "len_q"
+
+    @settings(max_examples=200, database=None)
+    @given(attention_cases(dtype="float32", limits=WIDE, gqa=True, block_m=BLOCKS, block_n=BLOCKS, longer=which,
+                           causal=True))
+    def check(case):
+        assert 1 <= getattr(case, which) - getattr(case, other) <= 8, case
+
+    check()
+    # the smallest case of the constraint is one past the other length, in the plain class
+    smallest = find(attention_cases(dtype="float32", limits=WIDE, longer=which, causal=True), lambda c: True)
+    assert (getattr(smallest, which), getattr(smallest, other)) == (2, 1), smallest
+
+
+def test_grouped_query_and_query_count_minimums_are_drawn():
+    @settings(max_examples=200, database=None)
+    @given(attention_cases(dtype="float32", limits=WIDE, gqa=True, min_group=2, min_len_q=2))
+    def check(case):
+        assert case.heads_q // case.heads_kv >= 2 and case.len_q >= 2, case
+
+    check()
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(longer="keys"), "longer='keys', but should be None, 'len_q' or 'len_k'"),
+    (dict(min_group=2), "min_group=2 needs gqa=True"),
+    (dict(min_group=4, gqa=True), "min_group=4, but limits.max_group=3"),
+    (dict(min_len_q=0), "min_len_q=0, max_extra=8, but both should be at least 1"),
+])
+def test_contradictory_constraints_are_refused(kwargs, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        find(attention_cases(dtype="float32", limits=WIDE, **kwargs), lambda c: True)
 
 
 def test_boundary_classes_of_hand_made_cases():

@@ -22,7 +22,7 @@ import collections
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from kernels.registry import Implementation
 from strategies.attention import Limits, attention_cases, boundary_classes
-from strategies.cases import DTYPES, AttentionCase, dtype_name
+from strategies.cases import DTYPES, AttentionCase
 from strategies.softmax import softmax_cases
 from verify import properties
 from verify.gpu import sticky_cuda_error
@@ -145,9 +145,6 @@ def _max_examples(impl: Implementation, share: float = 1.0) -> int:
     return max(1, round(n * share))
 
 
-Adjust = Callable[[AttentionCase, st.DataObject], AttentionCase]
-
-
 def _skip_unless_runnable(impl: Implementation, dtype: str, env: Env, requires: Iterable[str], *,
                           causal: bool | None) -> None:
     """Skip, with the declaration's words, an attention property this implementation cannot run here."""
@@ -162,11 +159,13 @@ def _skip_unless_runnable(impl: Implementation, dtype: str, env: Env, requires: 
 
 
 def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, requires: Iterable[str] = (),
-                    causal: bool | None = None, gqa_only: bool = False, adjust: Adjust | None = None,
-                    limits: Limits | None = None, magnitudes: Iterable[str] | None = None,
-                    layouts: Iterable[str] | None = None, examples_share: float = 1.0) -> None:
+                    causal: bool | None = None, limits: Limits | None = None,
+                    magnitudes: Iterable[str] | None = None, layouts: Iterable[str] | None = None,
+                    examples_share: float = 1.0, **draw: Any) -> None:
     """Check attention property ``prop`` on ``impl`` in ``dtype`` over drawn cases (``examples_share``:
-    the fraction of the profile's examples to draw, for a property that makes several calls per case)."""
+    the fraction of the profile's examples to draw, for a property that makes several calls per case).
+    ``draw``: constraints of :func:`strategies.attention.attention_cases` (``min_group``, ``min_len_q``,
+    ``longer``); the case each example runs is the case drawn, never edited after."""
     __tracebackhide__ = True
     _skip_unless_runnable(impl, dtype, env, requires, causal=causal)
     fn = properties.PROPERTIES[prop]
@@ -177,18 +176,13 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
         kwargs["layouts"] = tuple(layouts)
     strategy = attention_cases(dtype=dtype, limits=limits_of(impl, limits or env.limits),
                                head_dims=impl.head_dims, gqa=impl.gqa, block_m=impl.block_m,
-                               block_n=impl.block_n, causal=causal if impl.causal else False, **kwargs)
+                               block_n=impl.block_n, causal=causal if impl.causal else False, **kwargs, **draw)
     coverage = _Coverage()
 
     @settings(max_examples=_max_examples(impl, examples_share))
     @given(data=st.data())
     def run(data):
         case = data.draw(strategy, label="case")
-        if gqa_only and case.heads_q == case.heads_kv:
-            group = data.draw(st.integers(2, 3), label="group")
-            case = case.replace(heads_q=case.heads_kv * group)
-        if adjust is not None:
-            case = adjust(case, data)
         coverage.add(case)
         ctx = Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case)
         try:
@@ -199,7 +193,7 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
             reject()
         _aim(ctx.observations)
 
-    run = _own_seed(run, "attention", prop, dtype, causal, gqa_only, examples_share, limits, env.seed)
+    run = _own_seed(run, "attention", prop, dtype, causal, sorted(draw.items()), examples_share, limits, env.seed)
     try:
         run()
     finally:
@@ -278,23 +272,4 @@ def check_softmax(prop: str, impl: Implementation, dtype: str, env: Env) -> None
     _own_seed(run, "softmax", prop, dtype, env.seed)()
 
 
-def longer(which: str, *, max_extra: int = 8) -> Adjust:
-    """An adjustment making ``len_q`` (or ``len_k``) longer than the other by a drawn amount."""
-
-    def adjust(case: AttentionCase, data: st.DataObject) -> AttentionCase:
-        extra = data.draw(st.integers(1, max_extra), label=f"{which} longer by")
-        if which == "len_q":
-            return case.replace(len_q=case.len_k + extra)
-        return case.replace(len_k=case.len_q + extra)
-
-    return adjust
-
-
-def at_least(field: str, n: int) -> Adjust:
-    def adjust(case: AttentionCase, data: st.DataObject) -> AttentionCase:
-        return case.replace(**{field: max(n, getattr(case, field))})
-
-    return adjust
-
-
-__all__ = ["DTYPE_NAMES", "Env", "check_attention", "check_longest", "check_softmax", "longest_case", "longer", "at_least", "dtype_name"]
+__all__ = ["DTYPE_NAMES", "Env", "check_attention", "check_longest", "check_softmax", "longest_case"]

@@ -3,7 +3,7 @@
 import pytest
 
 from strategies.attention import Limits
-from verify.runner import DTYPE_NAMES, check_attention, longer
+from verify.runner import DTYPE_NAMES, check_attention
 
 pytestmark = pytest.mark.parametrize("dtype", DTYPE_NAMES)
 
@@ -25,12 +25,12 @@ def test_hidden_positions_get_zero_gradient(impl, dtype, env):
     # top-left alignment hides keys past Nq from every row when Nk > Nq.
     which = "len_q" if impl.causal_alignment == "bottom_right" else "len_k"
     check_attention("hidden_positions_get_zero_gradient", impl, dtype, env, requires=["autograd", "causal"],
-                    causal=True, adjust=longer(which))
+                    causal=True, longer=which)
 
 
 def test_gqa_gradients_sum_over_group(impl, dtype, env):
     check_attention("gqa_gradients_sum_over_group", impl, dtype, env, requires=["autograd", "gqa"],
-                    gqa_only=True)
+                    min_group=2)
 
 
 def test_run_to_run_identical(impl, dtype, env):

@@ -6,7 +6,7 @@ cases; the property itself is in ``verify/properties.py`` under the same name.
 
 import pytest
 
-from verify.runner import DTYPE_NAMES, at_least, check_attention, longer
+from verify.runner import DTYPE_NAMES, check_attention
 
 pytestmark = pytest.mark.parametrize("dtype", DTYPE_NAMES)
 
@@ -45,7 +45,7 @@ def test_value_linearity(impl, dtype, env):
 
 def test_hidden_keys_never_reach_output(impl, dtype, env):
     check_attention("hidden_keys_never_reach_output", impl, dtype, env, requires=["causal"], causal=True,
-                    adjust=at_least("len_q", 2))
+                    min_len_q=2)
 
 
 def test_layouts_agree(impl, dtype, env):
@@ -56,11 +56,11 @@ def test_fully_masked_rows(impl, dtype, env):
     if impl.causal_alignment == "top_left":
         pytest.skip(f"{impl.name} aligns causal masks top-left: no row is ever fully masked")
     check_attention("fully_masked_rows", impl, dtype, env, requires=["causal"], causal=True,
-                    adjust=longer("len_q"))
+                    longer="len_q")
 
 
 def test_gqa_equals_repeated_heads(impl, dtype, env):
-    check_attention("gqa_equals_repeated_heads", impl, dtype, env, requires=["gqa"], gqa_only=True)
+    check_attention("gqa_equals_repeated_heads", impl, dtype, env, requires=["gqa"], min_group=2)
 
 
 def test_outputs_stay_in_bounds(impl, dtype, env):
