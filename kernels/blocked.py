@@ -40,7 +40,7 @@ import math
 import torch
 
 from kernels import _autograd, _validate
-from kernels.registry import ALL_DTYPES, Implementation, register
+from kernels.declaration import ALL_DTYPES
 
 NEG_INF = float("-inf")
 
@@ -253,21 +253,3 @@ def fa1_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     """FA1 forward with autograd (the backward is the blocked FA2 backward, which needs only O and LSE);
     ``out=``/``lse=`` as for :func:`fa2_forward`."""
     return _apply(q, k, v, causal, scale, block_m, block_n, fa1_forward_raw, out, lse, "fa1_blocked")
-
-
-# Any positive block size is valid; the suite draws from these.
-_BLOCKS = (1, 2, 3, 4, 5, 7, 8, 13, 16, 32, 64)
-# The tile loops run in Python, a few launches per tile: at most 32 x 32 tiles per head (lengths up to
-# 2048 with 64-wide tiles) keeps an example under a second or so on a GPU.
-_MAX_TILES = 1024
-
-FA2_BLOCKED = register(Implementation(
-    name="fa2_blocked", forward=fa2_forward, backward=fa2_backward, gqa=True,
-    block_m=_BLOCKS, block_n=_BLOCKS, sibling="fa1_blocked", out_buffers=True, max_tiles=_MAX_TILES,
-    description="blocked PyTorch FlashAttention-2: outer-scaled forward, blocked backward",
-))
-FA1_BLOCKED = register(Implementation(
-    name="fa1_blocked", forward=fa1_forward, backward=fa2_backward, gqa=True,
-    block_m=_BLOCKS, block_n=_BLOCKS, out_buffers=True, max_tiles=_MAX_TILES,
-    description="blocked PyTorch FlashAttention-1: inner-scaled forward",
-))

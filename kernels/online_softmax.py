@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.registry import ALL_DTYPES, Implementation, register
+from kernels.declaration import ALL_DTYPES
 
 NEG_INF = float("-inf")
 
@@ -101,14 +101,3 @@ def batched_softmax(x: torch.Tensor):
     _check(x, "batched_softmax")
     xa = x.to(_acc_dtype(x.dtype))
     return _normalise(xa, state(xa), x.dtype)
-
-
-_SOFTMAX_BLOCKS = (1, 2, 3, 5, 8, 16, 64)
-
-STREAMING = register(Implementation(name="softmax_streaming", kind="softmax", forward=streaming_softmax,
-                                    autograd=False, description="online softmax, one element at a time"))
-BLOCKED = register(Implementation(name="softmax_blocked", kind="softmax", forward=blocked_softmax,
-                                  block_n=_SOFTMAX_BLOCKS, block_m=(1,), autograd=False,
-                                  description="online softmax, one block at a time"))
-BATCHED = register(Implementation(name="softmax_batched", kind="softmax", forward=batched_softmax,
-                                  autograd=False, description="softmax of all rows at once"))

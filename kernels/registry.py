@@ -7,6 +7,11 @@ supports (dtypes, devices, head dims, grouped-query attention, causal alignment,
 backward, an exposed Delta, determinism), and the generic properties in ``verify/`` run over those
 declarations. A property that a declaration says is unsupported is skipped with a visible reason.
 
+Where things are: :class:`Implementation` and its allowed values are defined in
+:mod:`kernels.declaration` (re-exported here); the kernels are plain modules (:mod:`kernels.blocked`,
+:mod:`kernels.online_softmax`, :mod:`kernels.adapters`, the Triton ones) that import nothing from here;
+this module imports them and holds the one list of shipped declarations, ``SHIPPED``.
+
 What is tested: every ``Implementation`` of kind ``"attention"`` runs the forward and backward
 catalogue; every one of kind ``"softmax"`` runs the online-softmax catalogue.
 
@@ -17,7 +22,8 @@ example is ``examples/reference_attention.py``),
     MY_KERNEL = Implementation(name="my_kernel", forward=my_forward, gqa=True,
                                block_m=(64, 128), block_n=(32, 64))
 
-and either add it to ``SHIPPED`` below or point the suite at it with
+and either add it to ``SHIPPED`` below (a shipped kernel lives in its own module under ``kernels/``,
+which holds the kernel only, and is declared here) or point the suite at it with
 ``pytest verify --impl package.module:MY_KERNEL`` or ``--impl path/to/file.py:MY_KERNEL``. A plain
 callable also works: ``--impl path/to/file.py:my_forward`` gets the defaults of :func:`from_callable`.
 
@@ -49,152 +55,148 @@ from typing import Any
 
 import torch
 
-ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-ALIGNMENTS = ("bottom_right", "top_left")
-KINDS = ("attention", "softmax")
+from kernels import adapters, blocked, online_softmax
+from kernels.declaration import ALIGNMENTS, ALL_DTYPES, KINDS, Implementation, ImplementationError
+
+try:
+    from kernels import triton_attention, triton_softmax
+except ImportError:  # Triton is an optional extra: without it the Triton kernels are not shipped
+    triton_attention = triton_softmax = None
+
+__all__ = ["ALIGNMENTS", "ALL_DTYPES", "KINDS", "SHIPPED", "Implementation", "ImplementationError",
+           "default_selection", "from_callable", "load", "registry"]
+
+# ------------------------------------------------------------------------------------ online softmax
+_SOFTMAX_BLOCKS = (1, 2, 3, 5, 8, 16, 64)
+
+STREAMING = Implementation(name="softmax_streaming", kind="softmax", forward=online_softmax.streaming_softmax,
+                           autograd=False, description="online softmax, one element at a time")
+BLOCKED = Implementation(name="softmax_blocked", kind="softmax", forward=online_softmax.blocked_softmax,
+                         block_n=_SOFTMAX_BLOCKS, block_m=(1,), autograd=False,
+                         description="online softmax, one block at a time")
+BATCHED = Implementation(name="softmax_batched", kind="softmax", forward=online_softmax.batched_softmax,
+                         autograd=False, description="softmax of all rows at once")
+
+# ---------------------------------------------------------------------- blocked PyTorch FlashAttention
+# Any positive block size is valid; the suite draws from these.
+_BLOCKS = (1, 2, 3, 4, 5, 7, 8, 13, 16, 32, 64)
+# The tile loops run in Python, a few launches per tile: at most 32 x 32 tiles per head (lengths up to
+# 2048 with 64-wide tiles) keeps an example under a second or so on a GPU.
+_MAX_TILES = 1024
+
+FA2_BLOCKED = Implementation(
+    name="fa2_blocked", forward=blocked.fa2_forward, backward=blocked.fa2_backward, gqa=True,
+    block_m=_BLOCKS, block_n=_BLOCKS, sibling="fa1_blocked", out_buffers=True, max_tiles=_MAX_TILES,
+    description="blocked PyTorch FlashAttention-2: outer-scaled forward, blocked backward",
+)
+FA1_BLOCKED = Implementation(
+    name="fa1_blocked", forward=blocked.fa1_forward, backward=blocked.fa2_backward, gqa=True,
+    block_m=_BLOCKS, block_n=_BLOCKS, out_buffers=True, max_tiles=_MAX_TILES,
+    description="blocked PyTorch FlashAttention-1: inner-scaled forward",
+)
+
+# ------------------------------------------------------------------------------------------ adapters
+EAGER = Implementation(
+    name="eager", forward=adapters.eager_forward, gqa=True,
+    description="same-precision eager attention (the criterion-1 baseline)",
+)
+SDPA_MATH = Implementation(
+    name="sdpa_math", forward=adapters.sdpa_math_forward, gqa=True, causal_alignment="top_left",
+    returns_lse=False, in_default=False, description="torch scaled_dot_product_attention, math backend",
+)
+# The GPU backends, declared conservatively: the backward of every fused backend sums with atomics or in
+# a tiling-dependent order (not deterministic); the dtypes and head dims are the ones each backend
+# documents. Like every adapter to a peer they run when named (--impl sdpa_flash), not in the default
+# selection.
+SDPA_FLASH = Implementation(
+    name="sdpa_flash", forward=adapters.sdpa_flash_forward, dtypes=adapters.HALF, devices=("cuda",),
+    head_dims=adapters.MULTIPLES_OF_8, causal_alignment="top_left", returns_lse=False, deterministic=False,
+    in_default=False, description="torch scaled_dot_product_attention, flash backend (FlashAttention-2)",
+)
+SDPA_EFFICIENT = Implementation(
+    name="sdpa_efficient", forward=adapters.sdpa_efficient_forward, dtypes=adapters.EFFICIENT_DTYPES,
+    devices=("cuda",), head_dims=adapters.MULTIPLES_OF_8, causal_alignment="top_left", returns_lse=False,
+    deterministic=False, in_default=False,
+    description="torch scaled_dot_product_attention, memory-efficient backend (xFormers kernel)",
+)
+SDPA_CUDNN = Implementation(
+    name="sdpa_cudnn", forward=adapters.sdpa_cudnn_forward, dtypes=adapters.HALF, devices=("cuda",),
+    head_dims=adapters.CUDNN_HEAD_DIMS, causal_alignment="top_left", returns_lse=False, deterministic=False,
+    in_default=False, description="torch scaled_dot_product_attention, cuDNN backend",
+)
+FLEX_ATTENTION = Implementation(
+    name="flex_attention", forward=adapters.flex_attention_forward, dtypes=adapters.FLEX_DTYPES,
+    devices=("cuda",), head_dims=adapters.FLEX_HEAD_DIMS, gqa=True, causal_alignment="top_left",
+    returns_lse=False, deterministic=False, in_default=False,
+    description="torch FlexAttention, compiled (fused Triton kernel), top-left causal block mask",
+)
+
+_SHIPPED_WITHOUT_TRITON = (STREAMING, BLOCKED, BATCHED, FA2_BLOCKED, FA1_BLOCKED,
+                           EAGER, SDPA_MATH, SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN, FLEX_ATTENTION)
+
+# -------------------------------------------------------------------------------------------- Triton
+# On a machine without a GPU the Triton kernels run in Triton's interpreter when TRITON_INTERPRET=1 is set
+# before Triton is imported: they then also declare the CPU (the kernel modules' DEVICES), only small
+# tiles (the interpreter runs every program in Python), and the interpreter's bfloat16 tl.dot as an
+# environment limit.
+if triton_attention is not None and triton_softmax is not None:
+    _INTERPRET = triton_attention.INTERPRET
+    _BF16_DOT_LIMIT = ((torch.bfloat16, "Triton interpreter: tl.dot on bfloat16 operands is unsupported "
+                                        "(bf16 held as int16); bf16 is verified on GPU only"),)
+    _ENVIRONMENT_LIMITS = _BF16_DOT_LIMIT if _INTERPRET else ()
+    # The interpreter runs every program instance in Python: cap the examples per property there.
+    _MAX_EXAMPLES = 10 if _INTERPRET else None
+    # Tile sizes the suite draws. The launchers accept powers of two from 16 to 256, but float32 tiles of
+    # 128 rows do not fit a GPU's shared memory for large head dims, and every dtype must run every tile.
+    _ATTENTION_BLOCKS = (16, 32) if _INTERPRET else (16, 32, 64)
+    _TRITON_SOFTMAX_BLOCKS = (16, 32, 64) if _INTERPRET else (16, 32, 64, 256, 1024)
+
+    TRITON_SOFTMAX = Implementation(
+        name="triton_softmax", kind="softmax", forward=triton_softmax.softmax,
+        dtypes=triton_softmax.DTYPES, devices=triton_softmax.DEVICES,
+        block_m=(1,), block_n=_TRITON_SOFTMAX_BLOCKS, autograd=False,
+        description="Triton online softmax: one pass for (m, l), one pass to normalise",
+    )
+    TRITON_FA2 = Implementation(
+        name="triton_fa2", forward=triton_attention.fa2_forward, backward=triton_attention.fa2_backward,
+        dtypes=triton_attention.DTYPES, devices=triton_attention.DEVICES,
+        head_dims=triton_attention.HEAD_DIMS, gqa=True,
+        block_m=_ATTENTION_BLOCKS, block_n=_ATTENTION_BLOCKS, deterministic=True, out_buffers=True,
+        sibling="triton_fa1",
+        environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
+        description="Triton FlashAttention-2: outer-scaled forward, Delta/dK-dV/dQ backward without atomics",
+    )
+    TRITON_FA1 = Implementation(
+        name="triton_fa1", forward=triton_attention.fa1_forward, backward=triton_attention.fa2_backward,
+        dtypes=triton_attention.DTYPES, devices=triton_attention.DEVICES,
+        head_dims=triton_attention.HEAD_DIMS, gqa=True,
+        block_m=_ATTENTION_BLOCKS, block_n=_ATTENTION_BLOCKS, deterministic=True, out_buffers=True,
+        environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
+        description="Triton FlashAttention-1: inner-scaled forward (renormalised every KV step); FA2 backward",
+    )
+    _TRITON: tuple[Implementation, ...] = (TRITON_SOFTMAX, TRITON_FA2, TRITON_FA1)
+else:
+    _TRITON = ()
 
 
-class ImplementationError(ValueError):
-    """An implementation declaration or an ``--impl`` specification is invalid."""
+def _unique(impls: tuple[Implementation, ...]) -> tuple[Implementation, ...]:
+    """``impls`` unchanged, once no two of them share a name (names are how --impl selects them)."""
+    seen: set[str] = set()
+    for impl in impls:
+        if impl.name in seen:
+            raise ImplementationError(f"two shipped implementations are named {impl.name!r}: every name in "
+                                      "kernels.registry.SHIPPED must be unique")
+        seen.add(impl.name)
+    return impls
 
 
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-    """One kernel under test and what it declares it supports.
+# Every shipped implementation, in the order of the default selection.
+SHIPPED: tuple[Implementation, ...] = _unique(_SHIPPED_WITHOUT_TRITON + _TRITON)
 
-    Attention kernels (``kind="attention"``):
-      forward(q, k, v, *, causal, scale[, block_m, block_n][, out, lse]) -> (out, lse) or out
-      backward(q, k, v, out, lse, dout, *, causal, scale[, block_m, block_n]) -> (dq, dk, dv, delta)
-    Softmax kernels (``kind="softmax"``):
-      forward(x[, block_n=...]) -> (y, lse) over the last dimension of a 2-D float tensor.
-    """
 
-    name: str
-    forward: Callable[..., Any]
-    kind: str = "attention"
-    dtypes: tuple[torch.dtype, ...] = ALL_DTYPES
-    devices: tuple[str, ...] = ("cpu", "cuda")
-    # Head dims accepted: None means any positive head dim.
-    head_dims: Sequence[int] | None = None
-    gqa: bool = False
-    causal: bool = True
-    causal_alignment: str = "bottom_right"
-    # Tunable tiles: the block sizes the suite may draw (None: not tunable).
-    block_m: Sequence[int] | None = None
-    block_n: Sequence[int] | None = None
-    returns_lse: bool = True
-    autograd: bool = True
-    backward: Callable[..., Any] | None = None
-    # Repeated calls on the same inputs give bitwise identical results (see the module docstring).
-    deterministic: bool = True
-    # The forward accepts out= and lse= views into caller buffers and writes its results there.
-    out_buffers: bool = False
-    # Largest sequence length and head dim the suite should try (None: no limit of the kernel's own).
-    max_seq_len: int | None = None
-    # Most (query tiles) x (key tiles) per head the suite should draw, for a kernel whose tile loop
-    # runs in Python (one launch per tile: its time grows with the tile count, not the work); None: the
-    # profile's own cap (verify/profiles.py).
-    max_tiles: int | None = None
-    # Cap on Hypothesis examples per property (for slow environments such as the Triton interpreter).
-    max_examples: int | None = None
-    # Dtypes for which the environment, not the kernel, makes results meaningless, with the reason
-    # (for example the Triton interpreter's bfloat16 tl.dot). Properties skip these with the reason.
-    environment_limits: tuple[tuple[torch.dtype, str], ...] = ()
-    description: str = ""
-    # Name of an implementation computing the same function another way (FA1 vs FA2): the suite
-    # checks that the two agree when both are selected.
-    sibling: str | None = None
-    # How the user named it with --impl (for replay commands); None for registry names.
-    spec: str | None = None
-    # Part of the default selection (shipped kernels); adapters to peers run when named.
-    in_default: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.name or not isinstance(self.name, str):
-            raise ImplementationError(f"name={self.name!r}, but should be a non-empty string")
-        if not callable(self.forward):
-            raise ImplementationError(f"{self.name}: forward={self.forward!r} is not callable")
-        if self.kind not in KINDS:
-            raise ImplementationError(f"{self.name}: kind={self.kind!r}, but should be one of {KINDS}")
-        if self.causal_alignment not in ALIGNMENTS:
-            raise ImplementationError(
-                f"{self.name}: causal_alignment={self.causal_alignment!r}, but should be one of {ALIGNMENTS}"
-            )
-        bad = [d for d in self.dtypes if d not in ALL_DTYPES]
-        if bad or not self.dtypes:
-            raise ImplementationError(f"{self.name}: dtypes={self.dtypes!r}; allowed: {ALL_DTYPES}")
-        for field in ("block_m", "block_n"):
-            sizes = getattr(self, field)
-            if sizes is not None and (len(sizes) == 0 or any(int(s) < 1 for s in sizes)):
-                raise ImplementationError(f"{self.name}: {field}={sizes!r} must hold positive ints")
-        for field in ("max_seq_len", "max_tiles"):
-            value = getattr(self, field)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ImplementationError(f"{self.name}: {field}={value!r}, but should be a positive int or None")
-        if self.backward is not None and not callable(self.backward):
-            raise ImplementationError(f"{self.name}: backward={self.backward!r} is not callable")
-
-    @property
-    def tunable(self) -> bool:
-        return self.block_m is not None and self.block_n is not None
-
-    @property
-    def exposes_delta(self) -> bool:
-        return self.backward is not None
-
-    @property
-    def cli_name(self) -> str:
-        """What to pass to --impl to select this implementation again."""
-        return self.spec or self.name
-
-    def environment_limit(self, dtype: torch.dtype) -> str | None:
-        for d, why in self.environment_limits:
-            if d == dtype:
-                return why
-        return None
-
-    def supports_head_dim(self, d: int) -> bool:
-        return self.head_dims is None or d in self.head_dims
-
-    def unsupported(self, *, dtype: torch.dtype | None = None, device: str | None = None) -> str | None:
-        """The reason this implementation cannot run with these settings, or None if it can."""
-        if dtype is not None and dtype not in self.dtypes:
-            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
-            return f"{self.name} declares dtypes {names}; {str(dtype).removeprefix('torch.')} is not among them"
-        if device is not None and torch.device(device).type not in self.devices:
-            return f"{self.name} declares devices {', '.join(self.devices)}; {device} is not among them"
-        return None
-
-    def call(self, q, k, v, *, causal: bool, scale: float | None = None,
-             block_m: int | None = None, block_n: int | None = None,
-             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
-        """Run the forward and normalise the result to ``(out, lse_or_None)``. ``out``/``lse`` are passed
-        on as the forward's ``out=``/``lse=`` buffers; only for a declaration with ``out_buffers``."""
-        kwargs: dict[str, Any] = {"causal": causal, "scale": scale}
-        if self.tunable and block_m is not None:
-            kwargs["block_m"] = block_m
-        if self.tunable and block_n is not None:
-            kwargs["block_n"] = block_n
-        if out is not None or lse is not None:
-            if not self.out_buffers:
-                raise ImplementationError(f"{self.name} declares no out_buffers: its forward takes no "
-                                          "out=/lse= buffers")
-            if out is not None:
-                kwargs["out"] = out
-            if lse is not None:
-                kwargs["lse"] = lse
-        result = self.forward(q, k, v, **kwargs)
-        if isinstance(result, torch.Tensor):
-            return result, None
-        if isinstance(result, (tuple, list)) and len(result) == 2:
-            return result[0], result[1]
-        if isinstance(result, (tuple, list)) and len(result) == 1:
-            return result[0], None
-        raise TypeError(
-            f"{self.name} returned {type(result).__name__}"
-            f"{f' of length {len(result)}' if isinstance(result, (tuple, list)) else ''}, "
-            "but should return out or (out, lse)"
-        )
+def registry() -> dict[str, Implementation]:
+    """Every shipped implementation, by name (a new dict on every call)."""
+    return {impl.name: impl for impl in SHIPPED}
 
 
 def from_callable(fn: Callable[..., Any], name: str, *, device: str) -> Implementation:
@@ -209,32 +211,6 @@ def from_callable(fn: Callable[..., Any], name: str, *, device: str) -> Implemen
         devices=(torch.device(device).type,),
         description=f"plain callable {name}",
     )
-
-
-_REGISTRY: dict[str, Implementation] = {}
-
-
-def register(impl: Implementation) -> Implementation:
-    if impl.name in _REGISTRY and _REGISTRY[impl.name] is not impl:
-        raise ImplementationError(f"an implementation named {impl.name!r} is already registered")
-    _REGISTRY[impl.name] = impl
-    return impl
-
-
-def registry() -> dict[str, Implementation]:
-    """Every shipped implementation, by name (importing the kernel modules registers them)."""
-    _import_shipped()
-    return dict(_REGISTRY)
-
-
-def _import_shipped() -> None:
-    importlib.import_module("kernels.online_softmax")
-    importlib.import_module("kernels.blocked")
-    importlib.import_module("kernels.eager")
-    try:
-        importlib.import_module("kernels.triton_kernels")
-    except ImportError:  # triton is an optional extra
-        pass
 
 
 def _error_with_place(exc: BaseException) -> str:

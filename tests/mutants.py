@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kernels import blocked  # noqa: E402
-from kernels.registry import Implementation  # noqa: E402
+from kernels.registry import Implementation, registry  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,9 +121,7 @@ def _mutated_source(m: Mutation) -> str:
     start = -1
     for _ in range((m.occurrence or 0) + 1):
         start = source.index(m.old, start + 1)
-    source = source[:start] + m.new + source[start + len(m.old):]
-    # The variant is declared by this module, not registered under the shipped names.
-    return re.sub(r"\bregister\(Implementation\(", "(Implementation(", source)
+    return source[:start] + m.new + source[start + len(m.old):]
 
 
 def _load(name: str, source: str):
@@ -135,14 +133,14 @@ def _load(name: str, source: str):
 
 
 def _declare(name: str, module, what: str) -> Implementation:
-    return dataclasses.replace(module.FA2_BLOCKED, name=f"mutant_{name}", forward=module.fa2_forward,
+    """The shipped ``fa2_blocked`` declaration, with the variant's forward and backward."""
+    return dataclasses.replace(registry()["fa2_blocked"], name=f"mutant_{name}", forward=module.fa2_forward,
                                backward=module.fa2_backward, description=what)
 
 
 # The unchanged kernel loaded through the same machinery: it must pass.
-unmutated = _declare("unmutated", _load("unmutated", re.sub(
-    r"\bregister\(Implementation\(", "(Implementation(", Path(blocked.__file__).read_text(encoding="utf-8"))),
-    "the blocked FA2, unchanged")
+unmutated = _declare("unmutated", _load("unmutated", Path(blocked.__file__).read_text(encoding="utf-8")),
+                     "the blocked FA2, unchanged")
 VARIANTS: dict[str, Implementation] = {}
 for _m in MUTATIONS:
     VARIANTS[_m.name] = _declare(_m.name, _load(_m.name, _mutated_source(_m)), _m.what)

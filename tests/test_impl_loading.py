@@ -25,8 +25,8 @@ def _pytest_verify(impl, tmp_path, *extra):
 
 def test_load_registry_name_module_attr_and_file_attr():
     assert registry.load("fa2_blocked", device="cpu").name == "fa2_blocked"
-    by_module = registry.load("kernels.blocked:FA1_BLOCKED", device="cpu")
-    assert by_module.name == "fa1_blocked" and by_module.cli_name == "kernels.blocked:FA1_BLOCKED"
+    by_module = registry.load("kernels.registry:FA1_BLOCKED", device="cpu")
+    assert by_module.name == "fa1_blocked" and by_module.cli_name == "kernels.registry:FA1_BLOCKED"
     plain = registry.load(f"{FIXTURE}:attention", device="cpu")
     assert plain.name == f"{FIXTURE}:attention"
     assert plain.gqa is False and plain.causal_alignment == "bottom_right" and plain.devices == ("cpu",)

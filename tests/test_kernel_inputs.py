@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import blocked, eager, online_softmax
+from kernels import adapters, blocked, online_softmax
 
 F = torch.float32
 
@@ -12,8 +12,8 @@ def qkv(b=1, hq=2, hkv=1, nq=5, nk=6, d=8, dtype=F):
     return tuple(torch.randn(*shape).to(dtype) for shape in ((b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, d)))
 
 
-FORWARDS = [blocked.fa2_forward, blocked.fa1_forward, blocked.fa2_forward_raw, eager.eager_forward,
-            eager.sdpa_math_forward]
+FORWARDS = [blocked.fa2_forward, blocked.fa1_forward, blocked.fa2_forward_raw, adapters.eager_forward,
+            adapters.sdpa_math_forward]
 
 
 @pytest.mark.parametrize("fn", FORWARDS, ids=lambda f: f.__name__)

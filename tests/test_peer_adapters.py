@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from kernels import eager
+from kernels import adapters
 from kernels.registry import registry
 from references import attention as reference
 
@@ -36,7 +36,7 @@ def test_flex_attention_mask_is_the_declared_top_left_alignment(len_q, len_k):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, len_q, 16, generator=gen, dtype=torch.float64).float()
     k, v = (torch.randn(1, 2, len_k, 16, generator=gen, dtype=torch.float64).float() for _ in range(2))
-    mask = flex.create_block_mask(eager._top_left_causal, B=None, H=None, Q_LEN=len_q, KV_LEN=len_k, device="cpu")
+    mask = flex.create_block_mask(adapters._top_left_causal, B=None, H=None, Q_LEN=len_q, KV_LEN=len_k, device="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "called without torch.compile": the unfused path is fine for a mask check
         out = flex.flex_attention(q, k, v, block_mask=mask)

@@ -1,8 +1,14 @@
-"""Adapters to peers: the same-precision eager attention and PyTorch's scaled_dot_product_attention.
+"""Adapters: the eager baseline as a kernel, PyTorch's SDPA backends and FlexAttention.
 
-``eager`` is the baseline of pass criterion 1 run as a kernel (so the suite checks its own baseline).
-``sdpa_math`` wraps ``torch.nn.functional.scaled_dot_product_attention`` pinned to its math backend:
-it returns ``out`` alone (the LSE properties are skipped) and aligns causal masks top-left.
+Each function here has the kernel contract (README.md, "The contract") and wraps something that is
+not a FlashAttention kernel of this suite, so that the suite can check it like one; the declarations
+are in :mod:`kernels.registry`.
+
+``eager_forward`` is the baseline of pass criterion 1 run as a kernel (so the suite checks its own
+baseline). ``sdpa_math_forward`` wraps ``torch.nn.functional.scaled_dot_product_attention`` pinned to
+its math backend: it returns ``out`` alone and aligns causal masks top-left. ``sdpa_flash_forward``,
+``sdpa_efficient_forward``, ``sdpa_cudnn_forward`` and ``flex_attention_forward`` are the GPU backends
+(below), for the accuracy report and for ``pytest verify --impl``.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _validate
-from kernels.registry import ALL_DTYPES, Implementation, register
+from kernels.declaration import ALL_DTYPES
 from references import baseline
 
 
@@ -51,26 +57,15 @@ def sdpa_math_forward(q, k, v, *, causal: bool = False, scale: float | None = No
                                               enable_gqa=q.shape[1] != k.shape[1])
 
 
-EAGER = register(Implementation(
-    name="eager", forward=eager_forward, gqa=True,
-    description="same-precision eager attention (the criterion-1 baseline)",
-))
-SDPA_MATH = register(Implementation(
-    name="sdpa_math", forward=sdpa_math_forward, gqa=True, causal_alignment="top_left",
-    returns_lse=False, in_default=False, description="torch scaled_dot_product_attention, math backend",
-))
-
-
 # ------------------------------------------------------------------------------------ GPU backends
 # The other SDPA backends and FlexAttention, for the accuracy report and for `pytest verify --impl`.
 # Each one is pinned to its backend: when that backend cannot run a call, the call raises (SDPA's
 # "No available kernel"), it never falls back to another backend silently. All of them align causal
-# masks top-left (SDPA's is_causal; the FlexAttention mask below) and return out alone. Declared
-# conservatively: the backward of every fused backend sums with atomics or in a tiling-dependent
-# order (not deterministic); the dtypes and head dims are the ones each backend documents. Like every
-# adapter to a peer they run when named (--impl sdpa_flash), not in the default selection.
-_HALF = (torch.float16, torch.bfloat16)
-_MULTIPLES_OF_8 = tuple(range(8, 257, 8))
+# masks top-left (SDPA's is_causal; the FlexAttention mask below) and return out alone. The dtypes and
+# head dims each one checks are the ones its backend documents (the declarations reuse them).
+HALF = (torch.float16, torch.bfloat16)
+MULTIPLES_OF_8 = tuple(range(8, 257, 8))
+CUDNN_HEAD_DIMS = tuple(range(8, 129, 8))
 
 
 def _sdpa_backend_forward(backend: str, kernel: str, dtypes, gqa: bool, head_dims):
@@ -89,13 +84,14 @@ def _sdpa_backend_forward(backend: str, kernel: str, dtypes, gqa: bool, head_dim
     return forward
 
 
-sdpa_flash_forward = _sdpa_backend_forward("FLASH_ATTENTION", "sdpa_flash", _HALF, False, _MULTIPLES_OF_8)
-sdpa_efficient_forward = _sdpa_backend_forward("EFFICIENT_ATTENTION", "sdpa_efficient", (*_HALF, torch.float32),
-                                               False, _MULTIPLES_OF_8)
-sdpa_cudnn_forward = _sdpa_backend_forward("CUDNN_ATTENTION", "sdpa_cudnn", _HALF, False, tuple(range(8, 129, 8)))
+EFFICIENT_DTYPES = (*HALF, torch.float32)
+sdpa_flash_forward = _sdpa_backend_forward("FLASH_ATTENTION", "sdpa_flash", HALF, False, MULTIPLES_OF_8)
+sdpa_efficient_forward = _sdpa_backend_forward("EFFICIENT_ATTENTION", "sdpa_efficient", EFFICIENT_DTYPES, False,
+                                               MULTIPLES_OF_8)
+sdpa_cudnn_forward = _sdpa_backend_forward("CUDNN_ATTENTION", "sdpa_cudnn", HALF, False, CUDNN_HEAD_DIMS)
 
-_FLEX_DTYPES = (*_HALF, torch.float32)
-_FLEX_HEAD_DIMS = (16, 32, 64, 128, 256)
+FLEX_DTYPES = (*HALF, torch.float32)
+FLEX_HEAD_DIMS = (16, 32, 64, 128, 256)
 _flex_compiled = None
 _flex_masks: dict = {}
 
@@ -108,8 +104,8 @@ def flex_attention_forward(q, k, v, *, causal: bool = False, scale: float | None
     """``torch.compile(flex_attention)`` (the fused Triton kernel; uncompiled FlexAttention would run an
     unfused float32 reference instead), causal by a top-left ``q_idx >= kv_idx`` block mask, no LSE."""
     global _flex_compiled
-    _validate.check_attention_inputs(q, k, v, kernel="flex_attention", dtypes=_FLEX_DTYPES, devices=("cuda",),
-                                     gqa=True, head_dims=_FLEX_HEAD_DIMS, scale=scale)
+    _validate.check_attention_inputs(q, k, v, kernel="flex_attention", dtypes=FLEX_DTYPES, devices=("cuda",),
+                                     gqa=True, head_dims=FLEX_HEAD_DIMS, scale=scale)
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if _flex_compiled is None:
@@ -129,25 +125,3 @@ def flex_attention_forward(q, k, v, *, causal: bool = False, scale: float | None
             mask = _flex_masks[key] = create_block_mask(_top_left_causal, B=None, H=None, Q_LEN=q.shape[2],
                                                         KV_LEN=k.shape[2], device=q.device)
     return _flex_compiled(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
-
-SDPA_FLASH = register(Implementation(
-    name="sdpa_flash", forward=sdpa_flash_forward, dtypes=_HALF, devices=("cuda",), head_dims=_MULTIPLES_OF_8,
-    causal_alignment="top_left", returns_lse=False, deterministic=False, in_default=False,
-    description="torch scaled_dot_product_attention, flash backend (FlashAttention-2)",
-))
-SDPA_EFFICIENT = register(Implementation(
-    name="sdpa_efficient", forward=sdpa_efficient_forward, dtypes=(*_HALF, torch.float32), devices=("cuda",),
-    head_dims=_MULTIPLES_OF_8, causal_alignment="top_left", returns_lse=False, deterministic=False,
-    in_default=False, description="torch scaled_dot_product_attention, memory-efficient backend (xFormers kernel)",
-))
-SDPA_CUDNN = register(Implementation(
-    name="sdpa_cudnn", forward=sdpa_cudnn_forward, dtypes=_HALF, devices=("cuda",),
-    head_dims=tuple(range(8, 129, 8)), causal_alignment="top_left", returns_lse=False, deterministic=False,
-    in_default=False, description="torch scaled_dot_product_attention, cuDNN backend",
-))
-FLEX_ATTENTION = register(Implementation(
-    name="flex_attention", forward=flex_attention_forward, dtypes=_FLEX_DTYPES, devices=("cuda",),
-    head_dims=_FLEX_HEAD_DIMS, gqa=True, causal_alignment="top_left", returns_lse=False, deterministic=False,
-    in_default=False, description="torch FlexAttention, compiled (fused Triton kernel), top-left causal block mask",
-))
