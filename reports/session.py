@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from verify.replay import replay_command  # noqa: F401 - the one replay command; the writers import it from here
+
 
 def _current_umask() -> int:
     mask = os.umask(0o022)
@@ -86,13 +88,6 @@ def clear_report_dir(report_dir: str | os.PathLike) -> None:
     for pattern in REPORT_FILES:
         for path in root.glob(pattern):
             path.unlink(missing_ok=True)
-
-
-def replay_command(*, impl: str, prop: str, case: dict, device: str) -> str:
-    """The shell command that replays one case of one property (same form as the failure messages)."""
-    parts = ["python", "-m", "verify.replay", "--impl", impl, "--property", prop, "--device", device,
-             "--case", json.dumps(case, separators=(",", ":"))]
-    return " ".join(shlex.quote(p) for p in parts)
 
 
 def command_line(args) -> str:

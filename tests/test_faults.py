@@ -191,7 +191,7 @@ def test_out_of_memory_in_the_float64_reference_skips_the_case(monkeypatch):
 
 
 def test_out_of_memory_in_the_suite_outside_the_kernel_is_not_blamed_on_the_kernel(monkeypatch):
-    from verify import plugin as conftest
+    from verify import failures
     from references import attention as reference
     from strategies.cases import AttentionCase
     from verify.harness import OutOfMemoryError
@@ -209,8 +209,8 @@ def test_out_of_memory_in_the_suite_outside_the_kernel_is_not_blamed_on_the_kern
     item = types.SimpleNamespace(nodeid="verify/test_forward.py::test_out_matches_reference[x-float32]",
                                  name="test_out_matches_reference[x-float32]",
                                  originalname="test_out_matches_reference")
-    fields = conftest._other_failure(item, oom)
-    message = conftest._out_of_memory_message(item, oom, fields)
+    fields = failures.other_failure(item, oom, device=lambda: "cpu")
+    message = failures.out_of_memory_message(item, oom, fields)
     assert "the suite's float64 reference ran out of device memory, not the kernel" in message
     assert "raised in references/" in message
 
@@ -301,7 +301,7 @@ def test_each_distinct_failure_gets_its_own_file_case_and_replay_and_no_hypothes
 
 
 def test_a_failure_outside_any_drawn_example_says_where_it_happened():
-    from verify import plugin
+    from verify import failures
 
     def fixture_setup():
         raise RuntimeError("no example was drawn")
@@ -313,7 +313,7 @@ def test_a_failure_outside_any_drawn_example_says_where_it_happened():
     item = types.SimpleNamespace(nodeid="verify/test_forward.py::test_out_matches_reference[x-float32]",
                                  name="test_out_matches_reference[x-float32]",
                                  originalname="test_out_matches_reference")
-    fields = plugin._other_failure(item, error)
+    fields = failures.other_failure(item, error, device=lambda: "cpu")
     assert fields["case"] is None and fields["replay"] is None
     assert fields["note"].startswith("it was raised outside any drawn example, at tests/test_faults.py:")
     assert fields["note"].endswith("(fixture_setup)")
@@ -322,7 +322,7 @@ def test_a_failure_outside_any_drawn_example_says_where_it_happened():
 def test_out_of_memory_in_the_suite_skips_the_test_and_in_the_kernel_fails_it(monkeypatch):
     import pytest
 
-    from verify import plugin
+    from verify import failures
     from references import attention as reference
     from strategies.cases import AttentionCase
     from verify.harness import OutOfMemoryError
@@ -341,7 +341,8 @@ def test_out_of_memory_in_the_suite_skips_the_test_and_in_the_kernel_fails_it(mo
         suite = exc
     with pytest.raises(pytest.skip.Exception, match="the suite's float64 reference ran out of device memory, "
                        "not the kernel"):
-        plugin._skip_if_the_suite_ran_out_of_memory(item, ExceptionGroup("2 distinct failures", [suite]))
+        failures.skip_if_the_suite_ran_out_of_memory(item, ExceptionGroup("2 distinct failures", [suite]),
+                                                     device=lambda: "cpu")
 
     from tests.fixtures import faulty_kernels
 
@@ -349,11 +350,12 @@ def test_out_of_memory_in_the_suite_skips_the_test_and_in_the_kernel_fails_it(mo
         faulty_kernels.out_of_memory_on_long_keys(t.q, t.k, t.v)
     except OutOfMemoryError as exc:
         kernel = exc
-    plugin._skip_if_the_suite_ran_out_of_memory(item, kernel)  # the kernel's: no skip, the test fails
+    # The kernel's: no skip, the test fails.
+    failures.skip_if_the_suite_ran_out_of_memory(item, kernel, device=lambda: "cpu")
 
 
 def test_a_group_of_one_failure_keeps_the_group_s_words_and_its_case(tmp_path):
-    from verify import plugin
+    from verify import failures
 
     def kernel_call():
         raise RuntimeError("kernel gave up")
@@ -367,7 +369,7 @@ def test_a_group_of_one_failure_keeps_the_group_s_words_and_its_case(tmp_path):
                                  name="test_out_matches_reference[x-float32]",
                                  originalname="test_out_matches_reference",
                                  config=types.SimpleNamespace(_flashverify_budget=None))
-    (fields,) = plugin._explain_failure(item, group)
+    (fields,) = failures.explain_failure(item, group, device=lambda: "cpu", worker=None)
     assert fields["message"].startswith("ExceptionGroup: Inconsistent results: an example failed on the first run")
     assert "RuntimeError: kernel gave up" in fields["message"]
     assert fields["note"].startswith("it was raised outside any drawn example, at tests/test_faults.py:")

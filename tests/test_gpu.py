@@ -168,7 +168,7 @@ def test_a_worker_caps_its_allocator_at_its_share_of_the_memory_measured_at_the_
     # at the start (40 GiB here), not what is free now, which the other workers hold part of.
     config = _Config(workerinput={"workerid": "gw5", "workercount": 4,
                                   "flashverify_memory_at_start": {"0": [40 * GIB, 80 * GIB]}})
-    budget = plugin._gpu_budget(config)
+    budget = plugin.gpu_budget(config)
     assert budget.workers == 4 and budget.worker_bytes == 10 * GIB - gpu.CONTEXT_RESERVE
     assert fake_cuda.measured == []  # nothing measured in the worker
     assert fake_cuda.fractions == [(budget.fraction, 0)]
@@ -178,7 +178,7 @@ def test_a_worker_caps_its_allocator_at_its_share_of_the_memory_measured_at_the_
 
 def test_the_controller_measures_once_and_hands_the_measurement_to_every_worker(fake_cuda):
     config = _Config(numprocesses=4)
-    budget = plugin._gpu_budget(config)
+    budget = plugin.gpu_budget(config)
     assert budget.workers == 4 and fake_cuda.fractions == []  # the controller runs no tests: no cap there
     nodes = [types.SimpleNamespace(config=config, workerinput={"workerid": f"gw{i}"}) for i in range(2)]
     for node in nodes:
@@ -190,13 +190,13 @@ def test_the_controller_measures_once_and_hands_the_measurement_to_every_worker(
 
 def test_gpu_memory_usage_errors(fake_cuda, monkeypatch):
     with pytest.raises(pytest.UsageError, match="--gpu-memory 100 GiB is more than cuda:0 has"):
-        plugin._gpu_budget(_Config(gpu_memory=100))
+        plugin.gpu_budget(_Config(gpu_memory=100))
     with pytest.raises(pytest.UsageError, match="--gpu-memory 0: the memory cap must be a positive number"):
-        plugin._gpu_budget(_Config(gpu_memory=0))
+        plugin.gpu_budget(_Config(gpu_memory=0))
     with pytest.raises(pytest.UsageError, match=r"--gpu-memory 8 was given, but the run is on cpu .*GPU memory only"):
-        plugin._gpu_budget(_Config(device="cpu", gpu_memory=8))
+        plugin.gpu_budget(_Config(device="cpu", gpu_memory=8))
     assert fake_cuda.fractions == []
-    assert plugin._gpu_budget(_Config(device="cpu")) is None
+    assert plugin.gpu_budget(_Config(device="cpu")) is None
 
 
 def test_gpu_memory_on_a_machine_without_a_gpu_is_a_usage_error():

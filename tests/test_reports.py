@@ -163,19 +163,19 @@ def test_xdist_workers_get_their_own_gpu(monkeypatch):
 
     import torch
 
-    from verify import plugin as conftest
+    from verify import plugin
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
     worker = types.SimpleNamespace(workerinput={"workerid": "gw3"})
-    assert conftest._xdist_worker_device(worker, None) == "cuda:1" and calls == [1]
-    assert conftest._xdist_worker_device(worker, "cuda") == "cuda:1"
-    assert conftest._xdist_worker_device(worker, "cuda:0") == "cuda:0"
-    assert conftest._xdist_worker_device(worker, "cpu") == "cpu"
+    assert plugin.xdist_worker_device(worker, None) == "cuda:1" and calls == [1]
+    assert plugin.xdist_worker_device(worker, "cuda") == "cuda:1"
+    assert plugin.xdist_worker_device(worker, "cuda:0") == "cuda:0"
+    assert plugin.xdist_worker_device(worker, "cpu") == "cpu"
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")  # inherited by a subprocess: not a worker
-    assert conftest._xdist_worker_device(types.SimpleNamespace(), None) is None
+    assert plugin.xdist_worker_device(types.SimpleNamespace(), None) is None
 
 
 # ------------------------------------------------------------------------------------ whole runs

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-import shlex
 import traceback
 import types
 from collections.abc import Callable
@@ -26,6 +25,7 @@ import torch
 from kernels.registry import Implementation
 from references import criteria
 from references.metrics import ErrorStats, abs_error, error_stats, max_ratio
+from verify.replay import replay_command
 
 Recorder = Callable[[dict[str, Any]], None]
 
@@ -166,9 +166,7 @@ class Context:
             self.observations[label] = max(value, self.observations.get(label, -math.inf))
 
     def replay_command(self) -> str:
-        parts = ["python", "-m", "verify.replay", "--impl", self.impl.cli_name, "--property", self.prop,
-                 "--device", self.device, "--case", self.case.to_json()]
-        return " ".join(shlex.quote(p) for p in parts)
+        return replay_command(impl=self.impl.cli_name, prop=self.prop, case=self.case.to_dict(), device=self.device)
 
     def where(self) -> str:
         return f"{self.impl.name} [{self.prop}] case: {self.case.describe()}"

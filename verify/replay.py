@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
-import torch
+
+def replay_command(*, impl: str, prop: str, case: dict, device: str) -> str:
+    """The shell command that replays one case (its ``to_dict()``) of one property on ``impl`` (its
+    ``--impl`` spec): the one form every failure message, failure file and report shows."""
+    parts = ["python", "-m", "verify.replay", "--impl", impl, "--property", prop, "--device", device,
+             "--case", json.dumps(case, separators=(",", ":"))]
+    return " ".join(shlex.quote(p) for p in parts)
 
 
 def _parse(argv):
@@ -27,6 +34,8 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     parser, args = _parse(argv)
+    import torch
+
     from kernels.registry import ImplementationError, load
     from strategies.cases import AttentionCase, CaseError
     from strategies.softmax import SoftmaxCase
@@ -85,8 +94,6 @@ def main(argv=None) -> int:
 def _impl_from_replay(replay: str | None) -> str | None:
     if not replay:
         return None
-    import shlex
-
     parts = shlex.split(replay)
     return parts[parts.index("--impl") + 1] if "--impl" in parts else None
 

@@ -1,0 +1,183 @@
+"""verify/failures.py: a failed test turned into the fields of its failure files, the out-of-memory wording,
+and the planned end of a process after a sticky CUDA error; verify/replay.py's one replay command.
+
+No pytest run here: fake items and reports stand in for pytest's (the whole runs are in tests/test_faults.py).
+"""
+
+from __future__ import annotations
+
+import shlex
+import types
+
+import pytest
+
+from kernels import registry
+from strategies.cases import AttentionCase
+from verify import failures, replay
+from verify.harness import Context, OutOfMemoryError, PropertyFailure, TimeoutFailure
+
+CASE = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float32", causal=False,
+                     magnitude="normal", seed=1, layout="contiguous")
+PROP = "out_matches_reference"
+TEST = f"verify/test_forward.py::test_{PROP}[fa2_blocked-float32]"
+STICKY = "CUDA error: an illegal memory access was encountered"
+
+
+@pytest.fixture(scope="module")
+def context():
+    return Context(impl=registry.load("fa2_blocked", device="cpu"), prop=PROP, case=CASE)
+
+
+def _item(*, params=None, nodeid=TEST, config=None):
+    return types.SimpleNamespace(nodeid=nodeid, name=nodeid.split("::")[1], originalname=f"test_{PROP}",
+                                 callspec=types.SimpleNamespace(params=params or {}),
+                                 config=config or types.SimpleNamespace(_flashverify_budget=None))
+
+
+def _raised(exc: BaseException) -> BaseException:
+    """``exc`` with a traceback (raised here, outside any property)."""
+    try:
+        raise exc
+    except BaseException as raised:  # noqa: BLE001 - handed back to the test
+        return raised
+
+
+def _no_device():
+    raise AssertionError("the device was asked for, but no replay command is built from Hypothesis's notes here")
+
+
+def test_the_replay_command_runs_the_case_it_names(context, capsys):
+    command = context.replay_command()
+    assert command == replay.replay_command(impl="fa2_blocked", prop=PROP, case=CASE.to_dict(), device="cpu")
+    argv = shlex.split(command)
+    assert argv[:3] == ["python", "-m", "verify.replay"]
+    assert replay.main(argv[3:]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "passed"
+
+
+def test_a_kernel_exception_takes_the_case_of_the_property_context_in_its_traceback(context):
+    def out_matches_reference(ctx, case):
+        raise RuntimeError("kernel gave up")
+
+    try:
+        out_matches_reference(context, CASE)
+    except RuntimeError as exc:
+        error = exc
+    fields = failures.other_failure(_item(), error, device=_no_device)
+    assert fields == {"message": "RuntimeError: kernel gave up", "replay": context.replay_command(),
+                      "case": CASE.to_dict(), "prop": PROP, "implementation": "fa2_blocked", "note": None}
+
+
+def test_without_a_context_the_case_is_read_back_from_hypothesis_notes_and_replays_on_the_run_device(context):
+    error = _raised(RuntimeError("kernel gave up"))
+    error.add_note(f"Draw 1 (case): {CASE!r}")
+    fields = failures.other_failure(_item(params={"impl": context.impl}), error, device=lambda: "cuda:3")
+    assert fields["case"] == CASE.to_dict() and fields["prop"] == PROP and fields["note"] is None
+    assert fields["replay"] == replay.replay_command(impl="fa2_blocked", prop=PROP, case=CASE.to_dict(),
+                                                     device="cuda:3")
+    # Not one property of one implementation: the case, but no replay command.
+    fields = failures.other_failure(_item(), error, device=_no_device)
+    assert fields["case"] == CASE.to_dict() and fields["replay"] is None
+    assert fields["note"] == "the test is not one property of one implementation"
+
+
+def test_a_failure_outside_the_test_body_keeps_the_suite_s_own_failure_or_says_where_it_happened(context):
+    timeout = TimeoutFailure("Timeout: the test did not finish", ctx=context)
+    fields = failures.outside_call_fields(BaseExceptionGroup("while tearing down", [timeout]), "teardown")
+    assert fields == {"message": "Timeout: the test did not finish", "replay": context.replay_command(),
+                      "case": CASE.to_dict(), "prop": PROP, "implementation": "fa2_blocked"}
+    fields = failures.outside_call_fields(ValueError("fixture broke"), "setup")
+    assert fields["message"] == "ValueError: fixture broke" and fields["case"] is None and fields["replay"] is None
+    assert fields["note"] == "the failure happened in the test's setup, outside any drawn example"
+
+
+def test_each_distinct_failure_gets_its_fields_and_the_hypothesis_blob_is_dropped(context):
+    try:
+        context.fail("out is wrong")
+    except PropertyFailure as exc:
+        own = exc
+    kernel = _raised(RuntimeError("kernel gave up"))
+    kernel.add_note("@reproduce_failure('6.0.0', b'AAAA')")
+    group = ExceptionGroup("Hypothesis found 2 distinct failures.", [own, kernel])
+    first, second = failures.explain_failure(_item(), group, device=_no_device, worker=None)
+    assert first["message"].startswith("distinct failure 1 of 2 (ExceptionGroup: Hypothesis found 2 distinct "
+                                       "failures.")
+    assert "out is wrong" in first["message"] and first["replay"] == context.replay_command()
+    assert first["case"] == CASE.to_dict()
+    assert second["message"].startswith("distinct failure 2 of 2")
+    assert "RuntimeError: kernel gave up" in second["message"]
+    assert "@reproduce_failure" not in second["message"] and second["replay"] is None
+    assert not any("@reproduce_failure" in n for n in kernel.__notes__)
+    assert kernel.__notes__[-1].startswith("flashverify: no drawn case\n  no replay command: it was raised outside "
+                                           "any drawn example, at tests/test_failures.py:")
+
+
+def test_out_of_memory_is_found_where_it_was_raised_and_blamed_on_the_kernel_outside_references():
+    def backward():
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    try:
+        try:
+            backward()
+        except OutOfMemoryError as exc:
+            raise RuntimeError("backward failed") from exc
+    except RuntimeError as exc:
+        outer = exc
+    oom = failures.out_of_memory(ExceptionGroup("1 distinct failure", [outer]))
+    assert isinstance(oom, OutOfMemoryError) and oom is outer.__cause__
+    assert failures.out_of_memory(_raised(RuntimeError("no memory problem"))) is None
+    assert not failures.raised_in_references(oom)
+    message = failures.out_of_memory_message(_item(), oom, {"implementation": "fa2_blocked", "prop": PROP})
+    assert message.startswith("fa2_blocked: the kernel (or the check around it) ran out of device memory "
+                              "(torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB, raised in "
+                              "tests/test_failures.py:")
+    assert message.endswith(f"(backward)); the device memory was released and the run goes on\n  property: {PROP}")
+
+
+def test_a_sticky_cuda_error_marks_the_worker_and_its_planned_end_is_no_second_failure():
+    nodeid = f"{TEST}#sticky"
+    config = types.SimpleNamespace(_flashverify_budget=None)
+    item = _item(nodeid=nodeid, config=config)
+    (fields,) = failures.explain_failure(item, _raised(RuntimeError(STICKY)), device=_no_device, worker="gw1")
+    assert config._flashverify_poisoned == {"test": nodeid, "error": f"RuntimeError: {STICKY}"}
+    assert ("this process's CUDA context is unusable, every later CUDA call in it would fail; this worker ends "
+            "after the test and pytest-xdist runs its remaining tests in a fresh one") in fields["message"]
+
+    # The controller sees the poisoned test's report, then the crash of its worker.
+    rep = types.SimpleNamespace(nodeid=nodeid, user_properties=[])
+    failures.tag_poisoned(item, rep)
+    failures.tag_poisoned(_item(nodeid=f"{TEST}#other", config=config), rep)  # not the poisoned test: no tag
+    assert len(rep.user_properties) == 1
+    failures.remember_poisoned(rep)
+    lines, dsession = [], types.SimpleNamespace(_failed_nodes_count=1)
+    plugins = {"dsession": dsession, "terminalreporter": types.SimpleNamespace(write_line=lines.append)}
+    manager = types.SimpleNamespace(get_plugin=plugins.get)
+    sched = types.SimpleNamespace(config=types.SimpleNamespace(pluginmanager=manager))
+    crash = types.SimpleNamespace(outcome="failed", when="???", longrepr="worker 'gw1' crashed")
+    failures.planned_worker_end(nodeid, crash, sched)
+    assert (crash.outcome, crash.when, crash.longrepr, dsession._failed_nodes_count) == ("passed", "teardown", None, 0)
+    assert lines == [f"flashverify: the worker that ran {nodeid} ended after its sticky CUDA error (RuntimeError: "
+                     f"{STICKY}); its remaining tests run in a fresh worker"]
+    other = types.SimpleNamespace(outcome="failed", when="???", longrepr="worker 'gw0' crashed")
+    failures.planned_worker_end(f"{TEST}#other", other, sched)  # a real crash stays one
+    assert other.outcome == "failed" and dsession._failed_nodes_count == 0
+
+
+def test_without_xdist_a_sticky_cuda_error_stops_the_run_after_its_test():
+    config = types.SimpleNamespace(_flashverify_budget=None, _flashverify_report=None)
+    session = types.SimpleNamespace(items=[], shouldfail=False)
+    items = [_item(nodeid=f"{TEST}#{i}", config=config) for i in range(3)]
+    for item in items:
+        item.session = session
+    session.items = items
+    failures.end_if_poisoned(items[1], None)  # nothing poisoned the process: the run goes on
+    assert session.shouldfail is False
+    (fields,) = failures.explain_failure(items[1], _raised(RuntimeError(STICKY)), device=_no_device, worker=None)
+    assert "the run stops after this test" in fields["message"]
+    failures.end_if_poisoned(items[0], None)  # not the test that poisoned it
+    assert session.shouldfail is False
+    failures.end_if_poisoned(items[1], None)
+    assert config._flashverify_stopped == {"test": items[1].nodeid, "not_run": [items[2].nodeid],
+                                           "reason": f"sticky CUDA error: RuntimeError: {STICKY}"}
+    assert session.shouldfail.startswith(f"flashverify: sticky CUDA error in {items[1].nodeid}")
+    assert session.shouldfail.endswith("1 test(s) not run (listed in the report)")
