@@ -27,6 +27,11 @@ def _settings(timeout: float, method: str) -> pytest_timeout.Settings:
     return pytest_timeout.Settings(timeout=timeout, method=method, func_only=False, disable_debugger_detection=True)
 
 
+def _watchdog_thread(item) -> threading.Thread:
+    (thread,) = [t for t in threading.enumerate() if t.name == f"flashverify timeout {item.nodeid}"]
+    return thread
+
+
 def test_verify_runs_get_the_default_time_limit_unless_one_was_asked_for(monkeypatch):
     monkeypatch.delenv("PYTEST_TIMEOUT", raising=False)
     config = _config()
@@ -56,15 +61,18 @@ def test_a_test_past_its_limit_ends_with_the_case_that_was_running():
         while True:
             time.sleep(0.01)
 
-    item = types.SimpleNamespace(nodeid=TEST)
+    item = types.SimpleNamespace(nodeid=f"{TEST} (signal)")
     started = time.monotonic()
     watchdog.start_timer(item, _settings(0.2, "signal"), worker=None)
     try:
+        thread = _watchdog_thread(item)
         with pytest.raises(TimeoutFailure) as info:
             out_matches_reference(running, case)
     finally:
         item.cancel_timeout()
     assert time.monotonic() - started < 5
+    thread.join(timeout=5)
+    assert not thread.is_alive()  # cancelled with the test
     assert info.value.case == case and info.value.replay == running.replay_command()
     assert str(info.value).startswith("Timeout: the test did not finish within 0.2 s")
     assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
@@ -72,11 +80,13 @@ def test_a_test_past_its_limit_ends_with_the_case_that_was_running():
 
 def test_without_sigalrm_the_watchdog_thread_alone_keeps_the_time_and_is_cancelled_with_the_test():
     before = signal.getsignal(signal.SIGALRM)
-    item = types.SimpleNamespace(nodeid=TEST)
+    item = types.SimpleNamespace(nodeid=f"{TEST} (thread)")
     watchdog.start_timer(item, _settings(60, "thread"), worker=None)
-    (thread,) = [t for t in threading.enumerate() if t.name == f"flashverify timeout {TEST}"]
-    assert thread.daemon and thread.is_alive()
-    assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
-    item.cancel_timeout()
+    try:
+        thread = _watchdog_thread(item)
+        assert thread.daemon and thread.is_alive()
+        assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    finally:
+        item.cancel_timeout()
     thread.join(timeout=5)
     assert not thread.is_alive()
