@@ -402,7 +402,7 @@ def test_a_sticky_cuda_error_after_the_forward_ends_the_test_with_the_case_that_
     from strategies.attention import Limits
     from strategies.cases import AttentionCase
     from verify.harness import Context, StickyDeviceError
-    from verify.runner import Env, _run_example
+    from verify.runner import Env, run_example
 
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float16",
                          causal=False)
@@ -416,8 +416,8 @@ def test_a_sticky_cuda_error_after_the_forward_ends_the_test_with_the_case_that_
 
     ctx = Context(impl=impl, prop="gradients_match_reference", device="cuda:0", case=case)
     with pytest.raises(StickyDeviceError) as info:
-        _run_example(backward_breaks, ctx, case, env("cuda:0"))
+        run_example(backward_breaks, ctx, case, env("cuda:0"))
     assert info.value.case == case and "replay: python -m verify.replay" in str(info.value)
     assert "illegal memory access" in str(info.value)
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        _run_example(backward_breaks, Context(impl=impl, prop="x", case=case), case, env("cpu"))
+        run_example(backward_breaks, Context(impl=impl, prop="x", case=case), case, env("cpu"))

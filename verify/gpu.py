@@ -17,7 +17,7 @@ Between tests the plugin resets the peak-memory counter, reads the test's peak
 Sticky CUDA errors. Some CUDA errors (an illegal memory access, a launch failure, a device-side assert,
 "unknown error") leave the process's CUDA context unusable: every later CUDA call in it fails too.
 :func:`sticky_cuda_error` recognises them; the plugin then fails the test with its case, marks the
-process poisoned and ends it after its report is written (see ``verify/plugin.py``).
+process poisoned and ends it after its report is written (see ``verify/failures.py``).
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class StickyDeviceError(BaseException):
     A ``BaseException``, like :class:`TimeoutFailure`, so Hypothesis does not shrink it: every later
     example in this process would fail the same way whatever its case, and the shrunk case would not be
     the one that failed. The test ends at once with the case that hit the error and its replay command
-    (run it in a fresh process); the plugin then ends the process (``verify/plugin.py``).
+    (run it in a fresh process); the plugin then ends the process (``verify/failures.py``).
     """
 
     def __init__(self, ctx: Context, error: BaseException, *, where: str):
@@ -167,9 +167,6 @@ class Context:
 
     def replay_command(self) -> str:
         return replay_command(impl=self.impl.cli_name, prop=self.prop, case=self.case.to_dict(), device=self.device)
-
-    def where(self) -> str:
-        return f"{self.impl.name} [{self.prop}] case: {self.case.describe()}"
 
     def fail(self, message: str) -> None:
         __tracebackhide__ = True

@@ -202,7 +202,6 @@ def pytest_cmdline_main(config):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "requires(feature): the property needs a declared capability")
     if torch.device(_device(config)).type == "cpu":
         # The suite's tensors are small: one intra-op thread is several times faster than many
         # (thread start-up dominates), and pytest-xdist workers then share the cores cleanly.

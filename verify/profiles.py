@@ -17,7 +17,7 @@ What a failure prints is about the kernel: every failure file and failure messag
 its one-line replay command (``python -m verify.replay``), so Hypothesis's ``@reproduce_failure`` blob is
 off (``print_blob=False``) and its explain phase, whose "Explanation" lists lines of the suite's own
 files, is left out of ``phases``. ``report_multiple_bugs`` stays on: when one test finds several
-distinct failures, each gets its own failure file with its own shrunk case (``verify/plugin.py``), so
+distinct failures, each gets its own failure file with its own shrunk case (``verify/failures.py``), so
 none is hidden behind the first.
 
 On a GPU the size limits below are ceilings: ``verify/gpu.py`` fits them to each worker's memory budget

@@ -186,7 +186,7 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
         coverage.add(case)
         ctx = Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case)
         try:
-            _run_example(fn, ctx, case, env)
+            run_example(fn, ctx, case, env)
         except NotApplicable as exc:
             pytest.skip(str(exc))
         except Inapplicable:
@@ -200,7 +200,7 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
         coverage.emit(env, impl=impl, prop=prop, dtype=dtype)
 
 
-def _run_example(fn, ctx: Context, case, env: Env) -> None:
+def run_example(fn, ctx: Context, case, env: Env) -> None:
     """Run one example of a property. On a GPU: a sticky CUDA error raised anywhere in it (the kernel's
     backward, or the suite's own work after the kernel broke the context) ends the test with this case
     (:class:`verify.harness.StickyDeviceError`, which Hypothesis does not shrink: every later example in
@@ -249,7 +249,7 @@ def check_longest(prop: str, impl: Implementation, dtype: str, env: Env, *, caus
     case = longest_case(impl, dtype, env.limits, causal=causal)
     ctx = Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case)
     try:
-        _run_example(properties.PROPERTIES[prop], ctx, case, env)
+        run_example(properties.PROPERTIES[prop], ctx, case, env)
     except (NotApplicable, Inapplicable) as exc:
         pytest.skip(f"{case.describe()}: {exc}")
 
