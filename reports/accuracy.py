@@ -7,10 +7,11 @@ error, the max error in ULPs of the stored dtype, error/bound (criterion 2, the 
 rounding-error bound of :mod:`references.bounds`) and error/eager (criterion 1, against the
 same-precision eager baseline of :mod:`references.baseline`). Every number comes from the suite's own
 code: cases are :class:`strategies.cases.AttentionCase` (inputs from the seed, magnitude classes
-included), the metrics are :func:`references.metrics.error_stats`/``max_ratio`` applied by
-:func:`verify.harness.assert_accurate`, which also decides pass/fail exactly as ``pytest verify`` does.
-Each measurement is therefore recorded under the property that checks it (``out_matches_reference``,
-``lse_matches_reference``, ``gradients_match_reference``) and replays with ``python -m verify.replay``.
+included), and each kernel runs and is measured by :mod:`verify.measure`, the code the properties
+measure with (reference, baseline, bounds and criteria), so a case passes or fails here exactly as in
+``pytest verify``. Each measurement is recorded under the property that checks it
+(``out_matches_reference``, ``lse_matches_reference``, ``gradients_match_reference``) and replays with
+``python -m verify.replay``. This module runs the sweep and renders what it recorded.
 
 The reference follows each implementation's declared causal alignment (SDPA and FlexAttention align
 top-left); with ``Nq = Nk``, as in this sweep, both alignments give the same mask.
@@ -33,15 +34,14 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from reports.session import read_jsonl
+from reports.summary import RECORD_COLUMNS, fmt, num
 
 SWEEP_MAGNITUDES = ("normal", "outliers", "large_logits")
 OPS = ("out", "lse", "dq", "dk", "dv")
-PROPERTY_OF = {"out": "out_matches_reference", "lse": "lse_matches_reference", "dq": "gradients_match_reference",
-               "dk": "gradients_match_reference", "dv": "gradients_match_reference"}
-METRICS = ("rmse", "max_abs", "max_rel", "max_ulp", "error_over_bound", "error_over_baseline")
+METRICS = tuple(RECORD_COLUMNS)
 PRESETS = {
     # Small enough for a CPU in about a minute (the Triton kernels too, in the interpreter).
     "quick": {"lengths": (64, 128), "head_dims": (32,)},
@@ -126,79 +126,6 @@ def skip_reason(impl, case, *, device: str) -> str | None:
     return None
 
 
-class _Truth:
-    """The float64 reference, the eager baseline and the forward bounds of one case for one causal
-    alignment, shared by every implementation that declares that alignment."""
-
-    def __init__(self, case, t, alignment: str, backward: bool):
-        from references import attention as reference
-        from references import baseline, bounds
-
-        kw = {"causal": case.causal, "scale": case.scale, "alignment": alignment}
-        self.ref = reference.attention(t.q, t.k, t.v, dout=t.dout if backward else None, **kw)
-        self.base_out, self.base_lse = baseline.forward(t.q, t.k, t.v, **kw)
-        self.out_bound, self.lse_bound = bounds.forward_bounds(self.ref, t.q, t.k, t.v, dtype=t.q.dtype)
-        self.base_grads = baseline.backward(t.q, t.k, t.v, t.dout, **kw)[:3] if backward else None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
-
-
-def measure(impl, case, t, truth: _Truth, *, device: str, backward: bool) -> tuple[list[dict], list[str]]:
-    """Measure ``impl`` on one case: the records (one per op, as ``pytest verify`` writes them) and the
-    problems met (a broken contract, an op that could not be compared)."""
-    import torch
-
-    from references import bounds
-    from references.criteria import magnitudes
-    from verify.harness import Context, PropertyFailure, assert_accurate, run_forward
-
-    records: list[dict] = []
-    problems: list[str] = []
-
-    def ctx(op: str) -> Context:
-        return Context(impl=impl, prop=PROPERTY_OF[op], device=device, record=records.append, case=case)
-
-    def check(op: str, **kw) -> None:
-        before = len(records)
-        try:
-            assert_accurate(ctx(op), op=op, input_dtype=t.q.dtype, **kw)
-        except PropertyFailure as exc:
-            if len(records) == before:  # failed before measuring: wrong dtype or shape
-                problems.append(f"{op}: {str(exc).splitlines()[0]}")
-
-    ref = truth.ref
-    with torch.no_grad():
-        out, lse = run_forward(ctx("out"), case, t.q, t.k, t.v)
-    check("out", actual=out, expected=ref.out, baseline=truth.base_out, bound=truth.out_bound,
-          magnitude=magnitudes("out", ref))
-    if lse is not None:
-        check("lse", actual=lse, expected=ref.lse, baseline=truth.base_lse, bound=truth.lse_bound,
-              magnitude=magnitudes("lse", ref))
-    if not backward:
-        return records, problems
-    if not impl.autograd:
-        problems.append(f"{impl.name} declares no autograd backward: gradients not measured")
-        return records, problems
-    q, k, v = (x.detach().requires_grad_(True) for x in (t.q, t.k, t.v))
-    out_g, _ = run_forward(ctx("dq"), case, q, k, v)
-    if not out_g.requires_grad:
-        problems.append("out does not require grad although q, k, v do: no gradient flows through out")
-        return records, problems
-    out_g.backward(t.dout)
-    dq_b, dk_b, dv_b, _ = bounds.backward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out_g.detach())
-    bdq, bdk, bdv = truth.base_grads
-    for op, got, exp, base, bnd in (("dq", q.grad, ref.dq, bdq, dq_b), ("dk", k.grad, ref.dk, bdk, dk_b),
-                                    ("dv", v.grad, ref.dv, bdv, dv_b)):
-        if got is None:
-            problems.append(f"{op} is None after out.backward(dout)")
-            continue
-        check(op, actual=got, expected=exp, baseline=base, bound=bnd, magnitude=magnitudes(op, ref))
-    return records, problems
-
-
 # ------------------------------------------------------------------------------------ the sweep
 def _versions() -> dict:
     import torch
@@ -239,10 +166,10 @@ def read_stream(out_dir: Path) -> tuple[list[dict], int]:
 def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command: str, resume: bool = False,
         time_limit: float | None = None, progress: bool | None = None, log: Callable[[str], None] = print) -> dict:
     """Run the sweep, streaming measurements into ``out_dir``, then write the report; return its data."""
-    import torch
-
     from reports.progress import Progress
     from reports.session import dumps, write_atomic
+    from verify import measure
+    from verify.harness import OutOfMemoryError, exception_line, release_out_of_memory
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -302,7 +229,7 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
                 stopped_early = True
                 break
             t = case.build(device)
-            truths: dict[str, _Truth] = {}
+            truths: dict[str, measure.Truth] = {}
             for impl in run_here:
                 if time_limit is not None and time.monotonic() - started > time_limit:
                     stopped_early = True
@@ -313,22 +240,21 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
                 same_mask = not case.causal or case.len_q == case.len_k
                 key = "any" if same_mask else impl.causal_alignment
                 tic = time.monotonic()
-                try:
-                    if key not in truths:
-                        truths[key] = _Truth(case, t, impl.causal_alignment, sweep.backward)
-                    with warnings.catch_warnings(record=True) as caught:
-                        warnings.simplefilter("always")
-                        try:
-                            records, problems = measure(impl, case, t, truths[key], device=device,
-                                                        backward=sweep.backward)
-                        except Exception as exc:  # noqa: BLE001 - a kernel that raises is reported, not fatal
-                            said = sorted({str(w.message).strip().splitlines()[0] for w in caught
-                                           if str(w.message).strip()})[:3]
-                            records, problems = [], [_first_line(exc) + "".join(f" [warning: {s}]" for s in said)]
-                except torch.cuda.OutOfMemoryError as exc:
-                    records, problems = [], [_first_line(exc)]
-                    truths.clear()
-                    torch.cuda.empty_cache()
+                if key not in truths:
+                    truths[key] = measure.Truth(case, t.q, t.k, t.v, alignment=impl.causal_alignment,
+                                                dout=t.dout if sweep.backward else None)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    try:
+                        records, problems = measure.sweep_case(impl, case, t, truths[key], device=device,
+                                                               backward=sweep.backward)
+                    except OutOfMemoryError as exc:  # in the suite's own work: start the case's truths afresh
+                        truths.clear()
+                        records, problems = [], [release_out_of_memory(exc)]
+                    except Exception as exc:  # noqa: BLE001 - a kernel that raises is reported, not fatal
+                        said = sorted({str(w.message).strip().splitlines()[0] for w in caught
+                                       if str(w.message).strip()})[:3]
+                        records, problems = [], [exception_line(exc) + "".join(f" [warning: {s}]" for s in said)]
                 for r in records:
                     emit({"kind": "measurement", "spec": impl.cli_name, **r})
                 for p in problems:
@@ -347,12 +273,6 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
 
 
 # ------------------------------------------------------------------------------------ aggregation
-def _num(x: Any) -> float:
-    from reports.summary import num
-
-    return num(x)
-
-
 def geomean(values: list[float]) -> float | None:
     """Geometric mean of the positive values (an exact 0 says nothing about typical error: left out);
     ``inf`` or NaN if any value is (a non-finite error is never averaged away)."""
@@ -405,7 +325,7 @@ def aggregate(header: dict, lines: list[dict], bad_lines: int = 0) -> dict:
                             "causal": case.get("causal"), "len": case.get("len_k"), "head_dim": case.get("head_dim"),
                             "seed": case.get("seed"), "case": case, "ops": {}}
         results[key]["ops"][str(item.get("op"))] = {
-            **{m: _num(item.get(m)) for m in METRICS}, "pass": item.get("pass"),
+            **{m: num(item.get(m)) for m in METRICS}, "pass": item.get("pass"),
             "property": item.get("property")}
     rows = [results[k] for k in order]
     for r in rows:
@@ -500,6 +420,63 @@ def write_report(out_dir: str | Path) -> dict:
     return result
 
 
+# ------------------------------------------------------------------------------------ tables
+class Table(NamedTuple):
+    """A table that accuracy.md and accuracy.html both show: its headers, its rows of values (each page
+    formats them) and which rows failed."""
+
+    headers: list[str]
+    rows: list[list]
+    failed: list[bool] | None = None
+
+
+# The worst-measurements table: (key of a worst_cases entry, header).
+WORST_COLUMNS = (("implementation", "implementation"), ("op", "op"), ("case_text", "case"),
+                 *((k, RECORD_COLUMNS[k]) for k in ("rmse", "max_abs", "max_ulp", "error_over_bound",
+                                                    "error_over_baseline")), ("pass", "pass"))
+
+
+def rmse_tables(result: dict) -> dict[str, Table]:
+    """Per op: the geometric-mean RMSE of each implementation per dtype and magnitude class."""
+    cols = result.get("rmse_columns") or []
+    return {op: Table(["implementation", *cols], [[name, *(cells.get(c) for c in cols)]
+                                                  for name, cells in per_impl.items()])
+            for op, per_impl in (result.get("rmse") or {}).items()}
+
+
+def criteria_table(result: dict) -> Table:
+    """Per implementation and dtype: the largest err/bound and err/eager of each op over the sweep."""
+    crit = result.get("criteria") or []
+    ops = [op for op in OPS if any(c.get(f"{op}_error_over_bound") is not None for c in crit)]
+    keys = ("error_over_bound", "error_over_baseline")
+    return Table(["implementation", "dtype", "cases", "failed",
+                  *(f"{OP_WORDS[o]} {RECORD_COLUMNS[k]}" for k in keys for o in ops)],
+                 [[c["implementation"], c["dtype"], c["cases"], c["failed_cases"],
+                   *(c.get(f"{o}_{k}") for k in keys for o in ops)] for c in crit],
+                 [bool(c["failed_cases"]) for c in crit])
+
+
+def worst_table(result: dict) -> Table:
+    worst = result.get("worst_cases") or []
+    return Table([h for _, h in WORST_COLUMNS], [[w.get(k) for k, _ in WORST_COLUMNS] for w in worst],
+                 [w.get("pass") is False for w in worst])
+
+
+def case_table(result: dict) -> Table:
+    """One row per (implementation, case): the RMSE of each op, O's max ULP, the largest err/bound and
+    err/eager over its ops, and whether every op passed."""
+    res = result.get("results") or []
+    return Table(["implementation", "dtype", "magnitude", "causal", "N", "D",
+                  *(f"{OP_WORDS[o]} {RECORD_COLUMNS['rmse']}" for o in OPS), f"O {RECORD_COLUMNS['max_ulp']}",
+                  f"max {RECORD_COLUMNS['error_over_bound']}", f"max {RECORD_COLUMNS['error_over_baseline']}", "pass"],
+                 [[r["implementation"], r["dtype"], r["magnitude"], "yes" if r["causal"] else "no", r["len"],
+                   r["head_dim"], *(r["ops"][o]["rmse"] if o in r["ops"] else None for o in OPS),
+                   r["ops"]["out"]["max_ulp"] if "out" in r["ops"] else None,
+                   _largest([o["error_over_bound"] for o in r["ops"].values()]),
+                   _largest([o["error_over_baseline"] for o in r["ops"].values()]), r["pass"]] for r in res],
+                 [not r["pass"] for r in res])
+
+
 # ------------------------------------------------------------------------------------ Markdown
 MAGNITUDE_WORDS = {
     "normal": "q, k, v ~ N(0, 1)",
@@ -510,9 +487,12 @@ OP_WORDS = {"out": "O", "lse": "LSE", "dq": "dQ", "dk": "dK", "dv": "dV"}
 
 
 def _fmt(x: Any) -> str:
-    from reports.summary import fmt
-
     return fmt(x).replace("|", "\\|")
+
+
+def _md_table(table: Table) -> list[str]:
+    return ["| " + " | ".join(table.headers) + " |", "|" + "---|" * len(table.headers),
+            *("| " + " | ".join(_fmt(v) for v in row) + " |" for row in table.rows)]
 
 
 def _sweep_words(sweep: dict) -> list[str]:
@@ -561,56 +541,24 @@ def markdown(result: dict) -> str:
              "the max error divided by that of the same-precision eager attention, or by criterion 1's absolute "
              "floor where eager's error is below it (criterion 1: at most 2 for O and LSE, 3 for gradients, plus "
              "the floor). SDPA and FlexAttention return no LSE.", ""]
-    cols = result.get("rmse_columns") or []
-    for op, per_impl in (result.get("rmse") or {}).items():
+    for op, rmse in rmse_tables(result).items():
         lines += [f"## RMSE of {OP_WORDS.get(op, op)} (geometric mean over N, D, causal and seeds)", "",
-                  "| implementation | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-        for name, cells in per_impl.items():
-            lines.append(f"| {_fmt(name)} | " + " | ".join(_fmt(cells.get(c)) for c in cols) + " |")
-        lines.append("")
-    crit = result.get("criteria") or []
-    if crit:
-        ops = [op for op in OPS if any(c.get(f"{op}_error_over_bound") is not None for c in crit)]
-        lines += ["## Pass criteria: largest err/bound and err/eager over the sweep", "",
-                  "| implementation | dtype | cases | failed | " + " | ".join(f"{OP_WORDS[o]} err/bound" for o in ops)
-                  + " | " + " | ".join(f"{OP_WORDS[o]} err/eager" for o in ops) + " |",
-                  "|---|---|---|---|" + "---|" * (2 * len(ops))]
-        for c in crit:
-            lines.append(f"| {_fmt(c['implementation'])} | {c['dtype']} | {c['cases']} | {c['failed_cases']} | "
-                         + " | ".join(_fmt(c.get(f"{o}_error_over_bound")) for o in ops) + " | "
-                         + " | ".join(_fmt(c.get(f"{o}_error_over_baseline")) for o in ops) + " |")
-        lines.append("")
-    worst = result.get("worst_cases") or []
-    if worst:
-        lines += ["## Worst measurements by err/bound", "",
-                  "| implementation | op | case | RMSE | max abs | max ULP | err/bound | err/eager | pass |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for w in worst:
-            lines.append("| " + " | ".join(_fmt(w.get(k)) for k in (
-                "implementation", "op", "case_text", "rmse", "max_abs", "max_ulp", "error_over_bound",
-                "error_over_baseline", "pass")) + " |")
-        lines += ["", "Replay the worst one: `" + worst[0]["replay"].replace("`", "'") + "`", ""]
+                  *_md_table(rmse), ""]
+    crit = criteria_table(result)
+    if crit.rows:
+        lines += ["## Pass criteria: largest err/bound and err/eager over the sweep", "", *_md_table(crit), ""]
+    worst = worst_table(result)
+    if worst.rows:
+        lines += ["## Worst measurements by err/bound", "", *_md_table(worst), "",
+                  "Replay the worst one: `" + result["worst_cases"][0]["replay"].replace("`", "'") + "`", ""]
     skipped = result.get("not_measured") or []
     if skipped:
         lines += ["## Not measured", "", "| implementation | reason | cases |", "|---|---|---|"]
         for s in skipped:
             lines.append(f"| {_fmt(s['implementation'])} | {_fmt(s['reason'])} | {s['cases']} |")
         lines.append("")
-    res = result.get("results") or []
-    if res:
-        lines += ["## Every case", "", "<details><summary>" + f"{len(res)} (implementation, case) results"
-                  + "</summary>", "",
-                  "| implementation | dtype | magnitude | causal | N | D | " + " | ".join(
-                      f"{OP_WORDS[o]} RMSE" for o in OPS) + " | O max ULP | max err/bound | max err/eager | pass |",
-                  "|---|---|---|---|---|---|" + "---|" * (len(OPS) + 4)]
-        for r in res:
-            ops = r["ops"]
-            lines.append(
-                f"| {_fmt(r['implementation'])} | {r['dtype']} | {r['magnitude']} | {r['causal']} | {r['len']} | "
-                f"{r['head_dim']} | " + " | ".join(_fmt(ops[o]["rmse"]) if o in ops else "-" for o in OPS)
-                + f" | {_fmt(ops['out']['max_ulp']) if 'out' in ops else '-'}"
-                + f" | {_fmt(_largest([o['error_over_bound'] for o in ops.values()]))}"
-                + f" | {_fmt(_largest([o['error_over_baseline'] for o in ops.values()]))}"
-                + f" | {'yes' if r['pass'] else 'NO'} |")
-        lines += ["", "</details>", ""]
+    cases = case_table(result)
+    if cases.rows:
+        lines += ["## Every case", "", f"<details><summary>{len(cases.rows)} (implementation, case) results</summary>",
+                  "", *_md_table(cases), "", "</details>", ""]
     return "\n".join(lines) + "\n"

@@ -9,13 +9,12 @@ suite runs kernels it has never seen, and their names end up here.
 from __future__ import annotations
 
 import html
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from reports import plots
-from reports.summary import LEGEND, TABLE_COLUMNS, fmt, num, status_line
+from reports.summary import LEGEND, TABLE_COLUMNS, WORST_COLUMNS, fmt, num, status_line
 
 STYLE = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto; max-width: 1400px;
@@ -205,11 +204,7 @@ def report_html(summary: dict, rows: list[dict]) -> str:
     body += [f"<h2>Worst cases ({len(worst)})</h2>",
              '<p class="muted">The measurements with the largest error/bound, failed ones first; each replays on '
              "its own with the command shown (run it from the repository root).</p>",
-             table(("implementation", "property", "op", "case", "max abs", "max ULP", "err/bound", "err/eager",
-                    "pass"),
-                   ([w.get("implementation"), w.get("property"), w.get("op"), w.get("case_text"), w.get("max_abs"),
-                     w.get("max_ulp"), w.get("error_over_bound"), w.get("error_over_baseline"), w.get("pass")]
-                    for w in worst),
+             table([h for _, h in WORST_COLUMNS], ([w.get(k) for k, _ in WORST_COLUMNS] for w in worst),
                    failed=[w.get("pass") is False for w in worst],
                    below=[Raw("replay: " + code(w["replay"])) if w.get("replay") else None for w in worst])]
     body.append(f"<h2>Failures ({len(failures)})</h2>")
@@ -298,18 +293,24 @@ def _accuracy_plots(result: dict) -> list[str]:
     ]
 
 
+def _shown(t, *, below: list | None = None) -> str:
+    """One of :mod:`reports.accuracy`'s tables (the ones accuracy.md shows too)."""
+    return table(t.headers, t.rows, failed=t.failed, below=below)
+
+
 def accuracy_html(result: dict) -> str:
     """The accuracy report as one self-contained HTML page."""
-    from reports.accuracy import MAGNITUDE_WORDS, OP_WORDS, OPS, status_words, title
+    from reports import accuracy
 
     meta = result.get("meta") or {}
     sweep = meta.get("sweep") or {}
     versions = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items() if v)
     partial = result.get("status") != "complete"
     failed = sum(c.get("failed_cases", 0) for c in result.get("criteria") or [])
-    body = [f"<h1>{esc(title(result))}</h1>",
+    body = [f"<h1>{esc(accuracy.title(result))}</h1>",
             f'<div class="banner {"partial" if partial else ("bad" if failed else "ok")}">'
-            f"{esc(status_words(result))}<br>{esc(len(result.get('results') or []))} (implementation, case) results, "
+            f"{esc(accuracy.status_words(result))}<br>{esc(len(result.get('results') or []))} "
+            "(implementation, case) results, "
             f"{esc(failed)} with a failed criterion.</div>",
             "<h2>Run</h2>",
             key_values([("command", code(meta.get("command"))),
@@ -320,7 +321,7 @@ def accuracy_html(result: dict) -> str:
                         ("dtypes", ", ".join(map(str, sweep.get("dtypes") or []))),
                         ("causal", ", ".join(map(str, sweep.get("causal") or []))),
                         ("seeds", ", ".join(map(str, sweep.get("seeds") or [])))]),
-            table(("magnitude class", "inputs"), ((m, MAGNITUDE_WORDS.get(m, "see strategies/cases.py"))
+            table(("magnitude class", "inputs"), ((m, accuracy.MAGNITUDE_WORDS.get(m, "see strategies/cases.py"))
                                                   for m in sweep.get("magnitudes") or [])),
             '<p class="muted">Inputs are rounded to the dtype first and the float64 reference is computed from the '
             "rounded inputs. RMSE = sqrt(mean((x - ref)^2)), the FlashAttention-3 paper's measure. err/bound: largest "
@@ -333,53 +334,23 @@ def accuracy_html(result: dict) -> str:
                     ", ".join(map(str, i.get("dtypes") or [])), i.get("description")]
                    for i in result.get("implementations") or []))]
     body += _accuracy_plots(result)
-    cols = result.get("rmse_columns") or []
-    for op, per_impl in (result.get("rmse") or {}).items():
-        body += [f"<h2>RMSE of {esc(OP_WORDS.get(op, op))}</h2>",
-                 '<p class="muted">Geometric mean over N, D, causal and seeds.</p>',
-                 table(["implementation", *cols], ([name, *(cells.get(c) for c in cols)]
-                                                  for name, cells in per_impl.items()))]
-    crit = result.get("criteria") or []
-    if crit:
-        ops = [op for op in OPS if any(c.get(f"{op}_error_over_bound") is not None for c in crit)]
-        body += ["<h2>Pass criteria: largest err/bound and err/eager</h2>",
-                 table(["implementation", "dtype", "cases", "failed", *(f"{OP_WORDS[o]} err/bound" for o in ops),
-                        *(f"{OP_WORDS[o]} err/eager" for o in ops)],
-                       ([c["implementation"], c["dtype"], c["cases"], c["failed_cases"],
-                         *(c.get(f"{o}_error_over_bound") for o in ops),
-                         *(c.get(f"{o}_error_over_baseline") for o in ops)] for c in crit),
-                       failed=[bool(c["failed_cases"]) for c in crit])]
-    worst = result.get("worst_cases") or []
-    if worst:
+    for op, rmse in accuracy.rmse_tables(result).items():
+        body += [f"<h2>RMSE of {esc(accuracy.OP_WORDS.get(op, op))}</h2>",
+                 '<p class="muted">Geometric mean over N, D, causal and seeds.</p>', _shown(rmse)]
+    crit = accuracy.criteria_table(result)
+    if crit.rows:
+        body += ["<h2>Pass criteria: largest err/bound and err/eager</h2>", _shown(crit)]
+    worst = accuracy.worst_table(result)
+    if worst.rows:
         body += ["<h2>Worst measurements by err/bound</h2>",
-                 table(("implementation", "op", "case", "RMSE", "max abs", "max ULP", "err/bound", "err/eager", "pass"),
-                       ([w.get("implementation"), w.get("op"), w.get("case_text"), w.get("rmse"), w.get("max_abs"),
-                         w.get("max_ulp"), w.get("error_over_bound"), w.get("error_over_baseline"), w.get("pass")]
-                        for w in worst),
-                       failed=[w.get("pass") is False for w in worst],
-                       below=[Raw("replay: " + code(w["replay"])) for w in worst])]
+                 _shown(worst, below=[Raw("replay: " + code(w["replay"])) for w in result["worst_cases"]])]
     skipped = result.get("not_measured") or []
     if skipped:
         body += ["<h2>Not measured</h2>",
                  table(("implementation", "reason", "cases"),
                        ([s.get("implementation"), s.get("reason"), s.get("cases")] for s in skipped))]
-    res = result.get("results") or []
-    if res:
-        body += [f"<h2>Every case ({len(res)})</h2>", "<details><summary>show the table</summary>",
-                 table(["implementation", "dtype", "magnitude", "causal", "N", "D",
-                        *(f"{OP_WORDS[o]} RMSE" for o in OPS), "O max ULP", "max err/bound", "max err/eager", "pass"],
-                       ([r["implementation"], r["dtype"], r["magnitude"], r["causal"], r["len"], r["head_dim"],
-                         *(r["ops"][o]["rmse"] if o in r["ops"] else None for o in OPS),
-                         r["ops"]["out"]["max_ulp"] if "out" in r["ops"] else None,
-                         _max_of(o["error_over_bound"] for o in r["ops"].values()),
-                         _max_of(o["error_over_baseline"] for o in r["ops"].values()), r["pass"]] for r in res),
-                       failed=[not r["pass"] for r in res]),
-                 "</details>"]
-    return page(title(result), body)
-
-
-def _max_of(values: Iterable[float]) -> float | None:
-    values = list(values)
-    if not values:
-        return None
-    return math.nan if any(v != v for v in values) else max(values)
+    cases = accuracy.case_table(result)
+    if cases.rows:
+        body += [f"<h2>Every case ({len(cases.rows)})</h2>", "<details><summary>show the table</summary>",
+                 _shown(cases), "</details>"]
+    return page(accuracy.title(result), body)

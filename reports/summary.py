@@ -257,6 +257,13 @@ def status_line(summary: dict) -> str:
             "measurements written before it stopped.")
 
 
+# The measured columns of one record (verify/measure.py) and their header in every table of every report.
+RECORD_COLUMNS = {"rmse": "RMSE", "max_abs": "max abs err", "max_rel": "max rel err", "max_ulp": "max ULP",
+                  "error_over_bound": "err/bound", "error_over_baseline": "err/eager"}
+# The worst-cases table of report.md and report.html: (key of a worst_cases entry, header).
+WORST_COLUMNS = (("implementation", "implementation"), ("property", "property"), ("op", "op"), ("case_text", "case"),
+                 *((k, RECORD_COLUMNS[k]) for k in ("max_abs", "max_ulp", "error_over_bound", "error_over_baseline")),
+                 ("pass", "pass"))
 TABLE_COLUMNS = (("implementation", "implementation"), ("op", "op"), ("dtype", "dtype"), ("measurements", "n"),
                  ("failed", "failed"), ("max_abs", "max abs err"), ("max_rmse", "max RMSE"),
                  ("max_ulp", "max ULP"), ("median_error_over_bound", "median err/bound"),
@@ -306,12 +313,9 @@ def markdown(summary: dict) -> str:
     worst = summary.get("worst_cases") or []
     if worst:
         lines += ["", f"## Worst cases by error/bound ({len(worst)})", "",
-                  "| implementation | property | op | case | max abs err | err/bound | err/eager | pass |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| " + " | ".join(h for _, h in WORST_COLUMNS) + " |", "|" + "---|" * len(WORST_COLUMNS)]
         for w in worst:
-            lines.append("| " + " | ".join(_md(w.get(k)) for k in (
-                "implementation", "property", "op", "case_text", "max_abs", "error_over_bound",
-                "error_over_baseline", "pass")) + " |")
+            lines.append("| " + " | ".join(_md(w.get(k)) for k, _ in WORST_COLUMNS) + " |")
     lines += coverage.markdown(summary.get("coverage") or {})
     lines += memory.markdown(summary.get("peak_memory") or {})
     failures = summary.get("failures") or []

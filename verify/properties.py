@@ -18,15 +18,15 @@ from torch.autograd.gradcheck import GradcheckError
 
 from kernels.registry import registry
 from references import attention as reference
-from references import baseline, bounds, mp
-from references.criteria import ds_magnitude_rowsum, magnitudes
+from references import mp
+from references.criteria import ds_magnitude_rowsum
 from references.metrics import abs_error, max_ratio, unit_roundoff
 from references.softmax_bounds import softmax_bounds
 from strategies.cases import DTYPES, LAYOUTS, AttentionCase
 from strategies.softmax import SoftmaxCase
-from verify import harness
-from verify.harness import (Context, assert_accurate, assert_close, assert_no_nan, check_tensor, lse_dtype,
-                            run_forward)
+from verify import measure
+from verify.harness import Context, assert_close, assert_no_nan, check_tensor, lse_dtype, run_forward
+from verify.measure import NotApplicable, run_backward
 
 PROPERTIES: dict[str, Callable[[Context, AttentionCase], None]] = {}
 
@@ -34,10 +34,6 @@ PROPERTIES: dict[str, Callable[[Context, AttentionCase], None]] = {}
 def prop(fn):
     PROPERTIES[fn.__name__] = fn
     return fn
-
-
-class NotApplicable(Exception):
-    """The property cannot apply to this implementation (e.g. no LSE returned): the test is skipped."""
 
 
 class Inapplicable(Exception):
@@ -48,17 +44,9 @@ def _rng(case: AttentionCase, salt: int) -> torch.Generator:
     return torch.Generator().manual_seed(case.seed * 1_000_003 + salt)
 
 
-def _reference(ctx: Context, case: AttentionCase, q, k, v, dout=None):
-    try:
-        return reference.attention(q, k, v, causal=case.causal, scale=case.scale,
-                                   alignment=ctx.impl.causal_alignment, dout=dout)
-    except harness.OutOfMemoryError as exc:
-        # The suite's own float64 reference, not the kernel, ran out: the case is too large for this
-        # device, which says nothing about the kernel. Skip with the reason (the memory is released).
-        why = harness.release_out_of_memory(exc)
-        scores = case.batch * case.heads_q * case.len_q * case.len_k
-        raise NotApplicable(f"the float64 reference ran out of device memory on {case.describe()} "
-                            f"({scores} scores; lower the profile's max_scores): {why}") from None
+def _truth(ctx: Context, case: AttentionCase, q, k, v, dout=None) -> measure.Truth:
+    """What the kernel's results on ``q, k, v`` are compared with, under its declared causal alignment."""
+    return measure.Truth(case, q, k, v, alignment=ctx.impl.causal_alignment, dout=dout)
 
 
 def _needs_lse(ctx: Context, lse) -> None:
@@ -79,12 +67,8 @@ def out_matches_reference(ctx: Context, case: AttentionCase) -> None:
     """``out`` vs the float64 reference: criterion 1 (baseline-relative) and 2 (rounding bound)."""
     t = case.build(ctx.device)
     out, _ = run_forward(ctx, case, t.q, t.k, t.v)
-    ref = _reference(ctx, case, t.q, t.k, t.v)
-    base_out, _ = baseline.forward(t.q, t.k, t.v, causal=case.causal, scale=case.scale,
-                                   alignment=ctx.impl.causal_alignment)
-    out_bound, _ = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
-    assert_accurate(ctx, op="out", actual=out, expected=ref.out, baseline=base_out, bound=out_bound,
-                    input_dtype=t.q.dtype, magnitude=magnitudes("out", ref))
+    truth = _truth(ctx, case, t.q, t.k, t.v)
+    measure.check(ctx, truth, "out", out, truth.forward_bounds)
 
 
 @prop
@@ -93,12 +77,8 @@ def lse_matches_reference(ctx: Context, case: AttentionCase) -> None:
     t = case.build(ctx.device)
     _, lse = run_forward(ctx, case, t.q, t.k, t.v)
     _needs_lse(ctx, lse)
-    ref = _reference(ctx, case, t.q, t.k, t.v)
-    _, base_lse = baseline.forward(t.q, t.k, t.v, causal=case.causal, scale=case.scale,
-                                   alignment=ctx.impl.causal_alignment)
-    _, lse_bound = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
-    assert_accurate(ctx, op="lse", actual=lse, expected=ref.lse, baseline=base_lse, bound=lse_bound,
-                    input_dtype=t.q.dtype, magnitude=magnitudes("lse", ref))
+    truth = _truth(ctx, case, t.q, t.k, t.v)
+    measure.check(ctx, truth, "lse", lse, truth.forward_bounds)
 
 
 @prop
@@ -107,8 +87,8 @@ def lse_between_max_and_max_plus_log_n(ctx: Context, case: AttentionCase) -> Non
     t = case.build(ctx.device)
     _, lse = run_forward(ctx, case, t.q, t.k, t.v)
     _needs_lse(ctx, lse)
-    ref = _reference(ctx, case, t.q, t.k, t.v)
-    _, lse_bound = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
+    truth = _truth(ctx, case, t.q, t.k, t.v)
+    ref, lse_bound = truth.ref, truth.forward_bounds["lse"]
     n_visible = ref.n_visible.to(torch.float64)  # [Nq]
     has_keys = n_visible > 0
     got = lse.to(torch.float64)
@@ -128,8 +108,8 @@ def out_within_visible_values(ctx: Context, case: AttentionCase) -> None:
     """Each ``out`` row lies in the box spanned by the visible ``v`` rows (up to the bound)."""
     t = case.build(ctx.device)
     out, _ = run_forward(ctx, case, t.q, t.k, t.v)
-    ref = _reference(ctx, case, t.q, t.k, t.v)
-    out_bound, _ = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
+    truth = _truth(ctx, case, t.q, t.k, t.v)
+    ref, out_bound = truth.ref, truth.forward_bounds["out"]
     lo, hi = _visible_value_box(ref)
     has = ref.rows_with_keys[None, None, :, None]
     lo, hi = torch.where(has, lo, 0.0) - out_bound, torch.where(has, hi, 0.0) + out_bound
@@ -156,12 +136,6 @@ def _visible_value_box(ref) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(has, lo, 0.0), torch.where(has, hi, 0.0)
 
 
-def _bounds_of(ctx, case, q, k, v):
-    ref = _reference(ctx, case, q, k, v)
-    out_b, lse_b = bounds.forward_bounds(ref, q, k, v, dtype=q.dtype)
-    return ref, out_b, lse_b
-
-
 @prop
 def block_size_invariance(ctx: Context, case: AttentionCase) -> None:
     """Another tiling (drawn from the declared block sizes) gives the same out and lse, up to bounds.
@@ -181,11 +155,11 @@ def block_size_invariance(ctx: Context, case: AttentionCase) -> None:
                          block_n=sizes_n[int(torch.randint(len(sizes_n), (1,), generator=g))])
     out_a, lse_a = run_forward(ctx, case, t.q, t.k, t.v)
     out_b, lse_b = run_forward(ctx, other, t.q, t.k, t.v)
-    _, ob, lb = _bounds_of(ctx, case, t.q, t.k, t.v)
+    bound = _truth(ctx, case, t.q, t.k, t.v).forward_bounds
     what = f"blocks {case.block_m}x{case.block_n} vs {other.block_m}x{other.block_n}"
-    _same(ctx, what=f"out with {what}", a=out_a, b=out_b, tol=2 * ob)
+    _same(ctx, what=f"out with {what}", a=out_a, b=out_b, tol=2 * bound["out"])
     if lse_a is not None:
-        _same(ctx, what=f"lse with {what}", a=lse_a, b=lse_b, tol=2 * lb)
+        _same(ctx, what=f"lse with {what}", a=lse_a, b=lse_b, tol=2 * bound["lse"])
 
 
 @prop
@@ -202,10 +176,10 @@ def siblings_agree(ctx: Context, case: AttentionCase) -> None:
     t = case.build(ctx.device)
     out_a, lse_a = run_forward(ctx, case, t.q, t.k, t.v)
     out_b, lse_b = run_forward(other_ctx, case, t.q, t.k, t.v)
-    _, ob, lb = _bounds_of(ctx, case, t.q, t.k, t.v)
-    _same(ctx, what=f"out of {ctx.impl.name} vs {other.name}", a=out_a, b=out_b, tol=2 * ob)
+    bound = _truth(ctx, case, t.q, t.k, t.v).forward_bounds
+    _same(ctx, what=f"out of {ctx.impl.name} vs {other.name}", a=out_a, b=out_b, tol=2 * bound["out"])
     if lse_a is not None and lse_b is not None:
-        _same(ctx, what=f"lse of {ctx.impl.name} vs {other.name}", a=lse_a, b=lse_b, tol=2 * lb)
+        _same(ctx, what=f"lse of {ctx.impl.name} vs {other.name}", a=lse_a, b=lse_b, tol=2 * bound["lse"])
 
 
 @prop
@@ -217,10 +191,10 @@ def key_permutation_invariance(ctx: Context, case: AttentionCase) -> None:
     perm = torch.randperm(t.k.shape[2], generator=_rng(case, 2)).to(t.k.device)
     out_a, lse_a = run_forward(ctx, case, t.q, t.k, t.v)
     out_b, lse_b = run_forward(ctx, case, t.q, t.k[:, :, perm], t.v[:, :, perm])
-    _, ob, lb = _bounds_of(ctx, case, t.q, t.k, t.v)
-    _same(ctx, what="out after permuting keys and values", a=out_b, b=out_a, tol=2 * ob)
+    bound = _truth(ctx, case, t.q, t.k, t.v).forward_bounds
+    _same(ctx, what="out after permuting keys and values", a=out_b, b=out_a, tol=2 * bound["out"])
     if lse_a is not None:
-        _same(ctx, what="lse after permuting keys and values", a=lse_b, b=lse_a, tol=2 * lb)
+        _same(ctx, what="lse after permuting keys and values", a=lse_b, b=lse_a, tol=2 * bound["lse"])
 
 
 def _grid(t: torch.Tensor, headroom: float) -> tuple[torch.Tensor, float]:
@@ -259,16 +233,17 @@ def score_shift_invariance(ctx: Context, case: AttentionCase) -> None:
         raise AssertionError("internal: the shifted keys are not exact on the chosen grid")
     out0, lse0 = run_forward(ctx, case, t.q, k0, t.v)
     out1, lse1 = run_forward(ctx, case, t.q, k1, t.v)
-    _, ob0, lb0 = _bounds_of(ctx, case, t.q, k0, t.v)
-    _, ob1, lb1 = _bounds_of(ctx, case, t.q, k1, t.v)
-    _same(ctx, what="out after shifting every key by the same w", a=out1, b=out0, tol=ob0 + ob1)
+    b0 = _truth(ctx, case, t.q, k0, t.v).forward_bounds
+    b1 = _truth(ctx, case, t.q, k1, t.v).forward_bounds
+    _same(ctx, what="out after shifting every key by the same w", a=out1, b=out0, tol=b0["out"] + b1["out"])
     if lse0 is None:
         return
     scale = case.scale if case.scale is not None else 1.0 / math.sqrt(t.q.shape[-1])
     shift = scale * (t.q.to(torch.float64) @ reference.expand_kv(w, t.q.shape[1]).transpose(-1, -2))[..., 0]
     expected = lse0.to(torch.float64) + shift
     _same(ctx, what="lse after shifting every key by w (expected lse + scale * q.w)",
-          a=lse1.to(torch.float64), b=expected, tol=lb0 + lb1 + 4 * unit_roundoff(torch.float64) * expected.abs())
+          a=lse1.to(torch.float64), b=expected,
+          tol=b0["lse"] + b1["lse"] + 4 * unit_roundoff(torch.float64) * expected.abs())
 
 
 @prop
@@ -295,9 +270,9 @@ def value_linearity(ctx: Context, case: AttentionCase) -> None:
         raise AssertionError("internal: the transformed values are not exact on the chosen grid")
     out0, _ = run_forward(ctx, case, t.q, t.k, v0)
     out1, _ = run_forward(ctx, case, t.q, t.k, v1)
-    ref0, ob0, _ = _bounds_of(ctx, case, t.q, t.k, v0)
-    _, ob1, _ = _bounds_of(ctx, case, t.q, t.k, v1)
-    has = ref0.rows_with_keys[None, None, :, None]
+    truth0 = _truth(ctx, case, t.q, t.k, v0)
+    ob0, ob1 = truth0.forward_bounds["out"], _truth(ctx, case, t.q, t.k, v1).forward_bounds["out"]
+    has = truth0.ref.rows_with_keys[None, None, :, None]
     expected = torch.where(has, out0.to(torch.float64) @ a + b, 0.0)
     _same(ctx, what="out(v A + b) vs out(v) A + b", a=out1.to(torch.float64), b=expected,
           tol=ob1 + ob0 @ a.abs() + 2 * unit_roundoff(torch.float64) * expected.abs())
@@ -331,16 +306,16 @@ def hidden_keys_never_reach_output(ctx: Context, case: AttentionCase) -> None:
     out0, lse0 = run_forward(ctx, case, t.q, t.k, t.v)
     out1, lse1 = run_forward(ctx, case, t.q, k1, v1)
     rows = slice(0, cut + 1)
-    _, ob, lb = _bounds_of(ctx, case, t.q, t.k, t.v)
+    bound = _truth(ctx, case, t.q, t.k, t.v).forward_bounds
     what = f"rows 0..{cut} with {int(hidden.sum())} hidden keys set to k={poison}, v=max/2"
     assert_no_nan(ctx, what=f"out {what}", actual=out1[:, :, rows])
     # A deterministic kernel does the same arithmetic on the rows it checks: identical bits.
     exact = ctx.impl.deterministic
     assert_close(ctx, what=f"out {what}", actual=out1[:, :, rows], expected=out0[:, :, rows],
-                 tolerance=ob[:, :, rows], exact=exact)
+                 tolerance=bound["out"][:, :, rows], exact=exact)
     if lse0 is not None:
         assert_close(ctx, what=f"lse {what}", actual=lse1[:, :, rows], expected=lse0[:, :, rows],
-                     tolerance=lb[:, :, rows], exact=exact)
+                     tolerance=bound["lse"][:, :, rows], exact=exact)
 
 
 @prop
@@ -354,14 +329,14 @@ def layouts_agree(ctx: Context, case: AttentionCase) -> None:
         t = c.build(ctx.device)
         results[layout] = run_forward(ctx, c, t.q, t.k, t.v)
     t = case.replace(layout="contiguous").build(ctx.device)
-    _, ob, lb = _bounds_of(ctx, case, t.q, t.k, t.v)
+    bound = _truth(ctx, case, t.q, t.k, t.v).forward_bounds
     out0, lse0 = results["contiguous"]
     for layout in LAYOUTS[1:]:
         out1, lse1 = results[layout]
         assert_no_nan(ctx, what=f"out with {layout} inputs", actual=out1)
-        _same(ctx, what=f"out with {layout} vs contiguous inputs", a=out1, b=out0, tol=2 * ob)
+        _same(ctx, what=f"out with {layout} vs contiguous inputs", a=out1, b=out0, tol=2 * bound["out"])
         if lse0 is not None:
-            _same(ctx, what=f"lse with {layout} vs contiguous inputs", a=lse1, b=lse0, tol=2 * lb)
+            _same(ctx, what=f"lse with {layout} vs contiguous inputs", a=lse1, b=lse0, tol=2 * bound["lse"])
 
 
 @prop
@@ -398,60 +373,22 @@ def gqa_equals_repeated_heads(ctx: Context, case: AttentionCase) -> None:
     out_g, lse_g = run_forward(ctx, case, t.q, t.k, t.v)
     k_full, v_full = reference.expand_kv(t.k, case.heads_q), reference.expand_kv(t.v, case.heads_q)
     out_f, lse_f = run_forward(ctx, case, t.q, k_full, v_full)
-    _, ob, lb = _bounds_of(ctx, case, t.q, t.k, t.v)
-    _same(ctx, what="out with GQA vs repeated K/V heads", a=out_g, b=out_f, tol=2 * ob)
+    bound = _truth(ctx, case, t.q, t.k, t.v).forward_bounds
+    _same(ctx, what="out with GQA vs repeated K/V heads", a=out_g, b=out_f, tol=2 * bound["out"])
     if lse_g is not None:
-        _same(ctx, what="lse with GQA vs repeated K/V heads", a=lse_g, b=lse_f, tol=2 * lb)
+        _same(ctx, what="lse with GQA vs repeated K/V heads", a=lse_g, b=lse_f, tol=2 * bound["lse"])
 
 
 # ------------------------------------------------------------------------------------ backward
-def _backward_bounds(ctx: Context, ref, q, k, v, *, dtype, out):
-    """The rounding bound of the gradients. A kernel that declares its own backward follows the
-    FlashAttention algorithm the default model describes (Delta from O, P recomputed from the LSE);
-    for one differentiated by autograd through unknown code the bound also covers autograd's eager
-    algorithm (Delta from P and dP, per-op rounding): the elementwise larger of the two."""
-    default = bounds.backward_bounds(ref, q, k, v, dtype=dtype, out=out)
-    if ctx.impl.backward is not None:
-        return default
-    autograd = bounds.backward_bounds(ref, q, k, v, dtype=dtype, out=out,
-                                      model=bounds.kernel_model(dtype, autograd_eager=True))
-    return tuple(torch.maximum(a, b) for a, b in zip(default, autograd))
-
-
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().requires_grad_(True)
-
-
-def _run_backward(ctx: Context, case: AttentionCase, q, k, v, dout):
-    __tracebackhide__ = True
-    if not ctx.impl.autograd:
-        raise NotApplicable(f"{ctx.impl.name} declares no autograd backward")
-    q, k, v = _leaf(q), _leaf(k), _leaf(v)
-    out, _ = run_forward(ctx, case, q, k, v)
-    if not out.requires_grad:
-        ctx.fail("out does not require grad although q, k, v do: no gradient flows through out")
-    out.backward(dout)
-    grads = []
-    for label, x in (("dq", q), ("dk", k), ("dv", v)):
-        if x.grad is None:
-            ctx.fail(f"{label} is None after out.backward(dout)")
-        grads.append(x.grad)
-    return out.detach(), grads
-
-
 @prop
 def gradients_match_reference(ctx: Context, case: AttentionCase) -> None:
     """dQ, dK, dV through autograd vs the float64 reference, both criteria (factor 3)."""
     t = case.build(ctx.device)
-    out, (dq, dk, dv) = _run_backward(ctx, case, t.q, t.k, t.v, t.dout)
-    ref = _reference(ctx, case, t.q, t.k, t.v, dout=t.dout)
-    bdq, bdk, bdv, _ = baseline.backward(t.q, t.k, t.v, t.dout, causal=case.causal, scale=case.scale,
-                                         alignment=ctx.impl.causal_alignment)
-    dq_b, dk_b, dv_b, _ = _backward_bounds(ctx, ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
-    for op, got, exp, base, bnd in (("dv", dv, ref.dv, bdv, dv_b), ("dk", dk, ref.dk, bdk, dk_b),
-                                    ("dq", dq, ref.dq, bdq, dq_b)):
-        assert_accurate(ctx, op=op, actual=got, expected=exp, baseline=base, bound=bnd,
-                        input_dtype=t.q.dtype, magnitude=magnitudes(op, ref))
+    got = run_backward(ctx, case, t.q, t.k, t.v, t.dout)
+    truth = _truth(ctx, case, t.q, t.k, t.v, dout=t.dout)
+    bound = truth.gradient_bounds(ctx.impl, got["out"])
+    for op in measure.GRADIENTS:
+        measure.check(ctx, truth, op, got[op], bound)
 
 
 @prop
@@ -467,22 +404,12 @@ def delta_matches_reference(ctx: Context, case: AttentionCase) -> None:
     if ctx.impl.tunable:
         kwargs.update(block_m=case.block_m, block_n=case.block_n)
     _, _, _, delta = ctx.impl.backward(t.q, t.k, t.v, out, lse, t.dout, **kwargs)
-    ref = _reference(ctx, case, t.q, t.k, t.v, dout=t.dout)
+    truth = _truth(ctx, case, t.q, t.k, t.v, dout=t.dout)
+    ref = truth.ref
     identity = ref.rowwise(lambda c: (c.p * c.dp).sum(dim=-1))
     _same(ctx, what="reference identity rowsum(dO*O) vs rowsum(P*dP)", a=ref.delta, b=identity,
           tol=_delta_identity_tolerance(ref))
-    # Delta is a function of the kernel's own (rounded) O: compare with the exact rowsum over that O,
-    # so this checks the Delta computation; the forward's error is the out property's business.
-    do64 = t.dout.to(torch.float64)
-    exact = (do64 * out.to(torch.float64)).sum(dim=-1)
-    base_out, _ = baseline.forward(t.q, t.k, t.v, causal=case.causal, scale=case.scale,
-                                   alignment=ctx.impl.causal_alignment)
-    _, _, _, base_delta = baseline.backward(t.q, t.k, t.v, t.dout, causal=case.causal, scale=case.scale,
-                                            alignment=ctx.impl.causal_alignment, out=base_out)
-    base_exact = (do64 * base_out.to(torch.float64)).sum(dim=-1)
-    *_, delta_b = _backward_bounds(ctx, ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
-    assert_accurate(ctx, op="delta", actual=delta, expected=exact, baseline=base_delta + (exact - base_exact),
-                    bound=delta_b, input_dtype=t.q.dtype, magnitude=magnitudes("delta", ref))
+    measure.check_delta(ctx, truth, out, delta, truth.gradient_bounds(ctx.impl, out))
 
 
 def _delta_identity_tolerance(ref):
@@ -500,17 +427,17 @@ def gradient_sums(ctx: Context, case: AttentionCase) -> None:
     """``sum_j dK_j = 0``, ``sum_j dV_j = sum_i dO_i`` over rows with a visible key, and in the reference
     ``sum_j dS_ij = 0``; tolerances are the summed elementwise bounds."""
     t = case.build(ctx.device)
-    out, (dq, dk, dv) = _run_backward(ctx, case, t.q, t.k, t.v, t.dout)
-    ref = _reference(ctx, case, t.q, t.k, t.v, dout=t.dout)
-    _, dk_b, dv_b, _ = _backward_bounds(ctx, ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
+    got = run_backward(ctx, case, t.q, t.k, t.v, t.dout)
+    truth = _truth(ctx, case, t.q, t.k, t.v, dout=t.dout)
+    ref, bound = truth.ref, truth.gradient_bounds(ctx.impl, got["out"])
     f64 = torch.float64
-    sum_dk = dk.to(f64).sum(dim=2)
+    sum_dk = got["dk"].to(f64).sum(dim=2)
     _same(ctx, what="sum over keys of dK (should be 0)", a=sum_dk, b=torch.zeros_like(sum_dk),
-          tol=dk_b.sum(dim=2) + ref.dk.abs().sum(dim=2) * 8 * unit_roundoff(f64))
+          tol=bound["dk"].sum(dim=2) + ref.dk.abs().sum(dim=2) * 8 * unit_roundoff(f64))
     rows = ref.rows_with_keys[None, None, :, None]
     do_sum = reference.reduce_group(torch.where(rows, t.dout.to(f64), 0.0), case.heads_kv).sum(dim=2)
-    _same(ctx, what="sum over keys of dV vs sum over rows with a key of dO", a=dv.to(f64).sum(dim=2), b=do_sum,
-          tol=dv_b.sum(dim=2) + do_sum.abs() * 8 * unit_roundoff(f64))
+    _same(ctx, what="sum over keys of dV vs sum over rows with a key of dO", a=got["dv"].to(f64).sum(dim=2), b=do_sum,
+          tol=bound["dv"].sum(dim=2) + do_sum.abs() * 8 * unit_roundoff(f64))
     ds_sum = ref.rowwise(lambda c: c.ds.sum(dim=-1))
     _same(ctx, what="reference: sum over keys of dS (should be 0)", a=ds_sum, b=torch.zeros_like(ds_sum),
           tol=_delta_identity_tolerance(ref))
@@ -525,8 +452,9 @@ def hidden_positions_get_zero_gradient(ctx: Context, case: AttentionCase) -> Non
     unseen_keys, empty_rows = per_key == 0, per_row == 0
     if not bool(unseen_keys.any()) and not bool(empty_rows.any()):
         raise Inapplicable("every key is seen and every row sees a key")
-    _, (dq, dk, dv) = _run_backward(ctx, case, t.q, t.k, t.v, t.dout)
-    for label, grad, mask in (("dK", dk, unseen_keys), ("dV", dv, unseen_keys), ("dQ", dq, empty_rows)):
+    got = run_backward(ctx, case, t.q, t.k, t.v, t.dout)
+    for label, grad, mask in (("dK", got["dk"], unseen_keys), ("dV", got["dv"], unseen_keys),
+                              ("dQ", got["dq"], empty_rows)):
         sel = grad[:, :, mask.to(grad.device)]
         if sel.numel() and not bool((sel == 0).all()):
             bad = (sel != 0).nonzero()[0].tolist()
@@ -540,20 +468,20 @@ def gqa_gradients_sum_over_group(ctx: Context, case: AttentionCase) -> None:
     if case.heads_q == case.heads_kv:
         raise Inapplicable("not a grouped-query case")
     t = case.build(ctx.device)
-    out, (dq_g, dk_g, dv_g) = _run_backward(ctx, case, t.q, t.k, t.v, t.dout)
+    gqa = run_backward(ctx, case, t.q, t.k, t.v, t.dout)
     k_full, v_full = reference.expand_kv(t.k, case.heads_q), reference.expand_kv(t.v, case.heads_q)
-    _, (dq_f, dk_f, dv_f) = _run_backward(ctx, case, t.q, k_full, v_full, t.dout)
-    ref = _reference(ctx, case, t.q, t.k, t.v, dout=t.dout)
-    dq_b, dk_b, dv_b, _ = _backward_bounds(ctx, ref, t.q, t.k, t.v, dtype=t.q.dtype, out=out)
+    full = run_backward(ctx, case, t.q, k_full, v_full, t.dout)
+    bound = _truth(ctx, case, t.q, t.k, t.v, dout=t.dout).gradient_bounds(ctx.impl, gqa["out"])
     # Each per-head gradient of the repeated-heads run is within its own bound of its own reference,
     # and those references sum over the group to the GQA reference: the tolerance adds both bounds.
-    ref_full = _reference(ctx, case, t.q, k_full, v_full, dout=t.dout)
-    _, dk_bf, dv_bf, _ = _backward_bounds(ctx, ref_full, t.q, k_full, v_full, dtype=t.q.dtype, out=out)
+    truth_full = _truth(ctx, case, t.q, k_full, v_full, dout=t.dout)
+    bound_full = truth_full.gradient_bounds(ctx.impl, gqa["out"])
     f64 = torch.float64
     group_sum = lambda g: reference.reduce_group(g.to(f64), case.heads_kv)  # noqa: E731
     big = torch.finfo(t.q.dtype).max
-    for label, got, per_head, per_head_ref, tol in (("dK", dk_g, dk_f, ref_full.dk, dk_b + group_sum(dk_bf)),
-                                                    ("dV", dv_g, dv_f, ref_full.dv, dv_b + group_sum(dv_bf))):
+    for label, op in (("dK", "dk"), ("dV", "dv")):
+        got, per_head, per_head_ref = gqa[op], full[op], getattr(truth_full.ref, op)
+        tol = bound[op] + group_sum(bound_full[op])
         # A per-head gradient beyond the dtype's range is inf in the repeated-heads run, while the GQA
         # kernel sums the group before rounding and may land back in range (seen on an H200: -42656 vs
         # -inf): no agreement is owed where a group member's true per-head value is that large. An inf
@@ -564,7 +492,7 @@ def gqa_gradients_sum_over_group(ctx: Context, case: AttentionCase) -> None:
         _same(ctx, what=f"{label} with GQA vs group sum of {label} with repeated heads",
               a=torch.where(skip, 0.0, got.to(f64)).to(got.dtype),
               b=torch.where(skip, 0.0, group_sum(per_head)), tol=tol)
-    _same(ctx, what="dQ with GQA vs repeated heads", a=dq_g, b=dq_f, tol=2 * dq_b)
+    _same(ctx, what="dQ with GQA vs repeated heads", a=gqa["dq"], b=full["dq"], tol=2 * bound["dq"])
 
 
 @prop
@@ -581,7 +509,7 @@ def gradcheck_float64(ctx: Context, case: AttentionCase) -> None:
                                block_n=case.block_n)
         return out
 
-    inputs = tuple(_leaf(x) for x in (t.q, t.k, t.v))
+    inputs = tuple(x.detach().requires_grad_(True) for x in (t.q, t.k, t.v))
     try:
         torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7, rtol=1e-5, raise_exception=True)
     except GradcheckError as exc:
@@ -619,17 +547,7 @@ def _forward_backward(ctx: Context, case: AttentionCase, q, k, v, dout) -> dict[
     if not ctx.impl.autograd:
         out, lse = run_forward(ctx, case, q, k, v)
         return {"out": out, **({"lse": lse} if lse is not None else {})}
-    q, k, v = _leaf(q), _leaf(k), _leaf(v)
-    out, lse = run_forward(ctx, case, q, k, v)
-    if not out.requires_grad:
-        ctx.fail("out does not require grad although q, k, v do: no gradient flows through out")
-    out.backward(dout)
-    results = {"out": out.detach(), **({"lse": lse.detach()} if lse is not None else {})}
-    for label, x in (("dq", q), ("dk", k), ("dv", v)):
-        if x.grad is None:
-            ctx.fail(f"{label} is None after out.backward(dout)")
-        results[label] = x.grad
-    return results
+    return run_backward(ctx, case, q, k, v, dout)
 
 
 @prop
@@ -690,13 +608,11 @@ def run_to_run_identical(ctx: Context, case: AttentionCase) -> None:
 
 def _run_to_run_tolerance(ctx: Context, case: AttentionCase, t, first) -> dict[str, torch.Tensor]:
     """Twice each op's rounding bound: two results each within its bound differ by at most that."""
-    ref = _reference(ctx, case, t.q, t.k, t.v, dout=t.dout if "dq" in first else None)
-    out_b, lse_b = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
-    tol = {"out": 2 * out_b, "lse": 2 * lse_b}
+    truth = _truth(ctx, case, t.q, t.k, t.v, dout=t.dout if "dq" in first else None)
+    bound = dict(truth.forward_bounds)
     if "dq" in first:
-        dq_b, dk_b, dv_b, _ = _backward_bounds(ctx, ref, t.q, t.k, t.v, dtype=t.q.dtype, out=first["out"])
-        tol.update(dq=2 * dq_b, dk=2 * dk_b, dv=2 * dv_b)
-    return {op: tol[op].to(first[op].device) for op in first}
+        bound.update(truth.gradient_bounds(ctx.impl, first["out"]))
+    return {op: (2 * bound[op]).to(first[op].device) for op in first}
 
 
 # Canaries: quiet NaNs with a payload no arithmetic produces, compared bit for bit (a kernel that writes
@@ -826,12 +742,12 @@ def outputs_stay_in_bounds(ctx: Context, case: AttentionCase) -> None:
         ctx.fail(f"the forward raised {type(exc).__name__} when given out=/lse= views ({views}): {exc}")
     for c in bufs:
         _check_padding(ctx, c)
-    bounds_of = lambda: _bounds_of(ctx, case, t.q, t.k, t.v)  # noqa: E731 - only when not bitwise
-    _check_written(ctx, bufs[0], returned=result[0], normal=out0, tolerance=lambda: 2 * bounds_of()[1])
+    truth = _truth(ctx, case, t.q, t.k, t.v)  # computes its bounds only when asked: when not bitwise
+    _check_written(ctx, bufs[0], returned=result[0], normal=out0, tolerance=lambda: 2 * truth.forward_bounds["out"])
     if lse0 is not None:
         if result[1] is None:
             ctx.fail("the forward returned no lse when given an lse= buffer")
-        _check_written(ctx, bufs[1], returned=result[1], normal=lse0, tolerance=lambda: 2 * bounds_of()[2])
+        _check_written(ctx, bufs[1], returned=result[1], normal=lse0, tolerance=lambda: 2 * truth.forward_bounds["lse"])
 
 
 # ------------------------------------------------------------------------------------ softmax

@@ -1,0 +1,171 @@
+"""Measuring a kernel against the float64 reference, once for the whole suite.
+
+:class:`Truth` holds what one case's inputs are compared with: the float64 reference, the
+same-precision eager baseline (criterion 1) and the rounding-error bounds (criterion 2). :func:`check`
+and :func:`check_delta` apply both criteria to one op of the kernel and write its measurement record
+(:func:`verify.harness.assert_accurate`). The properties of :mod:`verify.properties` and the accuracy
+sweep (:func:`sweep_case`, driven by :mod:`reports.accuracy`) both measure through this module, so the
+sweep decides every op as ``pytest verify`` does.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import torch
+
+from references import attention as reference
+from references import baseline, bounds
+from references.criteria import magnitudes
+from references.metrics import ErrorStats
+from verify import harness
+from verify.harness import Context, PropertyFailure, assert_accurate, run_forward
+
+# The ops the accuracy sweep measures, each recorded under the property that checks it (so that the
+# report's replay command reruns exactly that check).
+PROPERTY_OF = {"out": "out_matches_reference", "lse": "lse_matches_reference", "dq": "gradients_match_reference",
+               "dk": "gradients_match_reference", "dv": "gradients_match_reference"}
+GRADIENTS = ("dv", "dk", "dq")  # the order gradients_match_reference checks them in
+
+
+class NotApplicable(Exception):
+    """The property cannot apply to this implementation (e.g. no LSE returned): the test is skipped."""
+
+
+class Truth:
+    """The float64 reference, the eager baseline and the bounds of one case's inputs ``q, k, v`` (with
+    ``dout``: of the backward too) under one causal alignment; each computed once, when first needed.
+
+    Nothing here depends on the kernel but the gradient bounds, which :meth:`gradient_bounds` computes
+    per kernel: kernels declaring the same alignment can share one ``Truth``."""
+
+    def __init__(self, case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, alignment: str,
+                 dout: torch.Tensor | None = None):
+        self.case, self.q, self.k, self.v, self.dout = case, q, k, v, dout
+        self.options = {"causal": case.causal, "scale": case.scale, "alignment": alignment}
+
+    @cached_property
+    def ref(self) -> reference.Reference:
+        try:
+            return reference.attention(self.q, self.k, self.v, dout=self.dout, **self.options)
+        except harness.OutOfMemoryError as exc:
+            # The suite's own float64 reference, not the kernel, ran out: the case is too large for this
+            # device, which says nothing about the kernel. Skip with the reason (the memory is released).
+            why = harness.release_out_of_memory(exc)
+            c = self.case
+            raise NotApplicable(f"the float64 reference ran out of device memory on {c.describe()} "
+                                f"({c.batch * c.heads_q * c.len_q * c.len_k} scores; lower the profile's "
+                                f"max_scores): {why}") from None
+
+    @cached_property
+    def eager(self) -> dict[str, torch.Tensor]:
+        """The eager baseline's ``out`` and ``lse`` and, with ``dout``, its ``dq``, ``dk``, ``dv``, ``delta``."""
+        out, lse = baseline.forward(self.q, self.k, self.v, **self.options)
+        results = {"out": out, "lse": lse}
+        if self.dout is not None:
+            grads = baseline.backward(self.q, self.k, self.v, self.dout, out=out, **self.options)
+            results.update(zip(("dq", "dk", "dv", "delta"), grads))
+        return results
+
+    @cached_property
+    def forward_bounds(self) -> dict[str, torch.Tensor]:
+        """The rounding bounds of ``out`` and ``lse``."""
+        return dict(zip(("out", "lse"), bounds.forward_bounds(self.ref, self.q, self.k, self.v, dtype=self.q.dtype)))
+
+    def gradient_bounds(self, impl, out: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rounding bounds of ``dq``, ``dk``, ``dv`` and ``delta`` of ``impl``, whose forward gave ``out``.
+
+        A kernel that declares its own backward follows the FlashAttention algorithm the default model
+        describes (Delta from O, P recomputed from the LSE); for one differentiated by autograd through
+        unknown code the bound also covers autograd's eager algorithm (Delta from P and dP, per-op
+        rounding): the elementwise larger of the two."""
+        dtype = self.q.dtype
+        result = bounds.backward_bounds(self.ref, self.q, self.k, self.v, dtype=dtype, out=out)
+        if impl.backward is None:
+            autograd = bounds.backward_bounds(self.ref, self.q, self.k, self.v, dtype=dtype, out=out,
+                                              model=bounds.kernel_model(dtype, autograd_eager=True))
+            result = tuple(torch.maximum(a, b) for a, b in zip(result, autograd))
+        return dict(zip(("dq", "dk", "dv", "delta"), result))
+
+
+def check(ctx: Context, truth: Truth, op: str, actual: torch.Tensor, bounds_of: dict[str, torch.Tensor]) -> ErrorStats:
+    """Both criteria for the kernel's ``op`` (``out``, ``lse``, ``dq``, ``dk`` or ``dv``) against ``truth``,
+    with the bound ``bounds_of[op]`` (:attr:`Truth.forward_bounds` or :meth:`Truth.gradient_bounds`); the
+    measurement is recorded under ``ctx`` and a failed criterion fails ``ctx``."""
+    __tracebackhide__ = True
+    if op not in PROPERTY_OF:
+        raise ValueError(f"op={op!r}, but should be one of {tuple(PROPERTY_OF)} (delta: check_delta)")
+    return assert_accurate(ctx, op=op, actual=actual, expected=getattr(truth.ref, op), baseline=truth.eager[op],
+                           bound=bounds_of[op], input_dtype=truth.q.dtype, magnitude=magnitudes(op, truth.ref))
+
+
+def check_delta(ctx: Context, truth: Truth, out: torch.Tensor, delta: torch.Tensor,
+                bounds_of: dict[str, torch.Tensor]) -> ErrorStats:
+    """Both criteria for the kernel's own ``Delta = rowsum(dO * O)``, given the ``out`` it came from.
+
+    Delta is a function of the kernel's own (rounded) O: it is compared with the exact rowsum over that
+    O, so this checks the Delta computation (the forward's error is the out property's business); the
+    eager baseline's Delta is moved by the same difference of O."""
+    __tracebackhide__ = True
+    do64 = truth.dout.to(torch.float64)
+    exact = (do64 * out.to(torch.float64)).sum(dim=-1)
+    eager_exact = (do64 * truth.eager["out"].to(torch.float64)).sum(dim=-1)
+    return assert_accurate(ctx, op="delta", actual=delta, expected=exact,
+                           baseline=truth.eager["delta"] + (exact - eager_exact), bound=bounds_of["delta"],
+                           input_dtype=truth.q.dtype, magnitude=magnitudes("delta", truth.ref))
+
+
+def run_backward(ctx: Context, case, q, k, v, dout) -> dict[str, torch.Tensor]:
+    """The forward on fresh leaves of ``q, k, v``, then ``out.backward(dout)``: ``out`` (detached),
+    ``lse`` (when returned), ``dq``, ``dk`` and ``dv``. A broken contract fails ``ctx``."""
+    __tracebackhide__ = True
+    if not ctx.impl.autograd:
+        raise NotApplicable(f"{ctx.impl.name} declares no autograd backward")
+    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+    out, lse = run_forward(ctx, case, q, k, v)
+    if not out.requires_grad:
+        ctx.fail("out does not require grad although q, k, v do: no gradient flows through out")
+    out.backward(dout)
+    results = {"out": out.detach(), **({"lse": lse.detach()} if lse is not None else {})}
+    for label, x in (("dq", q), ("dk", k), ("dv", v)):
+        if x.grad is None:
+            ctx.fail(f"{label} is None after out.backward(dout)")
+        results[label] = x.grad
+    return results
+
+
+def sweep_case(impl, case, t, truth: Truth, *, device: str, backward: bool) -> tuple[list[dict], list[str]]:
+    """Measure ``impl`` on one case of the accuracy sweep (inputs ``t``): the records of ``out``, ``lse``
+    (when returned) and, with ``backward``, ``dq``, ``dk``, ``dv``, as ``pytest verify`` writes them, and
+    the problems met (a broken contract, an op that could not be compared). Every op is measured even
+    when an earlier one fails."""
+    records: list[dict] = []
+    problems: list[str] = []
+
+    def ctx(op: str) -> Context:
+        return Context(impl=impl, prop=PROPERTY_OF[op], device=device, record=records.append, case=case)
+
+    def measure(op: str, actual: torch.Tensor, bounds_of: dict[str, torch.Tensor]) -> None:
+        before = len(records)
+        try:
+            check(ctx(op), truth, op, actual, bounds_of)
+        except PropertyFailure as exc:
+            if len(records) == before:  # failed before measuring: wrong dtype or shape
+                problems.append(f"{op}: {str(exc).splitlines()[0]}")
+
+    with torch.no_grad():
+        out, lse = run_forward(ctx("out"), case, t.q, t.k, t.v)
+    measure("out", out, truth.forward_bounds)
+    if lse is not None:
+        measure("lse", lse, truth.forward_bounds)
+    if not backward:
+        return records, problems
+    try:
+        got = run_backward(ctx("dq"), case, t.q, t.k, t.v, t.dout)
+    except (NotApplicable, PropertyFailure) as exc:
+        problems.append(f"gradients not measured: {str(exc).splitlines()[0]}")
+        return records, problems
+    grad_bounds = truth.gradient_bounds(impl, got["out"])
+    for op in GRADIENTS:
+        measure(op, got[op], grad_bounds)
+    return records, problems
