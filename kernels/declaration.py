@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from references.mask import ALIGNMENTS
+
 ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-ALIGNMENTS = ("bottom_right", "top_left")
 KINDS = ("attention", "softmax")
 
 

@@ -54,8 +54,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from references.mask import Mask
+
 F64 = torch.float64
-ALIGNMENTS = ("bottom_right", "top_left")
 
 # Score-level work per chunk (bytes): the float64 [B, Hq, rows, Nk] matrices of the heaviest step
 # (the backward rounding bound) fit in it.
@@ -155,40 +156,16 @@ def peak_bytes(batch: int, heads_q: int, heads_kv: int, len_q: int, len_k: int, 
     return 8 * (chunk + vectors + centred)
 
 
-def _offset(len_q: int, len_k: int, alignment: str) -> int:
-    if alignment not in ALIGNMENTS:
-        raise ValueError(f"alignment={alignment!r}, but should be one of {ALIGNMENTS}")
-    return len_k - len_q if alignment == "bottom_right" else 0
-
-
 def visible_mask(len_q: int, len_k: int, *, causal: bool, alignment: str = "bottom_right",
                  device=None, rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """Bool ``[r1 - r0, Nk]``: True where query ``i`` (``r0 <= i < r1``, default all rows) may attend
-    to key ``j``. Use it on chunks of rows: the whole mask is an ``Nq x Nk`` matrix."""
-    offset = _offset(len_q, len_k, alignment)
-    r0, r1 = (0, len_q) if rows is None else rows
-    if not 0 <= r0 <= r1 <= len_q:
-        raise ValueError(f"rows=({r0}, {r1}), but should satisfy 0 <= r0 <= r1 <= len_q={len_q}")
-    if not causal:
-        return torch.ones(r1 - r0, len_k, dtype=torch.bool, device=device)
-    i = torch.arange(r0, r1, device=device)[:, None]
-    j = torch.arange(len_k, device=device)[None, :]
-    return j <= i + offset
+    """Bool ``[r1 - r0, Nk]``: True where query ``i`` may attend to key ``j`` (:meth:`Mask.rows`)."""
+    return Mask(causal, alignment).rows(len_q, len_k, device=device, rows=rows)
 
 
 def visible_counts(len_q: int, len_k: int, *, causal: bool, alignment: str = "bottom_right",
                    device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(per_row [Nq], per_key [Nk])`` int64: the keys each row sees (they are keys ``0 ..
-    per_row - 1``) and the rows that see each key, without forming the mask."""
-    offset = _offset(len_q, len_k, alignment)
-    if not causal:
-        return (torch.full((len_q,), len_k, dtype=torch.int64, device=device),
-                torch.full((len_k,), len_q, dtype=torch.int64, device=device))
-    i = torch.arange(len_q, device=device)
-    j = torch.arange(len_k, device=device)
-    per_row = (i + offset + 1).clamp(min=0, max=len_k)
-    per_key = (len_q - (j - offset).clamp(min=0)).clamp(min=0, max=len_q)
-    return per_row, per_key
+    """``(per_row [Nq], per_key [Nk])``: keys per query and queries per key (:meth:`Mask.counts`)."""
+    return Mask(causal, alignment).counts(len_q, len_k, device=device)
 
 
 def expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:
@@ -321,8 +298,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               dout: torch.Tensor | None = None) -> Reference:
     """Compute the float64 reference for one call (and its backward if ``dout`` is given), in row
     chunks (module docstring)."""
-    if alignment not in ALIGNMENTS:
-        raise ValueError(f"alignment={alignment!r}, but should be one of {ALIGNMENTS}")
+    Mask(causal, alignment)  # refuses a bad alignment before any work
     q64, k64, v64 = q.to(F64), k.to(F64), v.to(F64)
     b, hq, len_q, d = q.shape
     hkv, len_k = k.shape[1], k.shape[2]

@@ -35,8 +35,9 @@ from collections.abc import Sequence
 import mpmath
 import torch
 
+from references.mask import Mask
+
 DPS = 50
-ALIGNMENTS = ("bottom_right", "top_left")
 
 
 def _mpf(x) -> mpmath.mpf:
@@ -161,20 +162,12 @@ class MpAttention:
     dv: torch.Tensor | None = None  # [B, Hkv, Nk, D]
 
 
-def _visible(i: int, j: int, len_q: int, len_k: int, causal: bool, alignment: str) -> bool:
-    if not causal:
-        return True
-    offset = len_k - len_q if alignment == "bottom_right" else 0
-    return j <= i + offset
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               scale: float | None = None, alignment: str = "bottom_right",
               dout: torch.Tensor | None = None, probabilities: bool = False) -> MpAttention:
     """Whole-tensor attention at 50 digits; returns float64 tensors (gradients when ``dout`` is given,
     the ``[B, Hq, Nq, Nk]`` probabilities when ``probabilities``)."""
-    if alignment not in ALIGNMENTS:
-        raise ValueError(f"alignment={alignment!r}, but should be one of {ALIGNMENTS}")
+    mask = Mask(causal, alignment)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v should be 4-D [batch, heads, seq_len, head_dim]")
     b, hq, len_q, d = q.shape
@@ -214,7 +207,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             for h in range(hq):
                 g = h // group
                 for i in range(len_q):
-                    cols = [j for j in range(len_k) if _visible(i, j, len_q, len_k, causal, alignment)]
+                    cols = [j for j in range(len_k) if mask.visible(i, j, len_q, len_k)]
                     if not cols:  # out = 0, lse = -inf, zero gradients: already in place
                         continue
                     r = _row(row_of("q", qt, bi, h, i), [row_of("k", kt, bi, g, j) for j in cols],

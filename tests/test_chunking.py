@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 from references import attention as ra
 from references import baseline, bounds, criteria
 from references import mp as ref_mp
+from references.mask import ALIGNMENTS
 from tests.test_references import kappa, magnitudes
 
 F64 = torch.float64
@@ -51,7 +52,7 @@ def chunk_cases(draw, *, max_len: int = 9, max_dim: int = 6):
         len_k=draw(st.integers(0, max_len), label="len_k"),
         head_dim=draw(st.integers(1, max_dim), label="head_dim"),
         causal=draw(st.booleans(), label="causal"),
-        alignment=draw(st.sampled_from(ra.ALIGNMENTS), label="alignment"),
+        alignment=draw(st.sampled_from(ALIGNMENTS), label="alignment"),
         dtype=draw(st.sampled_from(DTYPES), label="dtype"),
         rows=draw(st.integers(1, 3), label="rows"),
         seed=draw(st.integers(0, 2 ** 31 - 1), label="seed"),
@@ -134,7 +135,7 @@ def test_reference_holds_no_score_matrix():
 def test_visible_counts_and_row_slices_match_the_mask():
     for nq, nk in ((5, 5), (7, 3), (3, 7), (4, 0), (0, 4), (1, 1)):
         for causal in (False, True):
-            for alignment in ra.ALIGNMENTS:
+            for alignment in ALIGNMENTS:
                 mask = ra.visible_mask(nq, nk, causal=causal, alignment=alignment)
                 per_row, per_key = ra.visible_counts(nq, nk, causal=causal, alignment=alignment)
                 assert torch.equal(per_row, mask.sum(dim=1)), (nq, nk, causal, alignment)
@@ -215,9 +216,9 @@ def test_chunked_baseline_equals_one_chunk(case):
         mag = mags[name]
         tol = 2 * SLACK * ((kap + n) * u_acc + (0 if name in ("lse", "delta") else 3 * u_in)) * mag
         _assert_close(f"baseline {name}", a, b, tol + 2 * torch.finfo(a.dtype).tiny, case)
-    if q.dtype in (torch.float16, torch.bfloat16):
-        # The forward is row-wise with float32 statistics: the chunked output is exactly the same.
-        assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1]), case
+    # Not bitwise: the float32 scores come from a matrix product whose CPU kernel (and so its summation
+    # order) depends on the chunk's row count (rows=1 is a matrix-vector product), so a row's LSE may
+    # differ in its last bit between chunkings (len_q=8, len_k=9, D=6, float16, one-row chunks).
 
 
 def test_mp_reference_holds_probabilities_only_when_asked():

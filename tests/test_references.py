@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from references import attention as ref_attention
 from references import mp as ref_mp
+from references.mask import ALIGNMENTS
 
 F64 = torch.float64
 U64 = 2.0 ** -53
@@ -77,7 +78,7 @@ def attention_cases(draw, *, max_len: int = 5, max_dim: int = 5, kinds=KINDS):
         len_k=draw(st.integers(1, max_len), label="len_k"),
         head_dim=draw(st.integers(1, max_dim), label="head_dim"),
         causal=draw(st.booleans(), label="causal"),
-        alignment=draw(st.sampled_from(ref_attention.ALIGNMENTS), label="alignment"),
+        alignment=draw(st.sampled_from(ALIGNMENTS), label="alignment"),
         kind=draw(st.sampled_from(kinds), label="kind"),
         dtype=draw(st.sampled_from(DTYPES), label="dtype"),
         seed=draw(st.integers(0, 2 ** 31 - 1), label="seed"),
