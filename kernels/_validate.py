@@ -8,8 +8,13 @@ from collections.abc import Iterable
 import torch
 
 
-def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
-    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float16`` for ``torch.float16``: how messages name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(dtype_name(d) for d in dtypes)
 
 
 def check_block(name: str, value, *, kernel: str, allowed: Iterable[int] | None = None) -> int:
@@ -38,8 +43,8 @@ def check_attention_inputs(q, k, v, *, kernel: str, dtypes: Iterable[torch.dtype
             )
         if t.dtype not in dtypes:
             raise ValueError(
-                f"{kernel}: {label}.dtype={str(t.dtype).removeprefix('torch.')}, "
-                f"but should be one of {_dtype_names(dtypes)}"
+                f"{kernel}: {label}.dtype={dtype_name(t.dtype)}, "
+                f"but should be one of {dtype_names(dtypes)}"
             )
         if t.device.type not in tuple(devices):
             raise ValueError(
@@ -47,7 +52,7 @@ def check_attention_inputs(q, k, v, *, kernel: str, dtypes: Iterable[torch.dtype
             )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(
-            f"{kernel}: q, k, v dtypes are {_dtype_names((q.dtype, k.dtype, v.dtype))}, but should be equal"
+            f"{kernel}: q, k, v dtypes are {dtype_names((q.dtype, k.dtype, v.dtype))}, but should be equal"
         )
     if not (q.device == k.device == v.device):
         raise ValueError(f"{kernel}: q, k, v are on {q.device}, {k.device}, {v.device}, but should share a device")
@@ -132,8 +137,8 @@ def check_out_buffers(q, k, v, out, lse, *, kernel: str, lse_dtypes: Iterable[to
         if tuple(t.shape) != shape:
             raise ValueError(f"{kernel}: {label}.shape={tuple(t.shape)}, but should be {shape} ({words})")
         if t.dtype not in dtypes:
-            raise ValueError(f"{kernel}: {label}.dtype={str(t.dtype).removeprefix('torch.')}, but should be "
-                             f"{_dtype_names(dtypes)} for {str(q.dtype).removeprefix('torch.')} inputs")
+            raise ValueError(f"{kernel}: {label}.dtype={dtype_name(t.dtype)}, but should be "
+                             f"{dtype_names(dtypes)} for {dtype_name(q.dtype)} inputs")
         if t.device != q.device:
             raise ValueError(f"{kernel}: {label} is on {t.device}, but should be on q's device {q.device}")
         if t.requires_grad:

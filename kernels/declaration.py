@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kernels._validate import dtype_name, dtype_names
 from references.mask import ALIGNMENTS
 
 ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -125,8 +126,7 @@ class Implementation:
     def unsupported(self, *, dtype: torch.dtype | None = None, device: str | None = None) -> str | None:
         """The reason this implementation cannot run with these settings, or None if it can."""
         if dtype is not None and dtype not in self.dtypes:
-            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
-            return f"{self.name} declares dtypes {names}; {str(dtype).removeprefix('torch.')} is not among them"
+            return f"{self.name} declares dtypes {dtype_names(self.dtypes)}; {dtype_name(dtype)} is not among them"
         if device is not None and torch.device(device).type not in self.devices:
             return f"{self.name} declares devices {', '.join(self.devices)}; {device} is not among them"
         return None

@@ -54,8 +54,8 @@ def _check(x, block_n, *, kernel: str) -> None:
     if x.dim() != 2:
         raise ValueError(f"{kernel}: x.shape={tuple(x.shape)}, but should be 2-D [rows, n]")
     if x.dtype not in DTYPES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
-        raise ValueError(f"{kernel}: x.dtype={str(x.dtype).removeprefix('torch.')}, but should be one of {names}")
+        raise ValueError(f"{kernel}: x.dtype={_validate.dtype_name(x.dtype)}, "
+                         f"but should be one of {_validate.dtype_names(DTYPES)}")
     if x.device.type not in DEVICES:
         raise ValueError(f"{kernel}: x is on {x.device}, but this kernel runs on {', '.join(DEVICES)}"
                          + ("" if INTERPRET else " (set TRITON_INTERPRET=1 before importing triton for CPU)"))

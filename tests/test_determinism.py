@@ -25,7 +25,7 @@ from kernels import blocked
 from kernels.registry import Implementation, registry
 from strategies.cases import AttentionCase
 from verify.harness import Context, PropertyFailure
-from verify.properties import RUNS, NotApplicable, run_to_run_identical
+from verify.properties import RUNS, NotForThisKernel, run_to_run_identical
 
 ROOT = Path(__file__).resolve().parent.parent
 PROP = "run_to_run_identical"
@@ -89,7 +89,7 @@ def test_declared_deterministic_kernel_that_is_not_fails_with_op_index_and_value
 def test_undeclared_kernel_is_skipped_with_the_measured_difference_and_recorded():
     records = []
     ctx = Context(impl=NUDGED_NONDET, prop=PROP, case=CASE, record=records.append)
-    with pytest.raises(NotApplicable) as info:
+    with pytest.raises(NotForThisKernel) as info:
         run_to_run_identical(ctx, CASE)
     reason = str(info.value)
     measured = re.search(rf"nudged_nondet is not declared deterministic; measured run-to-run max \|difference\| "
@@ -128,7 +128,7 @@ def test_shipped_kernels_are_bitwise_reproducible(name):
 
 def test_forward_only_kernels_are_compared_on_out_and_lse():
     forward_only = dataclasses.replace(NUDGED_NONDET, name="nudged_forward_only", autograd=False)
-    with pytest.raises(NotApplicable, match=r"over \d runs: out \S+, lse 0$"):
+    with pytest.raises(NotForThisKernel, match=r"over \d runs: out \S+, lse 0$"):
         _check(forward_only)
 
 

@@ -53,7 +53,7 @@ def _verify(impl, case) -> tuple[dict[str, bool], dict[str, dict]]:
         try:
             properties.PROPERTIES[prop](ctx, case)
             verdicts[prop] = True
-        except properties.NotApplicable:
+        except properties.NotForThisKernel:
             continue
         except PropertyFailure:
             verdicts[prop] = False

@@ -16,7 +16,7 @@ from kernels import blocked
 from kernels.registry import Implementation, ImplementationError, registry
 from strategies.cases import AttentionCase
 from verify.harness import Context, PropertyFailure
-from verify.properties import NotApplicable, outputs_stay_in_bounds
+from verify.properties import NotForThisKernel, outputs_stay_in_bounds
 
 PROP = "outputs_stay_in_bounds"
 CASE = AttentionCase(batch=1, heads_q=2, heads_kv=1, len_q=5, len_k=7, head_dim=8, dtype="float16", causal=True)
@@ -173,7 +173,7 @@ def test_shipped_blocked_kernels_stay_in_bounds(name):
 
 
 def test_undeclared_implementations_are_skipped_with_the_reason():
-    with pytest.raises(NotApplicable, match="eager declares no out_buffers"):
+    with pytest.raises(NotForThisKernel, match="eager declares no out_buffers"):
         _check(registry()["eager"])
     with pytest.raises(ImplementationError, match="declares no out_buffers"):
         t = CASE.build()

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kernels.registry import Implementation
+from strategies.cases import dtype_name
 from references import criteria
 from references.metrics import ErrorStats, abs_error, error_stats, max_ratio
 from verify.replay import replay_command
@@ -176,10 +177,6 @@ class Context:
                               impl=self.impl.name, prop=self.prop, case=self.case, replay=replay)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -193,7 +190,7 @@ def check_tensor(ctx: Context, *, label: str, actual: Any, shape: tuple[int, ...
     if tuple(actual.shape) != tuple(shape):
         ctx.fail(f"{label}.shape={tuple(actual.shape)}, but should be {tuple(shape)}")
     if actual.dtype != dtype:
-        ctx.fail(f"{label}.dtype={_dtype_name(actual.dtype)}, but should be {_dtype_name(dtype)}")
+        ctx.fail(f"{label}.dtype={dtype_name(actual.dtype)}, but should be {dtype_name(dtype)}")
     if actual.device != device:
         ctx.fail(f"{label} is on {actual.device}, but should be on {device} (the inputs' device)")
     for t in inputs:
@@ -243,11 +240,11 @@ def assert_accurate(ctx: Context, *, op: str, actual: torch.Tensor, expected: to
     """
     __tracebackhide__ = True
     if expected.dtype != torch.float64:
-        raise TypeError(f"expected.dtype={_dtype_name(expected.dtype)}, but should be float64 "
+        raise TypeError(f"expected.dtype={dtype_name(expected.dtype)}, but should be float64 "
                         "(the reference): are actual and expected swapped?")
     stored = criteria.stored_dtype(op, input_dtype)
     if actual.dtype != stored and not (op in ("lse", "delta") and actual.dtype in (torch.float32, torch.float64)):
-        ctx.fail(f"{op}.dtype={_dtype_name(actual.dtype)}, but should be {_dtype_name(stored)}")
+        ctx.fail(f"{op}.dtype={dtype_name(actual.dtype)}, but should be {dtype_name(stored)}")
     if actual.shape != expected.shape:
         ctx.fail(f"{op}.shape={tuple(actual.shape)}, but should be {tuple(expected.shape)}")
     stats = error_stats(actual, expected, dtype=stored)
@@ -281,7 +278,7 @@ def assert_accurate(ctx: Context, *, op: str, actual: torch.Tensor, expected: to
                  f"{float(bound[ratio_at]) if ratio_at else 0.0:.3e})"
                  + ("  [criterion 2 FAILED]" if ratio > 1 else ""))
     lines.append(f"max rel {stats.max_rel:.3e}, rmse {stats.rmse:.3e}, max ulp {stats.max_ulp:.3g} "
-                 f"({_dtype_name(stored)})")
+                 f"({dtype_name(stored)})")
     ctx.fail("\n  ".join(lines))
     return stats
 

@@ -28,7 +28,7 @@ PROPERTY_OF = {"out": "out_matches_reference", "lse": "lse_matches_reference", "
 GRADIENTS = ("dv", "dk", "dq")  # the order gradients_match_reference checks them in
 
 
-class NotApplicable(Exception):
+class NotForThisKernel(Exception):
     """The property cannot apply to this implementation (e.g. no LSE returned): the test is skipped."""
 
 
@@ -53,7 +53,7 @@ class Truth:
             # device, which says nothing about the kernel. Skip with the reason (the memory is released).
             why = harness.release_out_of_memory(exc)
             c = self.case
-            raise NotApplicable(f"the float64 reference ran out of device memory on {c.describe()} "
+            raise NotForThisKernel(f"the float64 reference ran out of device memory on {c.describe()} "
                                 f"({c.batch * c.heads_q * c.len_q * c.len_k} scores; lower the profile's "
                                 f"max_scores): {why}") from None
 
@@ -120,7 +120,7 @@ def run_backward(ctx: Context, case, q, k, v, dout) -> dict[str, torch.Tensor]:
     ``lse`` (when returned), ``dq``, ``dk`` and ``dv``. A broken contract fails ``ctx``."""
     __tracebackhide__ = True
     if not ctx.impl.autograd:
-        raise NotApplicable(f"{ctx.impl.name} declares no autograd backward")
+        raise NotForThisKernel(f"{ctx.impl.name} declares no autograd backward")
     q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
     out, lse = run_forward(ctx, case, q, k, v)
     if not out.requires_grad:
@@ -162,7 +162,7 @@ def sweep_case(impl, case, t, truth: Truth, *, device: str, backward: bool) -> t
         return records, problems
     try:
         got = run_backward(ctx("dq"), case, t.q, t.k, t.v, t.dout)
-    except (NotApplicable, PropertyFailure) as exc:
+    except (NotForThisKernel, PropertyFailure) as exc:
         problems.append(f"gradients not measured: {str(exc).splitlines()[0]}")
         return records, problems
     grad_bounds = truth.gradient_bounds(impl, got["out"])

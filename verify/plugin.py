@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from kernels import registry as kernel_registry  # noqa: E402
 from strategies.attention import Limits  # noqa: E402
+from strategies.cases import dtype_name  # noqa: E402
 from verify import failures, gpu, watchdog  # noqa: E402
 from verify.profiles import limits_for, profile_name  # noqa: E402
 
@@ -241,7 +242,7 @@ def _header_data(config) -> dict:
 
     return {
         "implementations": [{"name": i.name, "kind": i.kind, "spec": i.cli_name, "description": i.description,
-                             "dtypes": [str(d).removeprefix("torch.") for d in i.dtypes],
+                             "dtypes": [dtype_name(d) for d in i.dtypes],
                              "causal_alignment": i.causal_alignment, "gqa": i.gqa, "tunable": i.tunable,
                              "backward": i.backward is not None, "deterministic": i.deterministic}
                             for i in impls],

@@ -26,6 +26,7 @@ import torch
 
 from kernels import registry as registry_module
 from kernels.registry import Implementation
+from strategies.cases import dtype_name
 
 # The tiny case (Nq < Nk, so that a causal call exercises a mask with a visible key for every row).
 BATCH, HEADS, LEN_Q, LEN_K, HEAD_DIM = 1, 2, 2, 3, 8
@@ -34,10 +35,6 @@ PREFERRED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 class PreflightError(ValueError):
     """The implementation cannot be called as the contract says; the message names the problem."""
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def tiny_case(impl: Implementation, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -54,7 +51,7 @@ def tiny_case(impl: Implementation, device: str) -> tuple[torch.Tensor, torch.Te
 
 def _describe(q: torch.Tensor, k: torch.Tensor) -> str:
     b, h, nq, d = q.shape
-    return f"B={b} Hq={h} Hkv={k.shape[1]} Nq={nq} Nk={k.shape[2]} D={d} {_dtype_name(q.dtype)} on {q.device}"
+    return f"B={b} Hq={h} Hkv={k.shape[1]} Nq={nq} Nk={k.shape[2]} D={d} {dtype_name(q.dtype)} on {q.device}"
 
 
 def _call(impl: Implementation, q, k, v, *, causal: bool, scale: float | None):
@@ -99,7 +96,7 @@ def _check(where: str, label: str, t, *, shape, dtype, device) -> None:
     if tuple(t.shape) != shape:
         problems.append(f"{label}.shape={tuple(t.shape)}, but should be {shape}")
     if t.dtype != dtype:
-        problems.append(f"{label}.dtype={_dtype_name(t.dtype)}, but should be {_dtype_name(dtype)}")
+        problems.append(f"{label}.dtype={dtype_name(t.dtype)}, but should be {dtype_name(dtype)}")
     if t.device != device:
         problems.append(f"{label} is on {t.device}, but should be on {device} (the inputs' device)")
     if problems:

@@ -26,7 +26,7 @@ from strategies.cases import DTYPES, LAYOUTS, AttentionCase
 from strategies.softmax import SoftmaxCase
 from verify import measure
 from verify.harness import Context, assert_close, assert_no_nan, check_tensor, lse_dtype, run_forward
-from verify.measure import NotApplicable, run_backward
+from verify.measure import NotForThisKernel, run_backward
 
 PROPERTIES: dict[str, Callable[[Context, AttentionCase], None]] = {}
 
@@ -36,7 +36,7 @@ def prop(fn):
     return fn
 
 
-class Inapplicable(Exception):
+class NotForThisCase(Exception):
     """The property says nothing about this particular case: the example is rejected."""
 
 
@@ -51,7 +51,7 @@ def _truth(ctx: Context, case: AttentionCase, q, k, v, dout=None) -> measure.Tru
 
 def _needs_lse(ctx: Context, lse) -> None:
     if lse is None:
-        raise NotApplicable(f"{ctx.impl.name} returns out alone (no LSE): LSE properties are skipped")
+        raise NotForThisKernel(f"{ctx.impl.name} returns out alone (no LSE): LSE properties are skipped")
 
 
 def _same(ctx: Context, *, what: str, a, b, tol) -> None:
@@ -143,7 +143,7 @@ def block_size_invariance(ctx: Context, case: AttentionCase) -> None:
     For a kernel that declares ``max_tiles`` the other tiling is drawn among the block sizes that keep
     each axis within its share of it, as the case's own tiling was."""
     if not ctx.impl.tunable:
-        raise NotApplicable(f"{ctx.impl.name} declares no tunable block sizes")
+        raise NotForThisKernel(f"{ctx.impl.name} declares no tunable block sizes")
     t = case.build(ctx.device)
     g = _rng(case, 1)
     sizes_m, sizes_n = list(ctx.impl.block_m), list(ctx.impl.block_n)
@@ -167,11 +167,11 @@ def siblings_agree(ctx: Context, case: AttentionCase) -> None:
     """Two implementations of the same function (the declared sibling: FA1 for FA2) agree, up to
     both results' bounds."""
     if ctx.impl.sibling is None:
-        raise NotApplicable(f"{ctx.impl.name} declares no sibling implementation")
+        raise NotForThisKernel(f"{ctx.impl.name} declares no sibling implementation")
     other = registry()[ctx.impl.sibling]
     why = other.unsupported(dtype=DTYPES[case.dtype], device=ctx.device)
     if why:
-        raise NotApplicable(why)
+        raise NotForThisKernel(why)
     other_ctx = dataclasses.replace(ctx, impl=other)
     t = case.build(ctx.device)
     out_a, lse_a = run_forward(ctx, case, t.q, t.k, t.v)
@@ -186,7 +186,7 @@ def siblings_agree(ctx: Context, case: AttentionCase) -> None:
 def key_permutation_invariance(ctx: Context, case: AttentionCase) -> None:
     """Permuting keys and values together leaves out and lse unchanged (non-causal)."""
     if case.causal:
-        raise Inapplicable("key order matters under a causal mask")
+        raise NotForThisCase("key order matters under a causal mask")
     t = case.build(ctx.device)
     perm = torch.randperm(t.k.shape[2], generator=_rng(case, 2)).to(t.k.device)
     out_a, lse_a = run_forward(ctx, case, t.q, t.k, t.v)
@@ -288,7 +288,7 @@ def hidden_keys_never_reach_output(ctx: Context, case: AttentionCase) -> None:
     with the largest finite values instead. K may hold anything: masking selects, it never multiplies.
     """
     if not case.causal:
-        raise Inapplicable("needs a causal mask")
+        raise NotForThisCase("needs a causal mask")
     t = case.build(ctx.device)
     nq, nk = t.q.shape[2], t.k.shape[2]
     per_row, _ = reference.visible_counts(nq, nk, causal=True, alignment=ctx.impl.causal_alignment)
@@ -297,7 +297,7 @@ def hidden_keys_never_reach_output(ctx: Context, case: AttentionCase) -> None:
     # Visible keys are a prefix, growing with the row: rows 0..cut see keys 0 .. per_row[cut] - 1.
     hidden = torch.arange(nk) >= (per_row[cut] if nq else 0)
     if not bool(hidden.any()):
-        raise Inapplicable("every key is visible to the checked rows")
+        raise NotForThisCase("every key is visible to the checked rows")
     poison = [float("nan"), float("inf"), float("-inf"), 0.5 * torch.finfo(t.k.dtype).max][
         int(torch.randint(0, 4, (1,), generator=g))]
     k1, v1 = t.k.clone(), t.v.clone()
@@ -347,7 +347,7 @@ def fully_masked_rows(ctx: Context, case: AttentionCase) -> None:
                                           alignment=ctx.impl.causal_alignment)
     empty = per_row == 0
     if not bool(empty.any()):
-        raise Inapplicable("no row is fully masked")
+        raise NotForThisCase("no row is fully masked")
     out, lse = run_forward(ctx, case, t.q, t.k, t.v)
     rows = empty.to(out.device)
     masked_out = out[:, :, rows]
@@ -368,7 +368,7 @@ def fully_masked_rows(ctx: Context, case: AttentionCase) -> None:
 def gqa_equals_repeated_heads(ctx: Context, case: AttentionCase) -> None:
     """Grouped-query attention equals full attention with each K/V head repeated for its group."""
     if case.heads_q == case.heads_kv:
-        raise Inapplicable("not a grouped-query case")
+        raise NotForThisCase("not a grouped-query case")
     t = case.build(ctx.device)
     out_g, lse_g = run_forward(ctx, case, t.q, t.k, t.v)
     k_full, v_full = reference.expand_kv(t.k, case.heads_q), reference.expand_kv(t.v, case.heads_q)
@@ -396,7 +396,7 @@ def delta_matches_reference(ctx: Context, case: AttentionCase) -> None:
     """The kernel's own ``Delta = rowsum(dO * O)`` vs float64, and the identity
     ``rowsum(dO * O) = rowsum(P * dP)`` in the reference."""
     if ctx.impl.backward is None:
-        raise NotApplicable(f"{ctx.impl.name} does not expose its backward (and Delta)")
+        raise NotForThisKernel(f"{ctx.impl.name} does not expose its backward (and Delta)")
     t = case.build(ctx.device)
     out, lse = run_forward(ctx, case, t.q, t.k, t.v)
     _needs_lse(ctx, lse)
@@ -451,7 +451,7 @@ def hidden_positions_get_zero_gradient(ctx: Context, case: AttentionCase) -> Non
                                                 alignment=ctx.impl.causal_alignment)
     unseen_keys, empty_rows = per_key == 0, per_row == 0
     if not bool(unseen_keys.any()) and not bool(empty_rows.any()):
-        raise Inapplicable("every key is seen and every row sees a key")
+        raise NotForThisCase("every key is seen and every row sees a key")
     got = run_backward(ctx, case, t.q, t.k, t.v, t.dout)
     for label, grad, mask in (("dK", got["dk"], unseen_keys), ("dV", got["dv"], unseen_keys),
                               ("dQ", got["dq"], empty_rows)):
@@ -466,7 +466,7 @@ def hidden_positions_get_zero_gradient(ctx: Context, case: AttentionCase) -> Non
 def gqa_gradients_sum_over_group(ctx: Context, case: AttentionCase) -> None:
     """With GQA, dK and dV equal the group sums of the gradients with repeated K/V heads."""
     if case.heads_q == case.heads_kv:
-        raise Inapplicable("not a grouped-query case")
+        raise NotForThisCase("not a grouped-query case")
     t = case.build(ctx.device)
     gqa = run_backward(ctx, case, t.q, t.k, t.v, t.dout)
     k_full, v_full = reference.expand_kv(t.k, case.heads_q), reference.expand_kv(t.v, case.heads_q)
@@ -499,9 +499,9 @@ def gqa_gradients_sum_over_group(ctx: Context, case: AttentionCase) -> None:
 def gradcheck_float64(ctx: Context, case: AttentionCase) -> None:
     """Finite-difference gradcheck of the float64 kernel on a small case."""
     if case.dtype != "float64":
-        raise NotApplicable("gradcheck runs on float64 cases")
+        raise NotForThisKernel("gradcheck runs on float64 cases")
     if not ctx.impl.autograd:
-        raise NotApplicable(f"{ctx.impl.name} declares no autograd backward")
+        raise NotForThisKernel(f"{ctx.impl.name} declares no autograd backward")
     t = case.build(ctx.device)
 
     def fn(q, k, v):
@@ -602,7 +602,7 @@ def run_to_run_identical(ctx: Context, case: AttentionCase) -> None:
                      f"|difference| {float(spread[op][at]):.3e} at {list(at)} is {ratio:.3g}x twice the bound "
                      f"{float(tolerance[op][at]) / 2:.3e} ({where}); not declared deterministic, but one of "
                      "the runs is outside its bound")
-    raise NotApplicable(f"{ctx.impl.name} is not declared deterministic; measured run-to-run max |difference| "
+    raise NotForThisKernel(f"{ctx.impl.name} is not declared deterministic; measured run-to-run max |difference| "
                         f"over {RUNS} runs: {', '.join(measured)}")
 
 
@@ -718,7 +718,7 @@ def outputs_stay_in_bounds(ctx: Context, case: AttentionCase) -> None:
     in ``[B, H, N, D]`` or transposed ``[B, N, H, D]`` storage) is bitwise unchanged afterwards, the
     returned tensors are the views (or hold the same values), and the values equal a normal call's."""
     if not ctx.impl.out_buffers:
-        raise NotApplicable(f"{ctx.impl.name} declares no out_buffers")
+        raise NotForThisKernel(f"{ctx.impl.name} declares no out_buffers")
     t = case.build(ctx.device)
     out0, lse0 = run_forward(ctx, case, t.q, t.k, t.v)
     g = _rng(case, 6)

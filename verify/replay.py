@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     print(f"replaying {prop} on {impl.name} ({device}): {case.describe()}")
     try:
         fn(ctx, case)
-    except (properties.NotApplicable, properties.Inapplicable) as exc:
+    except (properties.NotForThisKernel, properties.NotForThisCase) as exc:
         print(f"not applicable: {exc}")
         return 0
     except AssertionError as exc:

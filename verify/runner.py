@@ -36,7 +36,7 @@ from strategies.softmax import softmax_cases
 from verify import properties
 from verify.gpu import sticky_cuda_error
 from verify.harness import Context, Recorder, StickyDeviceError, free_device_memory
-from verify.properties import Inapplicable, NotApplicable
+from verify.properties import NotForThisCase, NotForThisKernel
 
 DTYPE_NAMES = tuple(DTYPES)
 
@@ -187,9 +187,9 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
         ctx = Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case)
         try:
             run_example(fn, ctx, case, env)
-        except NotApplicable as exc:
+        except NotForThisKernel as exc:
             pytest.skip(str(exc))
-        except Inapplicable:
+        except NotForThisCase:
             reject()
         _aim(ctx.observations)
 
@@ -250,7 +250,7 @@ def check_longest(prop: str, impl: Implementation, dtype: str, env: Env, *, caus
     ctx = Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case)
     try:
         run_example(properties.PROPERTIES[prop], ctx, case, env)
-    except (NotApplicable, Inapplicable) as exc:
+    except (NotForThisKernel, NotForThisCase) as exc:
         pytest.skip(f"{case.describe()}: {exc}")
 
 
