@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from reports.session import read_jsonl
-from reports.summary import RECORD_COLUMNS, fmt, num
+from reports.summary import RECORD_COLUMNS, fmt, largest, num
 
 SWEEP_MAGNITUDES = ("normal", "outliers", "large_logits")
 OPS = ("out", "lse", "dq", "dk", "dv")
@@ -286,12 +286,6 @@ def geomean(values: list[float]) -> float | None:
     return statistics.geometric_mean(positive) if positive else 0.0
 
 
-def _largest(values: list[float]) -> float | None:
-    if not values:
-        return None
-    return math.nan if any(math.isnan(v) for v in values) else max(values)
-
-
 def aggregate(header: dict, lines: list[dict], bad_lines: int = 0) -> dict:
     """Turn the stream of a sweep into the report's data: one result per (implementation, case),
     the RMSE tables, the criteria table, what was not measured, and the sweep's status."""
@@ -356,9 +350,9 @@ def aggregate(header: dict, lines: list[dict], bad_lines: int = 0) -> dict:
             entry = {"implementation": name, "dtype": d, "cases": len(mine),
                      "failed_cases": sum(1 for r in mine if not r["pass"])}
             for op in OPS:
-                entry[f"{op}_error_over_bound"] = _largest(
+                entry[f"{op}_error_over_bound"] = largest(
                     [r["ops"][op]["error_over_bound"] for r in mine if op in r["ops"]])
-                entry[f"{op}_error_over_baseline"] = _largest(
+                entry[f"{op}_error_over_baseline"] = largest(
                     [r["ops"][op]["error_over_baseline"] for r in mine if op in r["ops"]])
             criteria.append(entry)
 
@@ -472,8 +466,8 @@ def case_table(result: dict) -> Table:
                  [[r["implementation"], r["dtype"], r["magnitude"], "yes" if r["causal"] else "no", r["len"],
                    r["head_dim"], *(r["ops"][o]["rmse"] if o in r["ops"] else None for o in OPS),
                    r["ops"]["out"]["max_ulp"] if "out" in r["ops"] else None,
-                   _largest([o["error_over_bound"] for o in r["ops"].values()]),
-                   _largest([o["error_over_baseline"] for o in r["ops"].values()]), r["pass"]] for r in res],
+                   largest([o["error_over_bound"] for o in r["ops"].values()]),
+                   largest([o["error_over_baseline"] for o in r["ops"].values()]), r["pass"]] for r in res],
                  [not r["pass"] for r in res])
 
 

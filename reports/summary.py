@@ -39,7 +39,7 @@ def num(value: Any) -> float:
         return math.nan
 
 
-def _largest(values) -> float | None:
+def largest(values) -> float | None:
     """Largest value, NaN counting as the largest of all (a NaN error is never hidden); None if empty."""
     values = list(values)
     if not values:
@@ -184,13 +184,13 @@ def aggregate(rows: list[dict]) -> list[dict]:
         table.append({
             "implementation": impl, "op": op, "dtype": dtype, "measurements": len(items),
             "failed": sum(1 for i in items if i.get("pass") is False),
-            "max_abs": _largest(num(i.get("max_abs")) for i in items if "max_abs" in i),
-            "max_rel": _largest(num(i.get("max_rel")) for i in items if "max_rel" in i),
-            "max_rmse": _largest(num(i.get("rmse")) for i in items if "rmse" in i),
-            "max_ulp": _largest(num(i.get("max_ulp")) for i in items if "max_ulp" in i),
+            "max_abs": largest(num(i.get("max_abs")) for i in items if "max_abs" in i),
+            "max_rel": largest(num(i.get("max_rel")) for i in items if "max_rel" in i),
+            "max_rmse": largest(num(i.get("rmse")) for i in items if "rmse" in i),
+            "max_ulp": largest(num(i.get("max_ulp")) for i in items if "max_ulp" in i),
             "median_error_over_bound": statistics.median(finite) if finite else None,
-            "max_error_over_bound": _largest(ratios),
-            "max_error_over_baseline": _largest(num(i.get("error_over_baseline")) for i in items
+            "max_error_over_bound": largest(ratios),
+            "max_error_over_baseline": largest(num(i.get("error_over_baseline")) for i in items
                                                 if i.get("error_over_baseline") is not None),
         })
     return table
