@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import platform
 import statistics
 import time
 import warnings
@@ -36,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from reports.session import read_jsonl
+from reports.session import device_name, read_jsonl, versions
 from reports.summary import RECORD_COLUMNS, fmt, largest, num
 
 SWEEP_MAGNITUDES = ("normal", "outliers", "large_logits")
@@ -127,27 +126,6 @@ def skip_reason(impl, case, *, device: str) -> str | None:
 
 
 # ------------------------------------------------------------------------------------ the sweep
-def _versions() -> dict:
-    import torch
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
-            "cuda": torch.version.cuda}
-
-
-def _device_name(device: str) -> str:
-    import torch
-
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    return platform.processor() or platform.machine()
-
-
 def _impl_info(impl) -> dict:
     return {"name": impl.name, "spec": impl.cli_name, "description": impl.description,
             "causal_alignment": impl.causal_alignment, "returns_lse": impl.returns_lse,
@@ -206,7 +184,7 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
             previous = {}
     header = {
         "command": command, "commands": [*(previous.get("commands") or []), command],
-        "device": device, "device_name": _device_name(device), "versions": _versions(),
+        "device": device, "device_name": device_name(device), "versions": versions(),
         "sweep": sweep.as_dict(), "implementations": [_impl_info(i) for i in impls],
         "skipped": [{"implementation": n, "reason": r, "cases": c} for (n, r), c in sorted(skipped.items())],
         "started": previous.get("started") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -518,10 +496,10 @@ def status_words(result: dict) -> str:
 
 def markdown(result: dict) -> str:
     meta = result["meta"]
-    versions = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items() if v)
+    stack = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items() if v)
     lines = [f"# {title(result)}", "",
              status_words(result), "",
-             f"- device: {meta.get('device')} ({meta.get('device_name')}); {versions}",
+             f"- device: {meta.get('device')} ({meta.get('device_name')}); {stack}",
              f"- command: `{meta.get('command')}`",
              *(f"- earlier command of this sweep: `{c}`" for c in (meta.get("commands") or [])[:-1]),
              f"- started {meta.get('started')}, written {result.get('finished')}",

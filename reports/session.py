@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import shlex
 import tempfile
 import time
@@ -208,3 +209,27 @@ class ReportSession:
         if stopped is not None:
             extra["stopped"] = stopped
         self._write_run_file(**extra)
+
+
+def versions() -> dict:
+    """The versions a run header records: Python, torch, Triton (None when not installed), CUDA,
+    Hypothesis (None when not installed). Imports them only when called."""
+    import torch
+
+    def version_of(name: str):
+        try:
+            return __import__(name).__version__
+        except ImportError:
+            return None
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": version_of("triton"),
+            "cuda": torch.version.cuda, "hypothesis": version_of("hypothesis")}
+
+
+def device_name(device: str) -> str:
+    """The GPU's name for a ``cuda`` device, else the processor's."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()

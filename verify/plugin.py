@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -230,16 +229,10 @@ def _collects_verify(config) -> bool:
 
 
 def _header_data(config) -> dict:
+    from reports.session import device_name, versions
+
     device = _device(config)
     impls = _selection(config)
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    import hypothesis
-
     return {
         "implementations": [{"name": i.name, "kind": i.kind, "spec": i.cli_name, "description": i.description,
                              "dtypes": [dtype_name(d) for d in i.dtypes],
@@ -247,11 +240,10 @@ def _header_data(config) -> dict:
                              "backward": i.backward is not None, "deterministic": i.deterministic}
                             for i in impls],
         "device": device,
-        "device_name": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else platform.processor() or platform.machine(),
+        "device_name": device_name(device),
         "profile": _profile(config),
         "limits": dataclasses.asdict(_limits(config)),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
-                     "hypothesis": hypothesis.__version__},
+        "versions": versions(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
         "memory_budget": (budget.to_dict() if _collects_verify(config) and (budget := gpu_budget(config))
                           else None),
@@ -274,7 +266,7 @@ def pytest_report_header(config):
     data = _header_data(config)
     lines = [f"flashverify: device={data['device']} ({data['device_name']}), profile={data['profile']}, "
              f"max_len={data['limits']['max_len']}, max_head_dim={data['limits']['max_head_dim']}",
-             "flashverify: versions " + ", ".join(f"{k} {v}" for k, v in data["versions"].items())
+             "flashverify: versions " + ", ".join(f"{k} {v}" for k, v in data["versions"].items() if v)
              + (", TRITON_INTERPRET=1" if data["triton_interpret"] else "")]
     budget = gpu_budget(config) if _collects_verify(config) else None
     if budget is not None:
