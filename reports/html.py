@@ -63,10 +63,12 @@ def cell(value: Any) -> str:
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, failed: Iterable[bool] | None = None,
           below: Iterable[Any] | None = None) -> str:
     """An HTML table; every cell is escaped unless it is :class:`Raw`. ``failed`` marks rows red;
-    ``below`` gives each row a full-width second line (a replay command), or None for none."""
+    ``below`` gives each row a full-width second line (a replay command), or None for none. Headers that
+    are all empty (a key-value table) leave the header row out."""
     marks = list(failed) if failed is not None else None
     extra = list(below) if below is not None else None
-    out = ["<table><thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in headers) + "</tr></thead><tbody>"]
+    head = ("<thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in headers) + "</tr></thead>") if any(headers) else ""
+    out = ["<table>" + head + "<tbody>"]
     for i, row in enumerate(rows):
         cls = ' class="fail"' if marks is not None and i < len(marks) and marks[i] else ""
         out.append(f"<tr{cls}>" + "".join(cell(v) for v in row) + "</tr>")

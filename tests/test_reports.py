@@ -327,3 +327,10 @@ def test_kernel_that_raises_gets_its_drawn_case_and_a_replay_that_raises_again(t
     assert f"  replay: {failure['replay']}" in proc.stdout  # the terminal says how to replay it too
     replay = subprocess.run(failure["replay"], shell=True, cwd=ROOT, capture_output=True, text=True, env=_env())
     assert replay.returncode == 1 and "kernel gave up on Nk=6" in replay.stderr
+
+
+def test_key_value_tables_have_no_empty_header_row():
+    from reports.html import key_values, table
+
+    assert "<thead>" not in key_values([("device", "cpu"), ("profile", "ci")])
+    assert "<th>name</th>" in table(("name", "value"), [("a", 1)])
