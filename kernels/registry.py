@@ -108,26 +108,28 @@ SDPA_MATH = Implementation(
 # a tiling-dependent order (not deterministic); the dtypes and head dims are the ones each backend
 # documents. Like every adapter to a peer they run when named (--impl sdpa_flash), not in the default
 # selection.
-SDPA_FLASH = Implementation(
-    name="sdpa_flash", forward=adapters.sdpa_flash_forward, dtypes=adapters.HALF, devices=("cuda",),
-    head_dims=adapters.MULTIPLES_OF_8, causal_alignment="top_left", returns_lse=False, deterministic=False,
-    in_default=False, description="torch scaled_dot_product_attention, flash backend (FlashAttention-2)",
+def _gpu_peer(**fields) -> Implementation:
+    """An adapter to a GPU peer: CUDA only, top-left causal, out alone, not deterministic, run when named."""
+    return Implementation(devices=("cuda",), causal_alignment="top_left", returns_lse=False, deterministic=False,
+                          in_default=False, **fields)
+
+
+SDPA_FLASH = _gpu_peer(
+    name="sdpa_flash", forward=adapters.sdpa_flash_forward, dtypes=adapters.HALF, head_dims=adapters.MULTIPLES_OF_8,
+    description="torch scaled_dot_product_attention, flash backend (FlashAttention-2)",
 )
-SDPA_EFFICIENT = Implementation(
+SDPA_EFFICIENT = _gpu_peer(
     name="sdpa_efficient", forward=adapters.sdpa_efficient_forward, dtypes=adapters.EFFICIENT_DTYPES,
-    devices=("cuda",), head_dims=adapters.MULTIPLES_OF_8, causal_alignment="top_left", returns_lse=False,
-    deterministic=False, in_default=False,
+    head_dims=adapters.MULTIPLES_OF_8,
     description="torch scaled_dot_product_attention, memory-efficient backend (xFormers kernel)",
 )
-SDPA_CUDNN = Implementation(
-    name="sdpa_cudnn", forward=adapters.sdpa_cudnn_forward, dtypes=adapters.HALF, devices=("cuda",),
-    head_dims=adapters.CUDNN_HEAD_DIMS, causal_alignment="top_left", returns_lse=False, deterministic=False,
-    in_default=False, description="torch scaled_dot_product_attention, cuDNN backend",
+SDPA_CUDNN = _gpu_peer(
+    name="sdpa_cudnn", forward=adapters.sdpa_cudnn_forward, dtypes=adapters.HALF, head_dims=adapters.CUDNN_HEAD_DIMS,
+    description="torch scaled_dot_product_attention, cuDNN backend",
 )
-FLEX_ATTENTION = Implementation(
+FLEX_ATTENTION = _gpu_peer(
     name="flex_attention", forward=adapters.flex_attention_forward, dtypes=adapters.FLEX_DTYPES,
-    devices=("cuda",), head_dims=adapters.FLEX_HEAD_DIMS, gqa=True, causal_alignment="top_left",
-    returns_lse=False, deterministic=False, in_default=False,
+    head_dims=adapters.FLEX_HEAD_DIMS, gqa=True,
     description="torch FlexAttention, compiled (fused Triton kernel), top-left causal block mask",
 )
 

@@ -61,12 +61,22 @@ class Limits:
                 raise ValueError(f"Limits.{f.name}={getattr(self, f.name)}, but should be at least 1")
 
     @property
+    def tiles_per_axis(self) -> int:
+        """Query (or key) tiles per head allowed along one axis: ``max_tiles`` split evenly."""
+        return tiles_per_axis(self.max_tiles)
+
+    @property
     def plain_len(self) -> int:
         return min(self.short_len, self.max_len)
 
     @property
     def plain_head_dim(self) -> int:
         return min(self.short_head_dim, self.max_head_dim)
+
+
+def tiles_per_axis(max_tiles: int) -> int:
+    """The tiles along one axis (query or key) of a ``max_tiles`` cap split evenly: ``isqrt``, at least 1."""
+    return max(1, math.isqrt(max_tiles))
 
 
 def _near_blocks(blocks: Sequence[int] | None, max_len: int) -> list[int]:
@@ -214,7 +224,7 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
 
     # Blocks before lengths, and lengths capped so that each axis has at most sqrt(max_tiles) tiles:
     # shrinking a length then never changes a block.
-    per_axis = max(1, math.isqrt(limits.max_tiles))
+    per_axis = limits.tiles_per_axis
     bm = draw(st.sampled_from(_blocks_for(block_m, per_axis, long_class)), label="block_m") if block_m else None
     bn = draw(st.sampled_from(_blocks_for(block_n, per_axis, long_class)), label="block_n") if block_n else None
     edges = _near_powers_of_two(1, max_len) if (long_class or kind == "decode") else []

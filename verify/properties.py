@@ -22,6 +22,7 @@ from references import mp
 from references.criteria import ds_magnitude_rowsum
 from references.metrics import abs_error, max_ratio, unit_roundoff
 from references.softmax_bounds import softmax_bounds
+from strategies.attention import tiles_per_axis
 from strategies.cases import DTYPES, LAYOUTS, AttentionCase
 from strategies.softmax import SoftmaxCase
 from verify import measure
@@ -148,7 +149,7 @@ def block_size_invariance(ctx: Context, case: AttentionCase) -> None:
     g = _rng(case, 1)
     sizes_m, sizes_n = list(ctx.impl.block_m), list(ctx.impl.block_n)
     if ctx.impl.max_tiles is not None:
-        per_axis = max(1, math.isqrt(ctx.impl.max_tiles))
+        per_axis = tiles_per_axis(ctx.impl.max_tiles)
         sizes_m = [b for b in sizes_m if -(-case.len_q // b) <= per_axis] or [case.block_m]
         sizes_n = [b for b in sizes_n if -(-case.len_k // b) <= per_axis] or [case.block_n]
     other = case.replace(block_m=sizes_m[int(torch.randint(len(sizes_m), (1,), generator=g))],

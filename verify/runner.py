@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -230,10 +229,10 @@ def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bo
     block_m = block_n = None
     if impl.max_tiles is not None and impl.tunable:
         block_m, block_n = max(impl.block_m), max(impl.block_n)
-        len_k = min(len_k, math.isqrt(limits.max_tiles) * block_n)
+        len_k = min(len_k, limits.tiles_per_axis * block_n)
     len_q = max(1, min(len_k, limits.max_scores // len_k))
     if block_m is not None:
-        len_q = min(len_q, math.isqrt(limits.max_tiles) * block_m)
+        len_q = min(len_q, limits.tiles_per_axis * block_m)
     dims = [d for d in (impl.head_dims or range(1, limits.max_head_dim + 1))
             if d <= min(128, limits.max_head_dim) and d % 8 == 0] or sorted(impl.head_dims or [8])[:1]
     return AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=len_q, len_k=len_k, head_dim=max(dims),
