@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from kernels import _validate
 from kernels.declaration import ALL_DTYPES
 from references import baseline
+from references.spec import AttentionSpec
 
 
 class _Eager(torch.autograd.Function):
@@ -27,7 +28,7 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale):
-        out, lse = baseline.forward(q, k, v, causal=causal, scale=scale)
+        out, lse = baseline.forward(q, k, v, spec=AttentionSpec(causal=causal), scale=scale)
         ctx.save_for_backward(q, k, v, out)
         ctx.settings = (causal, scale)
         ctx.mark_non_differentiable(lse)
@@ -37,7 +38,7 @@ class _Eager(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out = ctx.saved_tensors
         causal, scale = ctx.settings
-        dq, dk, dv, _ = baseline.backward(q, k, v, dout, causal=causal, scale=scale, out=out)
+        dq, dk, dv, _ = baseline.backward(q, k, v, dout, spec=AttentionSpec(causal=causal), scale=scale, out=out)
         return dq, dk, dv, None, None
 
 

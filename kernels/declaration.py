@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kernels._validate import dtype_name, dtype_names
-from references.mask import ALIGNMENTS
+from references.spec import ALIGNMENTS, AttentionSpec, require_spec
 
 ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KINDS = ("attention", "softmax")
@@ -72,7 +72,7 @@ class Implementation:
     # checks that the two agree when both are selected.
     sibling: str | None = None
     # How the user named it with --impl (for replay commands); None for registry names.
-    spec: str | None = None
+    selector: str | None = None
     # Part of the default selection (shipped kernels); adapters to peers run when named.
     in_default: bool = True
 
@@ -112,7 +112,7 @@ class Implementation:
     @property
     def cli_name(self) -> str:
         """What to pass to --impl to select this implementation again."""
-        return self.spec or self.name
+        return self.selector or self.name
 
     def environment_limit(self, dtype: torch.dtype) -> str | None:
         for d, why in self.environment_limits:
@@ -131,16 +131,43 @@ class Implementation:
             return f"{self.name} declares devices {', '.join(self.devices)}; {device} is not among them"
         return None
 
-    def call(self, q, k, v, *, causal: bool, scale: float | None = None,
-             block_m: int | None = None, block_n: int | None = None,
-             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
-        """Run the forward and normalise the result to ``(out, lse_or_None)``. ``out``/``lse`` are passed
-        on as the forward's ``out=``/``lse=`` buffers; only for a declaration with ``out_buffers``."""
-        kwargs: dict[str, Any] = {"causal": causal, "scale": scale}
+    def unsupported_spec(self, spec: AttentionSpec) -> str | None:
+        """The reason this implementation cannot compute the attention ``spec`` describes, or None."""
+        if spec.causal and not self.causal:
+            return f"{self.name} declares no causal masking"
+        if spec.causal and spec.alignment != self.causal_alignment:
+            return (f"{self.name} aligns causal masks {self.causal_alignment}; the case asks for "
+                    f"{spec.alignment}")
+        return None
+
+    def _keywords(self, spec: AttentionSpec, scale, block_m, block_n) -> dict[str, Any]:
+        """The kernel's own keywords for ``spec`` (refused when the declaration does not support it)."""
+        require_spec(spec)
+        why = self.unsupported_spec(spec)
+        if why is not None:
+            raise ImplementationError(why)
+        kwargs: dict[str, Any] = {"causal": spec.causal, "scale": scale}
         if self.tunable and block_m is not None:
             kwargs["block_m"] = block_m
         if self.tunable and block_n is not None:
             kwargs["block_n"] = block_n
+        return kwargs
+
+    def call_backward(self, q, k, v, out, lse, dout, *, spec: AttentionSpec, scale: float | None = None,
+                      block_m: int | None = None, block_n: int | None = None):
+        """Run the declared backward on ``spec``'s attention: ``(dq, dk, dv, delta)``."""
+        if self.backward is None:
+            raise ImplementationError(f"{self.name} declares no backward")
+        return self.backward(q, k, v, out, lse, dout, **self._keywords(spec, scale, block_m, block_n))
+
+    def call(self, q, k, v, *, spec: AttentionSpec, scale: float | None = None,
+             block_m: int | None = None, block_n: int | None = None,
+             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+        """Run the forward on the attention ``spec`` describes and normalise the result to
+        ``(out, lse_or_None)``. The spec becomes the kernel's own keywords (``causal``); a spec the
+        declaration does not support is refused. ``out``/``lse`` are passed on as the forward's
+        ``out=``/``lse=`` buffers; only for a declaration with ``out_buffers``."""
+        kwargs = self._keywords(spec, scale, block_m, block_n)
         if out is not None or lse is not None:
             if not self.out_buffers:
                 raise ImplementationError(f"{self.name} declares no out_buffers: its forward takes no "

@@ -209,7 +209,7 @@ def from_callable(fn: Callable[..., Any], name: str, *, device: str) -> Implemen
     return Implementation(
         name=name,
         forward=fn,
-        spec=name,
+        selector=name,
         devices=(torch.device(device).type,),
         description=f"plain callable {name}",
     )
@@ -279,7 +279,7 @@ def load(spec: str, *, device: str) -> Implementation:
         return shipped[spec]
     obj = _load_attr(spec, names=list(shipped))
     if isinstance(obj, Implementation):
-        return dataclasses.replace(obj, spec=spec)
+        return dataclasses.replace(obj, selector=spec)
     if callable(obj):
         return from_callable(obj, spec, device=device)
     raise ImplementationError(

@@ -8,11 +8,12 @@ per head (out, LSE, row max, Delta, the gradients and the float64 inputs); the s
 time (:meth:`Reference.chunks`), so no ``Nq x Nk`` matrix of the whole problem is ever held.
 
 Conventions (DESIGN.md): layout ``[B, H, N, D]``; grouped-query attention maps query head ``h`` to
-key/value head ``h // (Hq // Hkv)``; causal masking is bottom-right aligned (key ``j`` visible to query
-``i`` iff ``j <= i + Nk - Nq``) unless ``alignment="top_left"`` (``j <= i``); a row with no visible key
-has ``P = 0``, ``out = 0`` and ``lse = -inf``; the LSE is the natural-log logsumexp of the scaled scores
+key/value head ``h // (Hq // Hkv)``; which keys a query sees is the answer of the
+:class:`~references.spec.AttentionSpec` (causal masks bottom-right aligned, key ``j`` visible to query
+``i`` iff ``j <= i + Nk - Nq``, unless the spec's ``alignment`` is ``"top_left"``, ``j <= i``); a row
+with no visible key has ``P = 0``, ``out = 0`` and ``lse = -inf``; the LSE is the natural-log logsumexp of the scaled scores
 over the visible keys. The visible keys of every row are a prefix of the keys, so per-row and per-key
-counts (:func:`visible_counts`) replace the mask wherever a whole-problem answer is needed.
+counts (:meth:`AttentionSpec.counts`) replace the mask wherever a whole-problem answer is needed.
 
 Memory model
 ------------
@@ -54,7 +55,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from references.mask import Mask
+from references.spec import AttentionSpec, require_spec
 
 F64 = torch.float64
 
@@ -156,18 +157,6 @@ def peak_bytes(batch: int, heads_q: int, heads_kv: int, len_q: int, len_k: int, 
     return 8 * (chunk + vectors + centred)
 
 
-def visible_mask(len_q: int, len_k: int, *, causal: bool, alignment: str = "bottom_right",
-                 device=None, rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """Bool ``[r1 - r0, Nk]``: True where query ``i`` may attend to key ``j`` (:meth:`Mask.rows`)."""
-    return Mask(causal, alignment).rows(len_q, len_k, device=device, rows=rows)
-
-
-def visible_counts(len_q: int, len_k: int, *, causal: bool, alignment: str = "bottom_right",
-                   device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(per_row [Nq], per_key [Nk])``: keys per query and queries per key (:meth:`Mask.counts`)."""
-    return Mask(causal, alignment).counts(len_q, len_k, device=device)
-
-
 def expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:
     """``[B, Hkv, N, D] -> [B, Hq, N, D]``: query head h reads key/value head h // (Hq // Hkv)."""
     heads_kv = t.shape[1]
@@ -201,8 +190,7 @@ class Reference:
     results; score-level quantities come from :meth:`chunks`."""
 
     scale: float
-    causal: bool
-    alignment: str
+    spec: AttentionSpec
     row_max: torch.Tensor  # max_j s_ij (-inf for rows with no visible key) [B, Hq, Nq]
     out: torch.Tensor  # [B, Hq, Nq, D]
     lse: torch.Tensor  # [B, Hq, Nq]
@@ -229,8 +217,7 @@ class Reference:
     @property
     def n_visible(self) -> torch.Tensor:
         """Int64 ``[Nq]``: visible keys per row."""
-        return visible_counts(self.len_q, self.len_k, causal=self.causal, alignment=self.alignment,
-                              device=self.q64.device)[0]
+        return self.spec.counts(self.len_q, self.len_k, device=self.q64.device)[0]
 
     @property
     def rows_with_keys(self) -> torch.Tensor:
@@ -240,8 +227,7 @@ class Reference:
     @property
     def keys_seen(self) -> torch.Tensor:
         """Bool ``[Nk]``: keys that at least one row sees."""
-        return visible_counts(self.len_q, self.len_k, causal=self.causal, alignment=self.alignment,
-                              device=self.q64.device)[1] > 0
+        return self.spec.counts(self.len_q, self.len_k, device=self.q64.device)[1] > 0
 
     def row_chunks(self) -> list[tuple[int, int]]:
         b, h, len_q, d = self.q64.shape
@@ -271,8 +257,7 @@ class Reference:
 
 
 def _chunk(ref: Reference, r0: int, r1: int) -> Chunk:
-    visible = visible_mask(ref.len_q, ref.len_k, causal=ref.causal, alignment=ref.alignment,
-                           device=ref.q64.device, rows=(r0, r1))
+    visible = ref.spec.rows(ref.len_q, ref.len_k, device=ref.q64.device, rows=(r0, r1))
     scores, p = _scores_and_p(ref.q64[:, :, r0:r1], ref.k_expanded, visible, ref.scale, ref.lse[:, :, r0:r1])
     c = Chunk(r0=r0, r1=r1, visible=visible, scores=scores, p=p)
     if ref.dout is not None:
@@ -293,12 +278,11 @@ def _dp_and_ds(do, ve, keys_seen, p, delta):
     return dp, p * (dp - delta[..., None])
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              scale: float | None = None, alignment: str = "bottom_right",
-              dout: torch.Tensor | None = None) -> Reference:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: AttentionSpec = AttentionSpec(),
+              scale: float | None = None, dout: torch.Tensor | None = None) -> Reference:
     """Compute the float64 reference for one call (and its backward if ``dout`` is given), in row
     chunks (module docstring)."""
-    Mask(causal, alignment)  # refuses a bad alignment before any work
+    require_spec(spec)
     q64, k64, v64 = q.to(F64), k.to(F64), v.to(F64)
     b, hq, len_q, d = q.shape
     hkv, len_k = k.shape[1], k.shape[2]
@@ -306,9 +290,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ke, ve = expand_kv(k64, hq), expand_kv(v64, hq)
     lse = torch.full(q.shape[:3], -math.inf, dtype=F64, device=q.device)
     row_max, out = lse.clone(), torch.zeros(q.shape, dtype=F64, device=q.device)
-    ref = Reference(scale=scale, causal=causal, alignment=alignment, row_max=row_max, out=out, lse=lse,
+    ref = Reference(scale=scale, spec=spec, row_max=row_max, out=out, lse=lse,
                     q64=q64, k_expanded=ke, v_expanded=ve)
-    seen = visible_counts(len_q, len_k, causal=causal, alignment=alignment, device=q.device)[1][:, None] > 0
+    seen = spec.counts(len_q, len_k, device=q.device)[1][:, None] > 0
     if dout is not None:
         ref.dout = dout.to(F64)
         ref.delta = torch.zeros(q.shape[:3], dtype=F64, device=q.device)
@@ -317,7 +301,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     spans = ref.row_chunks()
     for n, (r0, r1) in enumerate(spans):
         rows = slice(r0, r1)
-        visible = visible_mask(len_q, len_k, causal=causal, alignment=alignment, device=q.device, rows=(r0, r1))
+        visible = spec.rows(len_q, len_k, device=q.device, rows=(r0, r1))
         s = torch.where(visible, (q64[:, :, rows] @ ke.transpose(-1, -2)) * scale, -math.inf)
         if len_k:
             lse[:, :, rows] = torch.logsumexp(s, dim=-1)
@@ -342,17 +326,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     return ref
 
 
-def forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-            alignment: str = "bottom_right"):
+def forward(q, k, v, *, spec: AttentionSpec = AttentionSpec(), scale: float | None = None):
     """Float64 ``(out, lse)``."""
-    ref = attention(q, k, v, causal=causal, scale=scale, alignment=alignment)
+    ref = attention(q, k, v, spec=spec, scale=scale)
     return ref.out, ref.lse
 
 
-def backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None,
-             alignment: str = "bottom_right"):
+def backward(q, k, v, dout, *, spec: AttentionSpec = AttentionSpec(), scale: float | None = None):
     """Float64 ``(dq, dk, dv, delta)`` of ``out`` against the upstream gradient ``dout``."""
-    ref = attention(q, k, v, causal=causal, scale=scale, alignment=alignment, dout=dout)
+    ref = attention(q, k, v, spec=spec, scale=scale, dout=dout)
     return ref.dq, ref.dk, ref.dv, ref.delta
 
 

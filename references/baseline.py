@@ -27,7 +27,8 @@ import math
 
 import torch
 
-from references.attention import expand_kv, reduce_group, row_chunks, visible_mask
+from references.attention import expand_kv, reduce_group, row_chunks
+from references.spec import AttentionSpec, require_spec
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -39,9 +40,9 @@ def _low(t: torch.Tensor, dtype: torch.dtype, acc: torch.dtype) -> torch.Tensor:
     return t.to(dtype).to(acc)
 
 
-def forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-            alignment: str = "bottom_right"):
+def forward(q, k, v, *, spec: AttentionSpec = AttentionSpec(), scale: float | None = None):
     """Eager ``(out, lse)`` at the precision of the inputs (see module docstring)."""
+    require_spec(spec)
     dtype, acc = q.dtype, acc_dtype(q.dtype)
     b, hq, len_q, d = q.shape
     len_k = k.shape[2]
@@ -51,7 +52,7 @@ def forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
     for r0, r1 in row_chunks(len_q, len_k, d, b * hq):
         rows = slice(r0, r1)
-        visible = visible_mask(len_q, len_k, causal=causal, alignment=alignment, device=q.device, rows=(r0, r1))
+        visible = spec.rows(len_q, len_k, device=q.device, rows=(r0, r1))
         s = torch.where(visible, (q[:, :, rows].to(acc) @ ke.transpose(-1, -2)) * scale, -math.inf)
         m = s.amax(dim=-1, keepdim=True) if len_k else torch.full((*s.shape[:3], 1), -math.inf,
                                                                    dtype=acc, device=q.device)
@@ -64,14 +65,15 @@ def forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     return out, lse
 
 
-def backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None,
-             alignment: str = "bottom_right", out: torch.Tensor | None = None):
+def backward(q, k, v, dout, *, spec: AttentionSpec = AttentionSpec(), scale: float | None = None,
+             out: torch.Tensor | None = None):
     """Eager ``(dq, dk, dv, delta)`` at the precision of the inputs (see module docstring)."""
+    require_spec(spec)
     dtype, acc = q.dtype, acc_dtype(q.dtype)
     hq, hkv = q.shape[1], k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if out is None:
-        out, _ = forward(q, k, v, causal=causal, scale=scale, alignment=alignment)
+        out, _ = forward(q, k, v, spec=spec, scale=scale)
     ke, ve = expand_kv(k, hq).to(acc), expand_kv(v, hq).to(acc)
     b, _, len_q, d = q.shape
     len_k = k.shape[2]
@@ -81,7 +83,7 @@ def backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None,
     dk = dv = torch.zeros(ke.shape, dtype=acc, device=q.device)  # replaced by the first chunk's sums
     for n, (r0, r1) in enumerate(row_chunks(len_q, len_k, d, b * hq)):
         rows = slice(r0, r1)
-        visible = visible_mask(len_q, len_k, causal=causal, alignment=alignment, device=q.device, rows=(r0, r1))
+        visible = spec.rows(len_q, len_k, device=q.device, rows=(r0, r1))
         q_rows = q[:, :, rows].to(acc)
         s = torch.where(visible, (q_rows @ ke.transpose(-1, -2)) * scale, -math.inf)
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)

@@ -242,7 +242,7 @@ import math
 
 import torch
 
-from references.attention import Chunk, Reference, expand_kv, reduce_group, visible_counts
+from references.attention import Chunk, Reference, expand_kv, reduce_group
 from references.metrics import unit_roundoff
 
 F64 = torch.float64
@@ -367,8 +367,7 @@ def _keys(ref: Reference, q, k, v) -> _Keys:
         raise ValueError(f"ref.out.shape={tuple(ref.out.shape)} with {ref.len_k} keys does not fit "
                          f"q.shape={tuple(q.shape)} and k.shape={tuple(k.shape)}: the reference should come "
                          "from these inputs")
-    n_rows, n_keys = visible_counts(q.shape[2], k.shape[2], causal=ref.causal, alignment=ref.alignment,
-                                    device=q.device)
+    n_rows, n_keys = ref.spec.counts(q.shape[2], k.shape[2], device=q.device)
     keys = n_keys > 0
     # Keys no row sees may hold anything (inf, NaN): zero them before any product.
     ke = torch.where(keys[:, None], expand_kv(k.detach().to(F64), hq), 0.0)

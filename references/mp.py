@@ -16,9 +16,9 @@ Functions
     One query row against its visible keys: the output row, the LSE, the probabilities and, given the
     upstream gradient ``dout_i``, ``Delta_i = dout_i . out_i``, ``dq_i`` and the per-key contributions
     ``dk_j``, ``dv_j`` of this row (summing them over the rows that see key ``j`` gives ``dK_j``, ``dV_j``).
-``attention(q, k, v, *, causal, scale, alignment, dout, probabilities=False)``
+``attention(q, k, v, *, spec, scale, dout, probabilities=False)``
     Whole tiny tensors in the ``[B, H, N, D]`` layout with grouped-query attention and the masking
-    conventions of :mod:`references.attention` (bottom-right causal unless ``alignment="top_left"``,
+    conventions of :mod:`references.attention` (the keys a query sees: the ``AttentionSpec``,
     a row with no visible key gives ``out = 0``, ``lse = -inf``, zero gradients). Only values that a
     visible (row, key) pair reads are converted, so inf or NaN elsewhere is allowed. Cost grows as
     ``B * Hq * Nq * Nk * D`` mpf operations: keep it to a few thousand. It works one query row at a
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import mpmath
 import torch
 
-from references.mask import Mask
+from references.spec import AttentionSpec, require_spec
 
 DPS = 50
 
@@ -162,12 +162,11 @@ class MpAttention:
     dv: torch.Tensor | None = None  # [B, Hkv, Nk, D]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              scale: float | None = None, alignment: str = "bottom_right",
-              dout: torch.Tensor | None = None, probabilities: bool = False) -> MpAttention:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: AttentionSpec = AttentionSpec(),
+              scale: float | None = None, dout: torch.Tensor | None = None, probabilities: bool = False) -> MpAttention:
     """Whole-tensor attention at 50 digits; returns float64 tensors (gradients when ``dout`` is given,
     the ``[B, Hq, Nq, Nk]`` probabilities when ``probabilities``)."""
-    mask = Mask(causal, alignment)
+    require_spec(spec)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v should be 4-D [batch, heads, seq_len, head_dim]")
     b, hq, len_q, d = q.shape
@@ -207,7 +206,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             for h in range(hq):
                 g = h // group
                 for i in range(len_q):
-                    cols = [j for j in range(len_k) if mask.visible(i, j, len_q, len_k)]
+                    cols = [j for j in range(len_k) if spec.visible(i, j, len_q, len_k)]
                     if not cols:  # out = 0, lse = -inf, zero gradients: already in place
                         continue
                     r = _row(row_of("q", qt, bi, h, i), [row_of("k", kt, bi, g, j) for j in cols],

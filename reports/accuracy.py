@@ -67,10 +67,12 @@ class Sweep:
     backward: bool = True
 
     def cases(self):
+        from references.spec import AttentionSpec
         from strategies.cases import AttentionCase
 
         return [AttentionCase(batch=self.batch, heads_q=self.heads, heads_kv=self.heads, len_q=n, len_k=n,
-                              head_dim=d, dtype=dtype, causal=causal, magnitude=magnitude, seed=seed)
+                              head_dim=d, dtype=dtype, spec=AttentionSpec(causal=causal), magnitude=magnitude,
+                              seed=seed)
                 for n in self.lengths for d in self.head_dims for dtype in self.dtypes
                 for magnitude in self.magnitudes for causal in self.causal for seed in self.seeds]
 
@@ -132,6 +134,12 @@ def _impl_info(impl) -> dict:
             "dtypes": [str(d).removeprefix("torch.") for d in impl.dtypes], "devices": list(impl.devices)}
 
 
+def _as_computed_by(case, alignment: str):
+    """The sweep's case as a kernel with this causal ``alignment`` computes it (with Nq = Nk, as in the
+    sweep, both alignments give the same mask)."""
+    return case.replace(spec=dataclasses.replace(case.spec, alignment=alignment))
+
+
 def _case_key(spec: str, case: dict) -> str:
     return spec + " " + json.dumps(case, sort_keys=True, separators=(",", ":"))
 
@@ -164,7 +172,7 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
             (out_dir / name).unlink(missing_ok=True)
     skipped: dict[tuple[str, str], int] = defaultdict(int)
     plan = []  # (case, [impls still to run])
-    planned_pairs = []  # every (spec, case index) the sweep measures, done or not
+    planned_pairs = []  # every (spec, case index, causal alignment) the sweep measures, done or not
     for index, case in enumerate(cases):
         run_here = []
         for impl in impls:
@@ -172,8 +180,8 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
             if why:
                 skipped[(impl.name, why)] += 1
                 continue
-            planned_pairs.append([impl.cli_name, index])
-            if _case_key(impl.cli_name, case.to_dict()) not in done:
+            planned_pairs.append([impl.cli_name, index, impl.causal_alignment])
+            if _case_key(impl.cli_name, _as_computed_by(case, impl.causal_alignment).to_dict()) not in done:
                 run_here.append(impl)
         plan.append((case, run_here))
     previous = {}
@@ -209,22 +217,22 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
             t = case.build(device)
             truths: dict[str, measure.Truth] = {}
             for impl in run_here:
+                kcase = _as_computed_by(case, impl.causal_alignment)
                 if time_limit is not None and time.monotonic() - started > time_limit:
                     stopped_early = True
                     break
-                label = f"{impl.name} {case.dtype} N={case.len_k} D={case.head_dim} {case.magnitude}" \
-                        f"{' causal' if case.causal else ''}"
+                label = f"{impl.name} {kcase.dtype} N={kcase.len_k} D={kcase.head_dim} {kcase.magnitude}" \
+                        f"{' causal' if kcase.causal else ''}"
                 bar.show(label)
-                same_mask = not case.causal or case.len_q == case.len_k
+                same_mask = not kcase.causal or kcase.len_q == kcase.len_k
                 key = "any" if same_mask else impl.causal_alignment
                 tic = time.monotonic()
                 if key not in truths:
-                    truths[key] = measure.Truth(case, t.q, t.k, t.v, alignment=impl.causal_alignment,
-                                                dout=t.dout if sweep.backward else None)
+                    truths[key] = measure.Truth(kcase, t.q, t.k, t.v, dout=t.dout if sweep.backward else None)
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     try:
-                        records, problems = measure.sweep_case(impl, case, t, truths[key], device=device,
+                        records, problems = measure.sweep_case(impl, kcase, t, truths[key], device=device,
                                                                backward=sweep.backward)
                     except OutOfMemoryError as exc:  # in the suite's own work: start the case's truths afresh
                         truths.clear()
@@ -237,8 +245,8 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
                     emit({"kind": "measurement", "spec": impl.cli_name, **r})
                 for p in problems:
                     emit({"kind": "error", "implementation": impl.name, "spec": impl.cli_name,
-                          "case": case.to_dict(), "error": p})
-                emit({"kind": "done", "implementation": impl.name, "spec": impl.cli_name, "case": case.to_dict(),
+                          "case": kcase.to_dict(), "error": p})
+                emit({"kind": "done", "implementation": impl.name, "spec": impl.cli_name, "case": kcase.to_dict(),
                       "seconds": round(time.monotonic() - tic, 3)})
                 bar.update(label=label)
             del truths, t
@@ -294,7 +302,8 @@ def aggregate(header: dict, lines: list[dict], bad_lines: int = 0) -> dict:
             order.append(key)
             results[key] = {"implementation": item.get("implementation"), "spec": item.get("spec"),
                             "dtype": case.get("dtype"), "magnitude": case.get("magnitude"),
-                            "causal": case.get("causal"), "len": case.get("len_k"), "head_dim": case.get("head_dim"),
+                            "causal": (case.get("spec") or {}).get("causal", case.get("causal")),
+                            "len": case.get("len_k"), "head_dim": case.get("head_dim"),
                             "seed": case.get("seed"), "case": case, "ops": {}}
         results[key]["ops"][str(item.get("op"))] = {
             **{m: num(item.get(m)) for m in METRICS}, "pass": item.get("pass"),
@@ -370,7 +379,12 @@ def _planned_keys(header: dict) -> set[str] | None:
         return None
     fields = {f.name for f in dataclasses.fields(Sweep)}
     cases = Sweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in sweep.items() if k in fields}).cases()
-    return {_case_key(str(spec), cases[index].to_dict()) for spec, index in pairs if 0 <= index < len(cases)}
+    keys = set()
+    for spec, index, *alignment in pairs:
+        if 0 <= index < len(cases):
+            case = _as_computed_by(cases[index], alignment[0]) if alignment else cases[index]
+            keys.add(_case_key(str(spec), case.to_dict()))
+    return keys
 
 
 def write_report(out_dir: str | Path) -> dict:

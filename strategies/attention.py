@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 from hypothesis import strategies as st
 
+from references.spec import AttentionSpec
 from strategies.cases import LAYOUTS, MAGNITUDES, SCALES, AttentionCase
 
 SHAPE_CLASSES = ("plain", "decode", "no_keys", "long", "wide_head", "kv_tiles_wider", "k_aligned_q_ragged",
@@ -140,7 +141,8 @@ def _tile_pair(block_m: Sequence[int] | None, block_n: Sequence[int] | None, max
 def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: Sequence[int] | None = None,
                     gqa: bool = False, block_m: Sequence[int] | None = None,
                     block_n: Sequence[int] | None = None, causal: bool | None = None,
-                    magnitudes: Sequence[str] = MAGNITUDES, layouts: Sequence[str] = LAYOUTS,
+                    alignment: str = "bottom_right", magnitudes: Sequence[str] = MAGNITUDES,
+                    layouts: Sequence[str] = LAYOUTS,
                     draw_scale: bool = True, shape_classes: Sequence[str] = SHAPE_CLASSES,
                     min_len_k: int = 0, min_len_q: int = 1, min_group: int = 1, longer: str | None = None,
                     max_extra: int = 8):
@@ -152,6 +154,7 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     gqa            whether to draw grouped-query cases (Hkv < Hq)
     block_m/n      tile sizes the kernel accepts (None: not tunable; the case carries no blocks)
     causal         fix the causal flag (None: draw it; the tile classes and ``decode`` then choose causal)
+    alignment      the kernel's causal alignment (``bottom_right`` or ``top_left``): the case's spec carries it
     magnitudes     magnitude classes to draw from (the first is what failures shrink to)
     layouts        memory layouts to draw from
     draw_scale     also draw explicit softmax scales (:func:`scales`; None, the default, comes first)
@@ -264,7 +267,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     scale = draw(scales(), label="scale") if draw_scale else None
     seed = draw(st.integers(0, 2 ** 16), label="seed")
     return AttentionCase(batch=batch, heads_q=heads_kv * group, heads_kv=heads_kv, len_q=len_q,
-                         len_k=len_k, head_dim=head_dim, dtype=dtype, causal=is_causal,
+                         len_k=len_k, head_dim=head_dim, dtype=dtype,
+                         spec=AttentionSpec(causal=is_causal, alignment=alignment),
                          magnitude=magnitude, seed=seed, layout=layout, scale=scale,
                          block_m=bm, block_n=bn)
 

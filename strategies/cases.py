@@ -1,6 +1,7 @@
 """Attention cases: plain data that describe one input, and the tensors they build.
 
-A case holds shapes, dtype, causal flag, block sizes, a magnitude class, a memory layout and a seed,
+A case holds shapes, dtype, the attention spec (:class:`references.spec.AttentionSpec`: causal and its
+alignment), block sizes, a magnitude class, a memory layout and a seed,
 nothing else. Tensors are generated from the seed by :meth:`AttentionCase.build`, so a case is small,
 JSON-serialisable, replayable with one command, and shrinks the way Hypothesis shrinks its parts:
 to small shapes, seed 0, the ``normal`` magnitude class and the contiguous layout.
@@ -37,6 +38,8 @@ import math
 from typing import Any
 
 import torch
+
+from references.spec import AttentionSpec
 
 MAGNITUDES = ("normal", "large_logits", "outliers", "all_negative", "ties", "dominant_key",
               "row_shift", "v_offset", "v_wide_range", "near_subnormal")
@@ -85,7 +88,7 @@ class AttentionCase:
     len_k: int
     head_dim: int
     dtype: str
-    causal: bool
+    spec: AttentionSpec = AttentionSpec()
     magnitude: str = "normal"
     seed: int = 0
     layout: str = "contiguous"
@@ -106,8 +109,8 @@ class AttentionCase:
             raise CaseError(f"heads_q={self.heads_q} is not a multiple of heads_kv={self.heads_kv}")
         if self.dtype not in DTYPES:
             raise CaseError(f"dtype={self.dtype!r}, but should be one of {tuple(DTYPES)}")
-        if not isinstance(self.causal, bool):
-            raise CaseError(f"causal={self.causal!r}, but should be a bool")
+        if not isinstance(self.spec, AttentionSpec):
+            raise CaseError(f"spec={self.spec!r}, but should be a references.spec.AttentionSpec")
         if self.magnitude not in MAGNITUDES:
             raise CaseError(f"magnitude={self.magnitude!r}, but should be one of {MAGNITUDES}")
         if self.layout not in LAYOUTS:
@@ -129,11 +132,15 @@ class AttentionCase:
     def group(self) -> int:
         return self.heads_q // self.heads_kv
 
+    @property
+    def causal(self) -> bool:
+        return self.spec.causal
+
     def describe(self) -> str:
         blocks = f" blocks={self.block_m}x{self.block_n}" if self.block_m is not None else ""
         scale = "" if self.scale is None else f" scale={self.scale}"
         return (f"B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} Nq={self.len_q} Nk={self.len_k} "
-                f"D={self.head_dim} {self.dtype} causal={self.causal}{blocks}{scale} "
+                f"D={self.head_dim} {self.dtype} {self.spec.describe()}{blocks}{scale} "
                 f"magnitude={self.magnitude} layout={self.layout} seed={self.seed}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,6 +151,15 @@ class AttentionCase:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "AttentionCase":
+        """From parsed JSON; ``spec`` is an object (a case written before the spec existed has a bare
+        ``causal`` flag instead: bottom-right, as then)."""
+        if isinstance(data, dict) and "causal" in data and "spec" not in data:
+            data = {**{k: v for k, v in data.items() if k != "causal"}, "spec": {"causal": data["causal"]}}
+        if isinstance(data, dict) and "spec" in data:
+            try:
+                data = {**data, "spec": AttentionSpec.from_dict(data["spec"])}
+            except (TypeError, ValueError) as exc:
+                raise CaseError(f"spec: {exc}") from None
         return case_from_dict(cls, data)
 
     @classmethod

@@ -23,6 +23,7 @@ from kernels.blocked import fa1_forward_raw, fa2_backward, fa2_forward_raw
 from references import attention as ref_attention
 from references import baseline, bounds
 from references.metrics import abs_error, max_ratio
+from references.spec import AttentionSpec
 
 F64 = torch.float64
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -127,19 +128,19 @@ def bound_cases(draw, *, max_len: int = 64):
 def correct_kernel_ratios(q, k, v, dout, *, causal: bool, block_m: int, block_n: int):
     """``{(implementation, op): max err/bound}`` for the blocked FA2/FA1 and the eager baseline."""
     dtype = q.dtype
-    ref = ref_attention.attention(q, k, v, causal=causal, dout=dout)
+    ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=causal), dout=dout)
     out_bound, lse_bound = bounds.forward_bounds(ref, q, k, v, dtype=dtype)
     ratios = {}
     forwards = {
         "fa2": fa2_forward_raw(q, k, v, causal=causal, block_m=block_m, block_n=block_n),
         "fa1": fa1_forward_raw(q, k, v, causal=causal, block_m=block_m, block_n=block_n),
-        "eager": baseline.forward(q, k, v, causal=causal),
+        "eager": baseline.forward(q, k, v, spec=AttentionSpec(causal=causal)),
     }
     for impl, (out, lse) in forwards.items():
         ratios[impl, "out"] = max_ratio(abs_error(out, ref.out), out_bound)
         ratios[impl, "lse"] = max_ratio(abs_error(lse, ref.lse), lse_bound)
         if impl == "eager":
-            grads = baseline.backward(q, k, v, dout, causal=causal, out=out)
+            grads = baseline.backward(q, k, v, dout, spec=AttentionSpec(causal=causal), out=out)
         else:  # the blocked backward, fed by this forward's own output and LSE
             grads = fa2_backward(q, k, v, out, lse, dout, causal=causal, block_m=block_m, block_n=block_n)
         grad_bounds = bounds.backward_bounds(ref, q, k, v, dtype=dtype, out=out)
@@ -213,7 +214,7 @@ def test_correct_kernels_within_bound_adversarial(kind, dtype):
 def test_fully_masked_rows_and_unseen_keys_have_zero_bound():
     q, k, v, dout = make_inputs(seed=5, kind="normal", dtype=torch.float16, batch=1, heads_q=2, heads_kv=1,
                                 len_q=7, len_k=4, head_dim=8)
-    ref = ref_attention.attention(q, k, v, causal=True, dout=dout)
+    ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=True), dout=dout)
     out_b, lse_b = bounds.forward_bounds(ref, q, k, v, dtype=torch.float16)
     out, _ = fa2_forward_raw(q, k, v, causal=True)
     dq_b, dk_b, dv_b, delta_b = bounds.backward_bounds(ref, q, k, v, dtype=torch.float16, out=out)
@@ -226,7 +227,7 @@ def test_fully_masked_rows_and_unseen_keys_have_zero_bound():
     # top-left alignment with Nk > Nq: keys 3.. are seen by no row, their dK and dV are exactly 0.
     q2, k2, v2, do2 = make_inputs(seed=6, kind="normal", dtype=torch.float32, batch=1, heads_q=1, heads_kv=1,
                                   len_q=3, len_k=6, head_dim=4)
-    ref2 = ref_attention.attention(q2, k2, v2, causal=True, alignment="top_left", dout=do2)
+    ref2 = ref_attention.attention(q2, k2, v2, spec=AttentionSpec(causal=True, alignment="top_left"), dout=do2)
     _, dk2, dv2, _ = bounds.backward_bounds(ref2, q2, k2, v2, dtype=torch.float32, out=ref2.out.float())
     assert torch.all(dk2[:, :, 3:] == 0) and torch.all(dv2[:, :, 3:] == 0)
     assert torch.all(dk2[:, :, :3] > 0) and torch.all(dv2[:, :, :3] > 0)
@@ -236,7 +237,7 @@ def test_bounds_are_finite_and_nonnegative_with_nan_at_unseen_keys():
     q, k, v, dout = make_inputs(seed=8, kind="normal", dtype=torch.bfloat16, batch=1, heads_q=2, heads_kv=1,
                                 len_q=3, len_k=6, head_dim=4)
     k[:, :, 4:], v[:, :, 4:] = math.nan, math.inf  # seen by no row under top-left alignment
-    ref = ref_attention.attention(q, k, v, causal=True, alignment="top_left", dout=dout)
+    ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=True, alignment="top_left"), dout=dout)
     out_b, lse_b = bounds.forward_bounds(ref, q, k, v, dtype=torch.bfloat16)
     for b in (out_b, lse_b):
         assert torch.all(torch.isfinite(b)) and torch.all(b >= 0)
@@ -246,7 +247,7 @@ def test_cheap_centred_term_is_valid_and_not_tighter(monkeypatch):
     """Above EXACT_CENTRED_LIMIT the centred term is bounded with matmuls; that bound is >= the exact sum."""
     q, k, v, dout = make_inputs(seed=2, kind="v_offset", dtype=torch.float32, batch=1, heads_q=2, heads_kv=1,
                                 len_q=24, len_k=40, head_dim=16)
-    ref = ref_attention.attention(q, k, v, causal=True, dout=dout)
+    ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=True), dout=dout)
     exact_out, exact_lse = bounds.forward_bounds(ref, q, k, v, dtype=torch.float32)
     monkeypatch.setattr(bounds, "EXACT_CENTRED_LIMIT", 0)
     cheap_out, cheap_lse = bounds.forward_bounds(ref, q, k, v, dtype=torch.float32)
@@ -259,7 +260,7 @@ def test_cheap_centred_term_is_valid_and_not_tighter(monkeypatch):
 def test_truncating_dots_model_only_widens_the_bounds():
     q, k, v, dout = make_inputs(seed=4, kind="normal", dtype=torch.float16, batch=1, heads_q=2, heads_kv=1,
                                 len_q=9, len_k=12, head_dim=16)
-    ref = ref_attention.attention(q, k, v, causal=True, dout=dout)
+    ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=True), dout=dout)
     plain = bounds.forward_bounds(ref, q, k, v, dtype=torch.float16)
     wide = bounds.forward_bounds(ref, q, k, v, dtype=torch.float16,
                                  model=bounds.kernel_model(torch.float16, truncating_dots=True))
@@ -281,12 +282,12 @@ def test_autograd_eager_within_its_model(dtype, case):
     shape = {k: case[k] for k in ("batch", "heads_q", "heads_kv", "len_q", "len_k", "head_dim")}
     q, k, v, dout = make_inputs(seed=case["seed"], kind=case["kind"], dtype=dtype, **shape)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out, _ = baseline.forward(*leaves, causal=case["causal"])
+    out, _ = baseline.forward(*leaves, spec=AttentionSpec(causal=case["causal"]))
     out.backward(dout)
     grads = [t.grad for t in leaves]
     # float16 autograd overflows when |dO . v| passes 65504 (v_wide): a real failure, not the bound's.
     assume(all(torch.isfinite(g).all() for g in grads))
-    ref = ref_attention.attention(q, k, v, causal=case["causal"], dout=dout)
+    ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=case["causal"]), dout=dout)
     model = bounds.kernel_model(dtype, autograd_eager=True)
     grad_bounds = bounds.backward_bounds(ref, q, k, v, dtype=dtype, out=out.detach(), model=model)
     ratios = {("autograd_eager", op): max_ratio(abs_error(got, want), bound)
@@ -376,7 +377,7 @@ def test_broken_lse_exceeds_bound(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 def test_broken_backward_exceeds_bound(dtype):
     q, k, v, dout = _broken_inputs(dtype)
-    ref = ref_attention.attention(q, k, v, causal=True, dout=dout)
+    ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=True), dout=dout)
     out, lse = fa2_forward_raw(q, k, v, causal=True, block_m=16, block_n=16)
     dq, dk, dv, delta = fa2_backward(q, k, v, out, lse, dout, causal=True, block_m=16, block_n=16)
     dq_b, dk_b, dv_b, delta_b = bounds.backward_bounds(ref, q, k, v, dtype=dtype, out=out)
@@ -393,8 +394,8 @@ def test_broken_backward_exceeds_bound(dtype):
     assert max_ratio(abs_error(delta * 2, ref.delta), delta_b)[0] > 1
     # Top-left instead of bottom-right causal mask with Nk > Nq: the wrong keys are visible.
     q2, k2, v2, do2 = _broken_inputs(dtype, len_q=8, len_k=24)
-    ref2 = ref_attention.attention(q2, k2, v2, causal=True, dout=do2)
-    out2, _ = baseline.forward(q2, k2, v2, causal=True, alignment="top_left")
+    ref2 = ref_attention.attention(q2, k2, v2, spec=AttentionSpec(causal=True), dout=do2)
+    out2, _ = baseline.forward(q2, k2, v2, spec=AttentionSpec(causal=True, alignment="top_left"))
     out_b2, _ = bounds.forward_bounds(ref2, q2, k2, v2, dtype=dtype)
     assert max_ratio(abs_error(out2, ref2.out), out_b2)[0] > 1
 
@@ -443,7 +444,7 @@ def test_forward_bounds_stay_finite_where_p_underflows_and_the_exponent_is_large
     from strategies.cases import AttentionCase
 
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=1, len_k=2, head_dim=1, dtype="float16",
-                         causal=False, magnitude="large_logits", scale=70000.0)
+                         spec=AttentionSpec(causal=False), magnitude="large_logits", scale=70000.0)
     t = case.build()
     ref = ref_attention.attention(t.q, t.k, t.v, scale=case.scale)
     out_b, lse_b = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=torch.float16)

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 from references import attention as ra
 from references import baseline, bounds, criteria
 from references import mp as ref_mp
-from references.mask import ALIGNMENTS
+from references.spec import ALIGNMENTS, AttentionSpec
 from tests.test_references import kappa, magnitudes
 
 F64 = torch.float64
@@ -98,7 +98,7 @@ def _both(case, fn):
 @given(case=chunk_cases())
 def test_chunked_reference_equals_one_chunk(case):
     q, k, v, dout = _inputs(case)
-    kw = dict(causal=case["causal"], alignment=case["alignment"])
+    kw = dict(spec=AttentionSpec(causal=case["causal"], alignment=case["alignment"]))
     whole, chunked = _both(case, lambda: ra.attention(q, k, v, dout=dout, **kw))
     scale = whole.scale
     kap = kappa(q, k, scale=scale, len_k=k.shape[2])
@@ -124,32 +124,12 @@ def test_reference_holds_no_score_matrix():
     q, dout = torch.randn(b, hq, nq, d, generator=g), torch.randn(b, hq, nq, d, generator=g)
     k, v = torch.randn(b, hkv, nk, d, generator=g), torch.randn(b, hkv, nk, d, generator=g)
     with ra.forced_chunk_rows(7):
-        ref = ra.attention(q, k, v, causal=True, dout=dout)
+        ref = ra.attention(q, k, v, spec=AttentionSpec(causal=True), dout=dout)
     held = {name: value for name, value in vars(ref).items() if isinstance(value, torch.Tensor)}
     assert set(held) >= {"out", "lse", "row_max", "q64", "k_expanded", "v_expanded", "dout", "delta", "dq", "dk", "dv"}
     for name, t in held.items():
         assert t.numel() <= b * hq * max(nq, nk) * d, f"Reference.{name} has shape {tuple(t.shape)}"
     assert ref._single is None  # several chunks: none is kept
-
-
-def test_visible_counts_and_row_slices_match_the_mask():
-    for nq, nk in ((5, 5), (7, 3), (3, 7), (4, 0), (0, 4), (1, 1)):
-        for causal in (False, True):
-            for alignment in ALIGNMENTS:
-                mask = ra.visible_mask(nq, nk, causal=causal, alignment=alignment)
-                per_row, per_key = ra.visible_counts(nq, nk, causal=causal, alignment=alignment)
-                assert torch.equal(per_row, mask.sum(dim=1)), (nq, nk, causal, alignment)
-                assert torch.equal(per_key, mask.sum(dim=0)), (nq, nk, causal, alignment)
-                # The visible keys of a row are a prefix of the keys: the count says which.
-                assert torch.equal(mask, torch.arange(nk)[None, :] < per_row[:, None])
-                for r0, r1 in ((0, nq), (nq // 2, nq), (1, min(nq, 3))):
-                    if r0 <= r1:
-                        rows = ra.visible_mask(nq, nk, causal=causal, alignment=alignment, rows=(r0, r1))
-                        assert torch.equal(rows, mask[r0:r1])
-    with pytest.raises(ValueError, match="rows="):
-        ra.visible_mask(4, 4, causal=True, rows=(3, 5))
-    with pytest.raises(ValueError, match="alignment="):
-        ra.visible_counts(4, 4, causal=True, alignment="top_right")
 
 
 # --- baseline, bounds, criteria -------------------------------------------------------------------------
@@ -158,7 +138,7 @@ def test_visible_counts_and_row_slices_match_the_mask():
 @given(case=chunk_cases())
 def test_chunked_bounds_equal_one_chunk(case):
     q, k, v, dout = _inputs(case)
-    kw = dict(causal=case["causal"], alignment=case["alignment"])
+    kw = dict(spec=AttentionSpec(causal=case["causal"], alignment=case["alignment"]))
     dtype = q.dtype
     out = ra.attention(q, k, v, **kw).out.to(dtype)  # a kernel output within its rounding
 
@@ -184,7 +164,7 @@ def test_chunked_bounds_equal_one_chunk(case):
 @given(case=chunk_cases())
 def test_chunked_criteria_magnitudes_equal_one_chunk(case):
     q, k, v, dout = _inputs(case)
-    kw = dict(causal=case["causal"], alignment=case["alignment"])
+    kw = dict(spec=AttentionSpec(causal=case["causal"], alignment=case["alignment"]))
     ref = ra.attention(q, k, v, dout=dout, **kw)
 
     def run():
@@ -202,7 +182,7 @@ def test_chunked_criteria_magnitudes_equal_one_chunk(case):
 def test_chunked_baseline_equals_one_chunk(case):
     """Row-wise results at the baseline's precision; dK and dV in another float32 summation order."""
     q, k, v, dout = _inputs(case)
-    kw = dict(causal=case["causal"], alignment=case["alignment"])
+    kw = dict(spec=AttentionSpec(causal=case["causal"], alignment=case["alignment"]))
     whole, chunked = _both(case, lambda: baseline.forward(q, k, v, **kw) + baseline.backward(q, k, v, dout, **kw))
     ref = ra.attention(q, k, v, dout=dout, **kw)
     mags = magnitudes(ref, q, k, v, dout, scale=ref.scale)
@@ -224,8 +204,8 @@ def test_chunked_baseline_equals_one_chunk(case):
 def test_mp_reference_holds_probabilities_only_when_asked():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 1, 3, 2, generator=g, dtype=F64) for _ in range(3))
-    lean = ref_mp.attention(q, k, v, causal=True)
-    full = ref_mp.attention(q, k, v, causal=True, probabilities=True)
+    lean = ref_mp.attention(q, k, v, spec=AttentionSpec(causal=True))
+    full = ref_mp.attention(q, k, v, spec=AttentionSpec(causal=True), probabilities=True)
     assert lean.p is None and full.p.shape == (1, 1, 3, 3)
     assert torch.equal(lean.out, full.out) and torch.equal(lean.lse, full.lse)
 
@@ -318,9 +298,9 @@ class _LiveBytes(TorchDispatchMode):
 
 def _suite_work(q, k, v, dout):
     """What one example of the suite computes besides the kernel (verify/properties.py)."""
-    ref = ra.attention(q, k, v, causal=True, dout=dout)
-    out, _ = baseline.forward(q, k, v, causal=True)
-    baseline.backward(q, k, v, dout, causal=True, out=out)
+    ref = ra.attention(q, k, v, spec=AttentionSpec(causal=True), dout=dout)
+    out, _ = baseline.forward(q, k, v, spec=AttentionSpec(causal=True))
+    baseline.backward(q, k, v, dout, spec=AttentionSpec(causal=True), out=out)
     bounds.forward_bounds(ref, q, k, v, dtype=q.dtype)
     for eager in (False, True):
         bounds.backward_bounds(ref, q, k, v, dtype=q.dtype, out=out,

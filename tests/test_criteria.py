@@ -7,12 +7,14 @@ import torch
 
 from references import attention as reference
 from references import criteria
+from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 
 # The case on which a GPU Triton FA2 kernel first failed criterion 1 in float32 (its FMA-chain dot
 # sums the head dimension in another order than cuBLAS; 1.17e-6 against eager's 1.65e-7).
 CASE = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=32, len_k=91, head_dim=120, dtype="float32",
-                     causal=False, magnitude="normal", seed=0, layout="contiguous", block_m=16, block_n=16)
+                     spec=AttentionSpec(causal=False), magnitude="normal", seed=0, layout="contiguous", block_m=16,
+                     block_n=16)
 
 
 def _sequential_scores(q, k, scale):
@@ -67,7 +69,7 @@ def test_floor_of_a_negative_scale_equals_that_of_the_same_scores(op):
     # scale -0.5 with keys -k is the same attention as 0.5 with k (same scores, same P, same sizes):
     # the floor must be the same (a signed scale once made the dq/dk floors negative, below 3 x eager).
     t = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float16",
-                      causal=False, seed=1).build()
+                      spec=AttentionSpec(causal=False), seed=1).build()
     floors = []
     for scale, k in ((0.5, t.k), (-0.5, -t.k)):
         ref = reference.attention(t.q, k, t.v, scale=scale, dout=t.dout)
@@ -80,9 +82,10 @@ def test_floor_covers_tensor_core_scores_with_same_sign_products():
     # LSE error 1.052e-3 (14 u |s|), eager's 8.840e-5. Twelve 16-deep tensor-core steps that may
     # truncate; one rounding of the score magnitude (the floor before) allowed 9.9e-4.
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=4, len_k=64, head_dim=184, dtype="float16",
-                         causal=True, magnitude="all_negative", seed=0, layout="contiguous", block_m=16, block_n=32)
+                         spec=AttentionSpec(causal=True), magnitude="all_negative", seed=0, layout="contiguous",
+                         block_m=16, block_n=32)
     t = case.build()
-    mags = criteria.magnitudes("lse", reference.attention(t.q, t.k, t.v, causal=True))
+    mags = criteria.magnitudes("lse", reference.attention(t.q, t.k, t.v, spec=AttentionSpec(causal=True)))
     assert criteria.allowed_error("lse", torch.float16, baseline_error=8.840e-5, magnitude=mags) >= 1.052e-3
     without = criteria.allowed_error("lse", torch.float16, baseline_error=8.840e-5, magnitude=mags)
     without -= (criteria.score_roundings(torch.float16, 184) - 1) * 2.0 ** -24 * mags.scores  # one rounding

@@ -23,13 +23,15 @@ import torch
 
 from kernels import blocked
 from kernels.registry import Implementation, registry
+from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from verify.harness import Context, PropertyFailure
 from verify.properties import RUNS, NotForThisKernel, run_to_run_identical
 
 ROOT = Path(__file__).resolve().parent.parent
 PROP = "run_to_run_identical"
-CASE = AttentionCase(batch=1, heads_q=2, heads_kv=1, len_q=5, len_k=7, head_dim=8, dtype="float16", causal=True)
+CASE = AttentionCase(batch=1, heads_q=2, heads_kv=1, len_q=5, len_k=7, head_dim=8, dtype="float16",
+                     spec=AttentionSpec(causal=True))
 
 _calls = itertools.count()
 
@@ -111,11 +113,11 @@ def test_undeclared_kernel_whose_runs_differ_beyond_the_bounds_still_fails():
         _check(SHAKEN_NONDET)
 
 
-CASES = [CASE, CASE.replace(causal=False, dtype="float32", seed=3, block_m=2, block_n=3),
+CASES = [CASE, CASE.replace(spec=AttentionSpec(causal=False), dtype="float32", seed=3, block_m=2, block_n=3),
          AttentionCase(batch=2, heads_q=3, heads_kv=3, len_q=9, len_k=4, head_dim=5, dtype="bfloat16",
-                       causal=True, layout="bnhd", seed=7, block_m=4, block_n=1),
+                       spec=AttentionSpec(causal=True), layout="bnhd", seed=7, block_m=4, block_n=1),
          AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=3, head_dim=3, dtype="float64",
-                       causal=False, layout="padded", magnitude="large_logits", seed=8)]
+                       spec=AttentionSpec(causal=False), layout="padded", magnitude="large_logits", seed=8)]
 
 
 @pytest.mark.parametrize("name", ["fa2_blocked", "fa1_blocked", "eager"])

@@ -12,11 +12,14 @@ import types
 import pytest
 
 from kernels import registry
+from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from verify import failures, replay
 from verify.harness import Context, OutOfMemoryError, PropertyFailure, TimeoutFailure
+from verify.runner import run_example
 
-CASE = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float32", causal=False,
+CASE = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float32",
+                     spec=AttentionSpec(causal=False),
                      magnitude="normal", seed=1, layout="contiguous")
 PROP = "out_matches_reference"
 TEST = f"verify/test_forward.py::test_{PROP}[fa2_blocked-float32]"
@@ -55,30 +58,26 @@ def test_the_replay_command_runs_the_case_it_names(context, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == "passed"
 
 
-def test_a_kernel_exception_takes_the_case_of_the_property_context_in_its_traceback(context):
+def test_a_kernel_exception_takes_the_case_of_the_example_it_left(context):
     def out_matches_reference(ctx, case):
         raise RuntimeError("kernel gave up")
 
+    env = types.SimpleNamespace(device="cpu")
     try:
-        out_matches_reference(context, CASE)
+        run_example(out_matches_reference, context, CASE, env)
     except RuntimeError as exc:
         error = exc
-    fields = failures.other_failure(_item(), error, device=_no_device)
+    fields = failures.other_failure(_item(), error)
     assert fields == {"message": "RuntimeError: kernel gave up", "replay": context.replay_command(),
                       "case": CASE.to_dict(), "prop": PROP, "implementation": "fa2_blocked", "note": None}
 
 
-def test_without_a_context_the_case_is_read_back_from_hypothesis_notes_and_replays_on_the_run_device(context):
+def test_an_exception_no_example_marked_names_where_it_was_raised_and_no_case(context):
     error = _raised(RuntimeError("kernel gave up"))
-    error.add_note(f"Draw 1 (case): {CASE!r}")
-    fields = failures.other_failure(_item(params={"impl": context.impl}), error, device=lambda: "cuda:3")
-    assert fields["case"] == CASE.to_dict() and fields["prop"] == PROP and fields["note"] is None
-    assert fields["replay"] == replay.replay_command(impl="fa2_blocked", prop=PROP, case=CASE.to_dict(),
-                                                     device="cuda:3")
-    # Not one property of one implementation: the case, but no replay command.
-    fields = failures.other_failure(_item(), error, device=_no_device)
-    assert fields["case"] == CASE.to_dict() and fields["replay"] is None
-    assert fields["note"] == "the test is not one property of one implementation"
+    error.add_note(f"Draw 1 (case): {CASE!r}")  # Hypothesis's notes are not read: the example marks its own
+    fields = failures.other_failure(_item(params={"impl": context.impl}), error)
+    assert fields["case"] is None and fields["replay"] is None and fields["implementation"] == "fa2_blocked"
+    assert fields["note"].startswith("it was raised outside any property example, at tests/test_failures.py:")
 
 
 def test_a_failure_outside_the_test_body_keeps_the_suite_s_own_failure_or_says_where_it_happened(context):
@@ -99,7 +98,7 @@ def test_each_distinct_failure_gets_its_fields_and_the_hypothesis_blob_is_droppe
     kernel = _raised(RuntimeError("kernel gave up"))
     kernel.add_note("@reproduce_failure('6.0.0', b'AAAA')")
     group = ExceptionGroup("Hypothesis found 2 distinct failures.", [own, kernel])
-    first, second = failures.explain_failure(_item(), group, device=_no_device, worker=None)
+    first, second = failures.explain_failure(_item(), group, worker=None)
     assert first["message"].startswith("distinct failure 1 of 2 (ExceptionGroup: Hypothesis found 2 distinct "
                                        "failures.")
     assert "out is wrong" in first["message"] and first["replay"] == context.replay_command()
@@ -108,8 +107,8 @@ def test_each_distinct_failure_gets_its_fields_and_the_hypothesis_blob_is_droppe
     assert "RuntimeError: kernel gave up" in second["message"]
     assert "@reproduce_failure" not in second["message"] and second["replay"] is None
     assert not any("@reproduce_failure" in n for n in kernel.__notes__)
-    assert kernel.__notes__[-1].startswith("flashverify: no drawn case\n  no replay command: it was raised outside "
-                                           "any drawn example, at tests/test_failures.py:")
+    assert kernel.__notes__[-1].startswith("flashverify: no property example was running\n  no replay command: "
+                                           "it was raised outside any property example, at tests/test_failures.py:")
 
 
 def test_out_of_memory_is_found_where_it_was_raised_and_blamed_on_the_kernel_outside_references():
@@ -138,7 +137,7 @@ def test_a_sticky_cuda_error_marks_the_worker_and_its_planned_end_is_no_second_f
     nodeid = f"{TEST}#sticky"
     config = types.SimpleNamespace(_flashverify_budget=None)
     item = _item(nodeid=nodeid, config=config)
-    (fields,) = failures.explain_failure(item, _raised(RuntimeError(STICKY)), device=_no_device, worker="gw1")
+    (fields,) = failures.explain_failure(item, _raised(RuntimeError(STICKY)), worker="gw1")
     assert config._flashverify_poisoned == {"test": nodeid, "error": f"RuntimeError: {STICKY}"}
     assert ("this process's CUDA context is unusable, every later CUDA call in it would fail; this worker ends "
             "after the test and pytest-xdist runs its remaining tests in a fresh one") in fields["message"]
@@ -172,7 +171,7 @@ def test_without_xdist_a_sticky_cuda_error_stops_the_run_after_its_test():
     session.items = items
     failures.end_if_poisoned(items[1], None)  # nothing poisoned the process: the run goes on
     assert session.shouldfail is False
-    (fields,) = failures.explain_failure(items[1], _raised(RuntimeError(STICKY)), device=_no_device, worker=None)
+    (fields,) = failures.explain_failure(items[1], _raised(RuntimeError(STICKY)), worker=None)
     assert "the run stops after this test" in fields["message"]
     failures.end_if_poisoned(items[0], None)  # not the test that poisoned it
     assert session.shouldfail is False

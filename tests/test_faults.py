@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FAULTY = "tests/fixtures/faulty_kernels.py"
 
 
+from references.spec import AttentionSpec
 def _env():
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -63,7 +64,7 @@ def test_a_hanging_kernel_fails_its_tests_with_the_timeout_and_the_run_goes_on(t
         assert "hangs_forever-float32" in test
         assert failure["message"].startswith("Timeout: the test did not finish within 5 s"), failure
         assert failure["property"] == "out_matches_reference"
-        assert failure["case"]["causal"] is False  # the case that was running when the time ran out
+        assert failure["case"]["spec"]["causal"] is False  # the case that was running when the time ran out
         assert failure["replay"].startswith(f"python -m verify.replay --impl {FAULTY}:hangs_forever")
     summary = _summary(tmp_path)
     assert summary["status"] == "complete" and summary["outcomes"] == {"passed": 1, "failed": 2}
@@ -183,7 +184,7 @@ def test_out_of_memory_in_the_float64_reference_skips_the_case(monkeypatch):
     _simulate_out_of_memory_in_logsumexp(monkeypatch)
     impl = registry.load("tests/fixtures/outside_kernels.py:attention", device="cpu")
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float32",
-                         causal=False, magnitude="normal", seed=1, layout="contiguous")
+                         spec=AttentionSpec(causal=False), magnitude="normal", seed=1, layout="contiguous")
     ctx = Context(impl=impl, prop="out_matches_reference", case=case)
     with pytest.raises(properties.NotForThisKernel, match="float64 reference ran out of device memory on "
                        "B=1 Hq=1 Hkv=1 Nq=3 Nk=5 D=4 .*15 scores; lower the profile's max_scores"):
@@ -198,7 +199,7 @@ def test_out_of_memory_in_the_suite_outside_the_kernel_is_not_blamed_on_the_kern
 
     _simulate_out_of_memory_in_logsumexp(monkeypatch)
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float32",
-                         causal=False, magnitude="normal", seed=1, layout="contiguous")
+                         spec=AttentionSpec(causal=False), magnitude="normal", seed=1, layout="contiguous")
     t = case.build()
     try:
         reference.attention(t.q, t.k, t.v)
@@ -209,7 +210,7 @@ def test_out_of_memory_in_the_suite_outside_the_kernel_is_not_blamed_on_the_kern
     item = types.SimpleNamespace(nodeid="verify/test_forward.py::test_out_matches_reference[x-float32]",
                                  name="test_out_matches_reference[x-float32]",
                                  originalname="test_out_matches_reference")
-    fields = failures.other_failure(item, oom, device=lambda: "cpu")
+    fields = failures.other_failure(item, oom)
     message = failures.out_of_memory_message(item, oom, fields)
     assert "the suite's float64 reference ran out of device memory, not the kernel" in message
     assert "raised in references/" in message
@@ -286,8 +287,8 @@ def test_each_distinct_failure_gets_its_own_file_case_and_replay_and_no_hypothes
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]
     assert "Hypothesis found 2 distinct failures" in out, out[-4000:]
-    failures = sorted(_failures(tmp_path).values(), key=lambda f: f["case"]["causal"])
-    assert [f["case"]["causal"] for f in failures] == [False, True], failures
+    failures = sorted(_failures(tmp_path).values(), key=lambda f: f["case"]["spec"]["causal"])
+    assert [f["case"]["spec"]["causal"] for f in failures] == [False, True], failures
     assert failures[0]["message"].startswith("distinct failure ")
     assert "RuntimeError: non-causal path gave up on Nk=6" in failures[0]["message"]
     assert "ValueError: causal path gave up on Nk=6" in failures[1]["message"]
@@ -313,9 +314,9 @@ def test_a_failure_outside_any_drawn_example_says_where_it_happened():
     item = types.SimpleNamespace(nodeid="verify/test_forward.py::test_out_matches_reference[x-float32]",
                                  name="test_out_matches_reference[x-float32]",
                                  originalname="test_out_matches_reference")
-    fields = failures.other_failure(item, error, device=lambda: "cpu")
+    fields = failures.other_failure(item, error)
     assert fields["case"] is None and fields["replay"] is None
-    assert fields["note"].startswith("it was raised outside any drawn example, at tests/test_faults.py:")
+    assert fields["note"].startswith("it was raised outside any property example, at tests/test_faults.py:")
     assert fields["note"].endswith("(fixture_setup)")
 
 
@@ -329,7 +330,7 @@ def test_out_of_memory_in_the_suite_skips_the_test_and_in_the_kernel_fails_it(mo
 
     _simulate_out_of_memory_in_logsumexp(monkeypatch)
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=6, head_dim=4, dtype="float32",
-                         causal=False, magnitude="normal", seed=1, layout="contiguous")
+                         spec=AttentionSpec(causal=False), magnitude="normal", seed=1, layout="contiguous")
     t = case.build()
     item = types.SimpleNamespace(nodeid="verify/test_forward.py::test_out_matches_reference[x-float32]",
                                  name="test_out_matches_reference[x-float32]",
@@ -341,8 +342,7 @@ def test_out_of_memory_in_the_suite_skips_the_test_and_in_the_kernel_fails_it(mo
         suite = exc
     with pytest.raises(pytest.skip.Exception, match="the suite's float64 reference ran out of device memory, "
                        "not the kernel"):
-        failures.skip_if_the_suite_ran_out_of_memory(item, ExceptionGroup("2 distinct failures", [suite]),
-                                                     device=lambda: "cpu")
+        failures.skip_if_the_suite_ran_out_of_memory(item, ExceptionGroup("2 distinct failures", [suite]))
 
     from tests.fixtures import faulty_kernels
 
@@ -351,7 +351,7 @@ def test_out_of_memory_in_the_suite_skips_the_test_and_in_the_kernel_fails_it(mo
     except OutOfMemoryError as exc:
         kernel = exc
     # The kernel's: no skip, the test fails.
-    failures.skip_if_the_suite_ran_out_of_memory(item, kernel, device=lambda: "cpu")
+    failures.skip_if_the_suite_ran_out_of_memory(item, kernel)
 
 
 def test_a_group_of_one_failure_keeps_the_group_s_words_and_its_case(tmp_path):
@@ -369,11 +369,11 @@ def test_a_group_of_one_failure_keeps_the_group_s_words_and_its_case(tmp_path):
                                  name="test_out_matches_reference[x-float32]",
                                  originalname="test_out_matches_reference",
                                  config=types.SimpleNamespace(_flashverify_budget=None))
-    (fields,) = failures.explain_failure(item, group, device=lambda: "cpu", worker=None)
+    (fields,) = failures.explain_failure(item, group, worker=None)
     assert fields["message"].startswith("ExceptionGroup: Inconsistent results: an example failed on the first run")
     assert "RuntimeError: kernel gave up" in fields["message"]
-    assert fields["note"].startswith("it was raised outside any drawn example, at tests/test_faults.py:")
-    assert any("no replay command: it was raised outside any drawn example" in n for n in inner.__notes__)
+    assert fields["note"].startswith("it was raised outside any property example, at tests/test_faults.py:")
+    assert any("no replay command: it was raised outside any property example" in n for n in inner.__notes__)
 
 
 def test_tests_that_never_ran_because_xdist_gave_up_make_the_report_partial(tmp_path):
@@ -405,7 +405,7 @@ def test_a_sticky_cuda_error_after_the_forward_ends_the_test_with_the_case_that_
     from verify.runner import Env, run_example
 
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float16",
-                         causal=False)
+                         spec=AttentionSpec(causal=False))
     impl = registry.load("fa2_blocked", device="cpu")
 
     def backward_breaks(ctx, case):

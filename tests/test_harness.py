@@ -9,10 +9,12 @@ import torch
 from kernels.registry import Implementation
 from references import attention as reference
 from references import baseline, bounds, criteria
+from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from verify.harness import Context, PropertyFailure, assert_accurate, assert_close, check_tensor, run_forward
 
-CASE = AttentionCase(batch=1, heads_q=2, heads_kv=1, len_q=5, len_k=7, head_dim=8, dtype="float16", causal=True)
+CASE = AttentionCase(batch=1, heads_q=2, heads_kv=1, len_q=5, len_k=7, head_dim=8, dtype="float16",
+                     spec=AttentionSpec(causal=True))
 
 
 def _ctx(forward=None):
@@ -22,8 +24,8 @@ def _ctx(forward=None):
 
 def _setup():
     t = CASE.build()
-    ref = reference.attention(t.q, t.k, t.v, causal=True)
-    base, _ = baseline.forward(t.q, t.k, t.v, causal=True)
+    ref = reference.attention(t.q, t.k, t.v, spec=AttentionSpec(causal=True))
+    base, _ = baseline.forward(t.q, t.k, t.v, spec=AttentionSpec(causal=True))
     bound, _ = bounds.forward_bounds(ref, t.q, t.k, t.v, dtype=t.q.dtype)
     mag = criteria.magnitudes("out", ref)
     return t, ref, base, bound, mag

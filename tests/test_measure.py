@@ -11,6 +11,7 @@ import pytest
 
 from references import bounds
 from references.metrics import abs_error, max_ratio
+from references.spec import AttentionSpec
 from reports import accuracy
 from reports.summary import num
 from verify import measure, properties
@@ -76,6 +77,8 @@ def test_accuracy_report_decides_as_pytest_verify(name, tmp_path):
     wrong_verdicts, wrong_records, verdicts_seen = [], [], set()
     for impl in impls:
         for case in sweep.cases():
+            # the case as this kernel computes it: its own causal alignment (pytest verify draws it so)
+            case = case.replace(spec=AttentionSpec(causal=case.causal, alignment=impl.causal_alignment))
             verdicts, records = _verify(impl, case)
             where = f"{impl.name} on {case.describe()}"
             for prop, verdict in verdicts.items():
@@ -104,10 +107,11 @@ def test_the_gradient_model_case_needs_the_wider_bound():
     default model's bound and within the bound ``pytest verify`` holds it to."""
     (case,) = SWEEPS["gradient_model"].cases()
     impl = accuracy.select_implementations(["sdpa_math"], device="cpu")[0]
+    case = case.replace(spec=AttentionSpec(causal=case.causal, alignment=impl.causal_alignment))
     ctx = Context(impl=impl, prop="gradients_match_reference", case=case)
     t = case.build("cpu")
     got = measure.run_backward(ctx, case, t.q, t.k, t.v, t.dout)
-    truth = measure.Truth(case, t.q, t.k, t.v, alignment=impl.causal_alignment, dout=t.dout)
+    truth = measure.Truth(case, t.q, t.k, t.v, dout=t.dout)
     default_dq, *_ = bounds.backward_bounds(truth.ref, t.q, t.k, t.v, dtype=t.q.dtype, out=got["out"])
     err = abs_error(got["dq"], truth.ref.dq)
     assert max_ratio(err, default_dq)[0] > 1
@@ -117,6 +121,6 @@ def test_the_gradient_model_case_needs_the_wider_bound():
 def test_check_names_the_ops_it_measures():
     (case,) = SWEEPS["gradient_model"].cases()
     t = case.build("cpu")
-    truth = measure.Truth(case, t.q, t.k, t.v, alignment="bottom_right")
+    truth = measure.Truth(case, t.q, t.k, t.v)
     with pytest.raises(ValueError, match=r"op='delta', but should be one of .*check_delta"):
         measure.check(Context(impl=None, prop="p", case=case), truth, "delta", t.q, truth.forward_bounds)

@@ -14,12 +14,14 @@ import torch
 
 from kernels import blocked
 from kernels.registry import Implementation, ImplementationError, registry
+from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from verify.harness import Context, PropertyFailure
 from verify.properties import NotForThisKernel, outputs_stay_in_bounds
 
 PROP = "outputs_stay_in_bounds"
-CASE = AttentionCase(batch=1, heads_q=2, heads_kv=1, len_q=5, len_k=7, head_dim=8, dtype="float16", causal=True)
+CASE = AttentionCase(batch=1, heads_q=2, heads_kv=1, len_q=5, len_k=7, head_dim=8, dtype="float16",
+                     spec=AttentionSpec(causal=True))
 # Seeds drawing both buffer layouts ([B, H, N, D] storage and transposed [B, N, H, D] storage).
 SEEDS = (0, 1, 2, 3, 4, 5)
 
@@ -155,11 +157,14 @@ def test_returning_other_values_than_the_buffers_hold_fails():
 
 
 CASES = [CASE.replace(seed=s) for s in SEEDS] + [
-    AttentionCase(batch=2, heads_q=3, heads_kv=3, len_q=9, len_k=4, head_dim=5, dtype="float32", causal=True,
+    AttentionCase(batch=2, heads_q=3, heads_kv=3, len_q=9, len_k=4, head_dim=5, dtype="float32",
+                  spec=AttentionSpec(causal=True),
                   block_m=4, block_n=3, layout="bnhd", seed=7),
-    AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=1, len_k=3, head_dim=3, dtype="float64", causal=False,
+    AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=1, len_k=3, head_dim=3, dtype="float64",
+                  spec=AttentionSpec(causal=False),
                   layout="padded", seed=8),
-    AttentionCase(batch=1, heads_q=4, heads_kv=2, len_q=6, len_k=6, head_dim=4, dtype="bfloat16", causal=False,
+    AttentionCase(batch=1, heads_q=4, heads_kv=2, len_q=6, len_k=6, head_dim=4, dtype="bfloat16",
+                  spec=AttentionSpec(causal=False),
                   block_m=2, block_n=5, seed=9),
 ]
 
@@ -177,7 +182,7 @@ def test_undeclared_implementations_are_skipped_with_the_reason():
         _check(registry()["eager"])
     with pytest.raises(ImplementationError, match="declares no out_buffers"):
         t = CASE.build()
-        registry()["eager"].call(t.q, t.k, t.v, causal=True, out=torch.empty_like(t.q))
+        registry()["eager"].call(t.q, t.k, t.v, spec=CASE.spec, out=torch.empty_like(t.q))
 
 
 def test_a_nondeterministic_declaration_is_compared_within_the_bounds():

@@ -10,6 +10,7 @@ import torch
 from kernels import adapters
 from kernels.registry import registry
 from references import attention as reference
+from references.spec import AttentionSpec
 
 GPU_PEERS = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex_attention")
 
@@ -40,7 +41,7 @@ def test_flex_attention_mask_is_the_declared_top_left_alignment(len_q, len_k):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "called without torch.compile": the unfused path is fine for a mask check
         out = flex.flex_attention(q, k, v, block_mask=mask)
-    expected = reference.forward(q, k, v, causal=True, alignment="top_left")[0]
+    expected = reference.forward(q, k, v, spec=AttentionSpec(causal=True, alignment="top_left"))[0]
     assert torch.allclose(out.double(), expected, atol=1e-5), (out.double() - expected).abs().max()
-    other = reference.forward(q, k, v, causal=True, alignment="bottom_right")[0]
+    other = reference.forward(q, k, v, spec=AttentionSpec(causal=True, alignment="bottom_right"))[0]
     assert not torch.allclose(out.double(), other, atol=1e-3)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels.registry import Implementation
+from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from verify import properties
 from verify.harness import Context, PropertyFailure, assert_close
@@ -41,7 +42,7 @@ def _wrong_gradient(q, k, v, *, causal=False, scale=None):
 
 
 CASE = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=4, head_dim=2, dtype="float64",
-                     causal=False, magnitude="normal", seed=1, layout="contiguous")
+                     spec=AttentionSpec(causal=False), magnitude="normal", seed=1, layout="contiguous")
 
 
 def _ctx(forward, prop, case=CASE, **declared):
@@ -93,7 +94,7 @@ def _top_left(q, k, v, *, causal=False, scale=None):
     return (torch.softmax(s, -1) @ v.to(acc)).to(q.dtype), torch.logsumexp(s, -1)
 
 
-MASKED = CASE.replace(dtype="float32", causal=True, len_q=5, len_k=3)
+MASKED = CASE.replace(dtype="float32", spec=AttentionSpec(causal=True), len_q=5, len_k=3)
 
 
 def test_a_top_left_kernel_is_told_its_rows_are_fully_masked():

@@ -12,7 +12,10 @@ of the absolute values of its terms (the magnitude ``M`` of the quantity: ``|P| 
 and so on). So ``|float64 - exact| <= kappa u M`` to first order; the mpmath values are exact to 1e-50
 and rounded once to float64 (another u M at most). The checks allow ``SLACK * kappa * u * M`` with
 SLACK = 4 for the dropped second-order terms. With |scores| up to 1e4 this is still a relative tolerance
-near 1e-10, far below any algorithmic mistake.
+near 1e-10, far below any algorithmic mistake. In gradual underflow the model's relative error becomes
+an absolute one: each operation may also add up to the smallest subnormal, ETA64 = 2^-1074 (a dK of
+8e-318 from large_logits inputs was off by 7 ETA64 with M itself subnormal), so the checks add
+``SLACK * kappa * ETA64``.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from hypothesis import strategies as st
 
 from references import attention as ref_attention
 from references import mp as ref_mp
-from references.mask import ALIGNMENTS
+from references.spec import ALIGNMENTS, AttentionSpec
 
 F64 = torch.float64
 U64 = 2.0 ** -53
+ETA64 = 2.0 ** -1074  # the smallest float64 subnormal
 SLACK = 4.0
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KINDS = ("normal", "large_logits", "ties", "dominant", "all_negative", "v_offset")
@@ -130,14 +134,15 @@ def assert_close(*, name: str, actual: torch.Tensor, expected: torch.Tensor, tol
 def check_against_mp(*, q, k, v, dout, causal: bool, alignment: str, scale: float | None = None, case: str):
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    ref = ref_attention.attention(q, k, v, causal=causal, scale=scale, alignment=alignment, dout=dout)
-    exact = ref_mp.attention(q, k, v, causal=causal, scale=scale, alignment=alignment, dout=dout,
+    ref = ref_attention.attention(q, k, v,
+                                  spec=AttentionSpec(causal=causal, alignment=alignment), scale=scale, dout=dout)
+    exact = ref_mp.attention(q, k, v, spec=AttentionSpec(causal=causal, alignment=alignment), scale=scale, dout=dout,
                              probabilities=True)
     kap = kappa(q, k, scale=scale, len_k=k.shape[2])
     mags = magnitudes(exact, q, k, v, dout, scale=scale)
     names = ("p", "out", "lse") + (("delta", "dq", "dk", "dv") if dout is not None else ())
     for name in names:
-        tol = SLACK * kap * U64 * mags[name]
+        tol = SLACK * kap * (U64 * mags[name] + ETA64)
         actual = ref.dense().p if name == "p" else getattr(ref, name)
         assert_close(name=name, actual=actual, expected=getattr(exact, name), tol=tol, case=case)
     return ref, exact
@@ -193,7 +198,7 @@ def test_mp_rows_match_float64_softmax(dtype):
 def test_attention_row_matches_whole_tensor_attention():
     q, k, v, dout = make_inputs(seed=3, kind="normal", dtype=F64, batch=1, heads_q=1, heads_kv=1,
                                 len_q=3, len_k=4, head_dim=3)
-    exact = ref_mp.attention(q, k, v, causal=True, scale=0.7, dout=dout)
+    exact = ref_mp.attention(q, k, v, spec=AttentionSpec(causal=True), scale=0.7, dout=dout)
     # Row 1 sees keys 0..2 (bottom-right: j <= i + Nk - Nq = i + 1).
     row = ref_mp.attention_row(q[0, 0, 1], k[0, 0, :3], v[0, 0, :3], scale=0.7, dout_i=dout[0, 0, 1])
     assert torch.equal(torch.tensor([float(x) for x in row.out], dtype=F64), exact.out[0, 0, 1])
@@ -261,7 +266,7 @@ def test_delta_identity(case):
     """rowsum(dO * O) = rowsum(P * dP) with dP = dO V^T, to float64 rounding."""
     causal, alignment = case.pop("causal"), case.pop("alignment")
     q, k, v, dout = make_inputs(**case)
-    ref = ref_attention.attention(q, k, v, causal=causal, alignment=alignment, dout=dout)
+    ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=causal, alignment=alignment), dout=dout)
     lhs = ref.delta
     dense = ref.dense()
     rhs = (dense.p * dense.dp).sum(-1)
@@ -278,7 +283,7 @@ def naive_attention(q, k, v, *, causal: bool, alignment: str, scale: float):
     """Float64 attention written the plain way, for autograd (fully masked rows give zeros)."""
     hq = q.shape[1]
     ke, ve = ref_attention.expand_kv(k, hq), ref_attention.expand_kv(v, hq)
-    vis = ref_attention.visible_mask(q.shape[2], k.shape[2], causal=causal, alignment=alignment)
+    vis = AttentionSpec(causal=causal, alignment=alignment).rows(q.shape[2], k.shape[2])
     s = (q @ ke.transpose(-1, -2)) * scale
     empty = ~vis.any(-1)[:, None]
     s = torch.where(vis & ~empty, s, torch.where(empty, 0.0, -math.inf))  # empty rows: finite dummy scores
@@ -293,11 +298,11 @@ def test_reference_backward_matches_float64_autograd(case):
     causal, alignment = case.pop("causal"), case.pop("alignment")
     q, k, v, dout = (t.to(F64) for t in make_inputs(**case))
     scale = 1.0 / math.sqrt(q.shape[-1])
-    dq, dk, dv, _ = ref_attention.backward(q, k, v, dout, causal=causal, alignment=alignment)
+    dq, dk, dv, _ = ref_attention.backward(q, k, v, dout, spec=AttentionSpec(causal=causal, alignment=alignment))
     qa, ka, va = (t.clone().requires_grad_(True) for t in (q, k, v))
     out = naive_attention(qa, ka, va, causal=causal, alignment=alignment, scale=scale)
     ga = torch.autograd.grad(out, (qa, ka, va), dout)
-    ref = ref_attention.attention(q, k, v, causal=causal, alignment=alignment, dout=dout)
+    ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=causal, alignment=alignment), dout=dout)
     kap = kappa(q, k, scale=scale, len_k=k.shape[2])
     mags = magnitudes(ref, q, k, v, dout, scale=scale)
     for name, mine, theirs in zip(("dq", "dk", "dv"), (dq, dk, dv), ga):
@@ -310,8 +315,9 @@ def test_mp_reference_ignores_values_no_row_reads():
     q, k, v, dout = make_inputs(seed=9, kind="normal", dtype=F64, batch=1, heads_q=1, heads_kv=1,
                                 len_q=3, len_k=6, head_dim=4)
     k[:, :, 4:], v[:, :, 4:] = math.nan, math.inf  # top-left: keys 3.. are seen by no row
-    exact = ref_mp.attention(q, k, v, causal=True, alignment="top_left", dout=dout, probabilities=True)
-    ref = ref_attention.attention(q, k, v, causal=True, alignment="top_left", dout=dout)
+    exact = ref_mp.attention(q, k, v,
+                             spec=AttentionSpec(causal=True, alignment="top_left"), dout=dout, probabilities=True)
+    ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=True, alignment="top_left"), dout=dout)
     for name in ("out", "lse", "p", "delta", "dk", "dv"):
         mine = ref.dense().p if name == "p" else getattr(ref, name)
         assert torch.all(torch.isfinite(getattr(exact, name)) | torch.isneginf(getattr(exact, name))), name
@@ -323,5 +329,5 @@ def test_float64_reference_dq_ignores_keys_no_row_sees():
     q, k, v, dout = make_inputs(seed=9, kind="normal", dtype=F64, batch=1, heads_q=1, heads_kv=1,
                                 len_q=3, len_k=6, head_dim=4)
     k[:, :, 4:] = math.nan
-    ref = ref_attention.attention(q, k, v, causal=True, alignment="top_left", dout=dout)
+    ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=True, alignment="top_left"), dout=dout)
     assert torch.all(torch.isfinite(ref.dq))

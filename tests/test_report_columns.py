@@ -10,6 +10,7 @@ import torch
 from kernels.registry import Implementation
 from references import criteria
 from references.metrics import error_stats
+from references.spec import AttentionSpec
 from reports import html, summary
 from strategies.cases import AttentionCase
 from verify.harness import Context, assert_accurate, error_over_eager
@@ -38,7 +39,8 @@ def test_the_record_of_an_exact_eager_and_a_zero_reference_is_finite():
     """A kernel off by 1e-9 where the reference is 0, the eager baseline exact: the record's max ULP
     comes from the normal elements only and err/eager from the floor (before: 7e38 ULP and inf)."""
     records = []
-    case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=1, len_k=2, head_dim=2, dtype="float32", causal=False)
+    case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=1, len_k=2, head_dim=2, dtype="float32",
+                         spec=AttentionSpec(causal=False))
     ctx = Context(impl=Implementation(name="k", forward=attention), prop="out_matches_reference", case=case,
                   record=records.append)
     expected = torch.tensor([[[[0.0, 1.0]]]], dtype=torch.float64)

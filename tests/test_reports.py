@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from references.spec import AttentionSpec
 from reports import accuracy, cli, html, plots, summary
-from reports.failures import drawn_case
 from reports.progress import Progress
 from reports.session import ReportSession, clear_report_dir, write_atomic
 
@@ -127,21 +127,6 @@ def test_html_escapes_hostile_names_messages_and_commands(tmp_path, monkeypatch)
     page = html.report_html(result, summary.read_measurements(tmp_path)[0])
     assert "data:image/png" not in page and "not drawn, matplotlib is not available" in page
     assert "&lt;script&gt;" in page and HOSTILE not in page
-
-
-def test_drawn_case_is_read_from_hypothesis_notes_without_evaluating_them():
-    exc = RuntimeError("kernel crashed")
-    exc.add_note("Falsifying example: run(\n    data=data(...),\n)\nDraw 1 (case): AttentionCase(batch=1,\n "
-                 "heads_q=1,\n heads_kv=1,\n len_q=3,\n len_k=5,\n head_dim=4,\n dtype='float16',\n causal=False,\n "
-                 "magnitude='normal',\n seed=0,\n layout='contiguous',\n scale=None,\n block_m=None,\n block_n=None)")
-    assert drawn_case(exc) == (CASE, None)
-    adjusted = RuntimeError("x")
-    adjusted.add_note("Draw 1 (case): AttentionCase(batch=1)\nDraw 2 (group): 2")
-    case, why = drawn_case(adjusted)
-    assert case is None and "group" in why
-    evil = RuntimeError("x")
-    evil.add_note("Draw 1 (case): AttentionCase(batch=__import__('os').system('exit 3'))")
-    assert drawn_case(evil)[0] is None
 
 
 def test_progress_bar_draws_on_a_terminal_only():

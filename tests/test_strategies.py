@@ -11,6 +11,7 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 from references import attention as reference
+from references.spec import AttentionSpec
 from strategies.attention import BOUNDARY_CLASSES, SHAPE_CLASSES, Limits, attention_cases, boundary_classes
 from strategies.cases import LAYOUTS, MAGNITUDES, SCALES, AttentionCase, CaseError
 from strategies.softmax import SOFTMAX_MAGNITUDES, softmax_cases
@@ -177,8 +178,9 @@ def test_unknown_shape_class_is_refused():
         find(attention_cases(dtype="float16", shape_classes=["huge"]), lambda c: True)
 
 
-def _case(**kw):
-    base = dict(batch=1, heads_q=2, heads_kv=1, len_q=6, len_k=9, head_dim=16, dtype="float16", causal=False)
+def _case(causal: bool = False, **kw):
+    base = dict(batch=1, heads_q=2, heads_kv=1, len_q=6, len_k=9, head_dim=16, dtype="float16",
+                spec=AttentionSpec(causal=causal))
     return AttentionCase(**{**base, **kw})
 
 

@@ -20,6 +20,7 @@ from kernels import triton_attention as ta  # noqa: E402
 from kernels import triton_softmax as tsm  # noqa: E402
 from references import attention as ref  # noqa: E402
 from references import baseline  # noqa: E402
+from references.spec import AttentionSpec
 
 DEVICE = "cuda" if torch.cuda.is_available() and not ta.INTERPRET else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE not in ta.DEVICES,
@@ -82,9 +83,9 @@ def test_forward_backward_match_reference(case, variant, dtype):
     out.backward(dout)
     assert out.dtype == dtype and out.shape == q.shape and lse.dtype == torch.float32
 
-    r = ref.attention(q.detach(), k.detach(), v.detach(), causal=causal, dout=dout)
-    base_out, base_lse = baseline.forward(q.detach(), k.detach(), v.detach(), causal=causal)
-    base_grads = baseline.backward(q.detach(), k.detach(), v.detach(), dout, causal=causal)
+    r = ref.attention(q.detach(), k.detach(), v.detach(), spec=AttentionSpec(causal=causal), dout=dout)
+    base_out, base_lse = baseline.forward(q.detach(), k.detach(), v.detach(), spec=AttentionSpec(causal=causal))
+    base_grads = baseline.backward(q.detach(), k.detach(), v.detach(), dout, spec=AttentionSpec(causal=causal))
     _check_close("out", out, r.out, base_out, dtype, 2)
     _check_close("lse", lse, r.lse, base_lse, dtype, 2)
     for name, got, want, base in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad),

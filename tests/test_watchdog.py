@@ -12,6 +12,7 @@ import pytest
 import pytest_timeout
 
 from kernels import registry
+from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from verify import watchdog
 from verify.harness import Context, TimeoutFailure
@@ -54,7 +55,7 @@ def test_a_test_past_its_limit_ends_with_the_case_that_was_running():
     # alone would run, and end this process at the limit.
     assert threading.current_thread() is threading.main_thread()
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float32",
-                         causal=False)
+                         spec=AttentionSpec(causal=False))
     running = Context(impl=registry.load("fa2_blocked", device="cpu"), prop="out_matches_reference", case=case)
 
     def out_matches_reference(ctx, case):

@@ -1,5 +1,5 @@
 """Failure capture: a failed test turned into the fields of its failure files (each distinct failure with
-its case and replay command, or a note saying where it happened outside a drawn example), the
+its case and replay command, or a note saying where it happened outside any example), the
 out-of-memory wording (the suite's float64 work running out is a skip, the kernel's a failure), and the
 planned end of a process after a sticky CUDA error.
 
@@ -13,7 +13,6 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -139,16 +138,13 @@ def out_of_memory_message(item, oom, fields) -> str:
     return "\n  ".join(lines)
 
 
-def other_failure(item, exc, *, device: Callable[[], str]) -> dict:
+def other_failure(item, exc) -> dict:
     """Failure-file fields for one failure other than a PropertyFailure (a kernel that raises): the case
-    is the one the property was running when the exception was raised (read from the traceback), else
-    the one read back from Hypothesis's notes when it can be, with its replay command; with neither, a
-    note saying where the exception was raised. ``device()`` names the run's device, asked only when a
-    replay command is built from the notes."""
-    from reports.failures import drawn_case, exception_text, property_of_test, raised_at
-    from verify import properties
+    is the one the property example was running when the exception was raised (the example marks its
+    exceptions: :func:`verify.harness.attach_context`), with its replay command; without one, a note
+    saying where the exception was raised, outside any example."""
+    from reports.failures import exception_text, raised_at
     from verify.harness import failing_context
-    from verify.replay import replay_command
 
     ctx = failing_context(exc)
     if ctx is not None and hasattr(ctx.case, "to_dict"):
@@ -156,21 +152,12 @@ def other_failure(item, exc, *, device: Callable[[], str]) -> dict:
                 "prop": ctx.prop, "implementation": ctx.impl.name, "note": None}
     params = getattr(getattr(item, "callspec", None), "params", {})
     impl = params.get("impl") or params.get("softmax_impl")
-    known = set(properties.PROPERTIES) | set(properties.SOFTMAX_PROPERTIES)
-    prop = property_of_test(getattr(item, "originalname", item.name), known)
-    case, why = drawn_case(exc)
-    replay = None
-    if case is not None and prop is not None and impl is not None:
-        replay = replay_command(impl=impl.cli_name, prop=prop, case=case, device=device())
-    elif case is not None:
-        why = "the test is not one property of one implementation"
-    if case is None and why and why.startswith("the failure carries no drawn case"):
-        why = f"it was raised outside any drawn example, {raised_at(exc, root=ROOT)}"
-    return {"message": exception_text(exc), "replay": replay, "case": case, "prop": prop,
-            "implementation": getattr(impl, "name", None), "note": None if replay else why}
+    return {"message": exception_text(exc), "replay": None, "case": None, "prop": None,
+            "implementation": getattr(impl, "name", None),
+            "note": f"it was raised outside any property example, {raised_at(exc, root=ROOT)}"}
 
 
-def skip_if_the_suite_ran_out_of_memory(item, exc, *, device: Callable[[], str]) -> None:
+def skip_if_the_suite_ran_out_of_memory(item, exc) -> None:
     """Every failure in ``exc`` is the suite's own float64 work (references/: reference, baseline,
     bounds) running out of device memory: skip the test with the reason, not a kernel failure."""
     leaves = list(_leaves(exc))
@@ -179,7 +166,7 @@ def skip_if_the_suite_ran_out_of_memory(item, exc, *, device: Callable[[], str])
         return
     from verify.harness import release_out_of_memory
 
-    fields = other_failure(item, leaves[0], device=device)
+    fields = other_failure(item, leaves[0])
     reason = out_of_memory_message(item, ooms[0], fields)
     traceback.clear_frames(exc.__traceback__)
     for o in ooms:
@@ -187,9 +174,9 @@ def skip_if_the_suite_ran_out_of_memory(item, exc, *, device: Callable[[], str])
     raise pytest.skip.Exception(reason, _use_item_location=True) from None
 
 
-def explain_failure(item, exc, *, device: Callable[[], str], worker: str | None) -> list[dict]:
+def explain_failure(item, exc, *, worker: str | None) -> list[dict]:
     """The failure-file fields of each distinct failure in ``exc`` (each with its case and replay
-    command, or a note saying where it happened outside a drawn example), and the terminal to match:
+    command, or a note saying where it happened outside any example), and the terminal to match:
     a replay line added to every exception that has none, Hypothesis's reproduction blob and
     explanation dropped, a sticky CUDA error named (and the process marked poisoned). ``worker`` is
     this process's pytest-xdist worker id, None without one."""
@@ -202,7 +189,7 @@ def explain_failure(item, exc, *, device: Callable[[], str], worker: str | None)
     for i, leaf in enumerate(leaves):
         _drop_hypothesis_noise(leaf)
         own = isinstance(leaf, (PropertyFailure, StickyDeviceError, TimeoutFailure))
-        fields = failure_fields(leaf) if own else other_failure(item, leaf, device=device)
+        fields = failure_fields(leaf) if own else other_failure(item, leaf)
         if own and not fields.get("replay"):
             fields["note"] = "no property example was running (the failure happened drawing or shrinking cases)"
         oom = None if own else out_of_memory(leaf)
@@ -228,7 +215,7 @@ def explain_failure(item, exc, *, device: Callable[[], str], worker: str | None)
             fields["message"] += "\n  " + "\n  ".join(extra)
         if not own:
             where = [f"flashverify: {fields['implementation']} [{fields['prop']}] case: {_case_text(fields['case'])}"
-                     if fields.get("case") else "flashverify: no drawn case"]
+                     if fields.get("case") else "flashverify: no property example was running"]
             where.append(f"  replay: {fields['replay']}" if fields.get("replay")
                          else f"  no replay command: {fields.get('note')}")
             if oom is not None:

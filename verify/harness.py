@@ -96,16 +96,23 @@ def running_context(frame: types.FrameType | None) -> Context | None:
     return found
 
 
+_CONTEXT_ATTRIBUTE = "_flashverify_context"
+
+
+def attach_context(exc: BaseException, ctx: Context) -> None:
+    """Mark ``exc`` as raised in the property example ``ctx`` (:func:`verify.runner.run_example` does, for
+    every exception that leaves an example)."""
+    try:
+        setattr(exc, _CONTEXT_ATTRIBUTE, ctx)
+    except AttributeError:  # an exception type without a __dict__: its failure file names no case
+        pass
+
+
 def failing_context(exc: BaseException) -> Context | None:
-    """The :class:`Context` of the property example ``exc`` was raised in, read from its traceback (the
-    outermost frame holding one, as in :func:`running_context`), or None."""
-    tb = exc.__traceback__
-    while tb is not None:
-        ctx = tb.tb_frame.f_locals.get("ctx")
-        if isinstance(ctx, Context) and ctx.case is not None:
-            return ctx
-        tb = tb.tb_next
-    return None
+    """The :class:`Context` of the property example ``exc`` was raised in (:func:`attach_context`), or
+    None when it was raised outside any example (a fixture, Hypothesis itself)."""
+    ctx = getattr(exc, _CONTEXT_ATTRIBUTE, None)
+    return ctx if isinstance(ctx, Context) and ctx.case is not None else None
 
 
 def timeout_message(ctx: Context | None, *, seconds: float, native: bool = False) -> str:
@@ -204,7 +211,7 @@ def run_forward(ctx: Context, case, q, k, v):
     __tracebackhide__ = True
     out_of_memory = None
     try:
-        out, lse = ctx.impl.call(q, k, v, causal=case.causal, scale=case.scale,
+        out, lse = ctx.impl.call(q, k, v, spec=case.spec, scale=case.scale,
                                  block_m=case.block_m, block_n=case.block_n)
     except OutOfMemoryError as exc:
         out_of_memory = release_out_of_memory(exc)
@@ -310,13 +317,13 @@ def _non_finite_lines(op: str, actual: torch.Tensor, expected: torch.Tensor, *, 
 
 
 def masked_row_note(ctx: Context, index: tuple[int, ...]) -> str | None:
-    """If ``index`` (``[b, h, i, ...]``) lies in a row that sees no key under the implementation's
-    declared causal alignment, say so and what the contract expects there; else None."""
-    case = ctx.case
-    if len(index) < 3 or not getattr(case, "causal", False):
+    """If ``index`` (``[b, h, i, ...]``) lies in a row that sees no key under the case's bottom-right
+    causal mask, say so and what the contract expects there; else None."""
+    spec = getattr(ctx.case, "spec", None)
+    if len(index) < 3 or spec is None or not spec.causal or spec.alignment != "bottom_right":
         return None
-    nq, nk, row = case.len_q, case.len_k, index[2]
-    if ctx.impl.causal_alignment != "bottom_right" or row + nk - nq >= 0:
+    nq, nk, row = ctx.case.len_q, ctx.case.len_k, index[2]
+    if int(spec.counts(nq, nk)[0][row]) > 0:
         return None
     return (f"row {row} sees no key: causal masks are aligned bottom-right (key j visible to query i iff "
             f"j <= i + Nk - Nq; Nq={nq} > Nk={nk} leaves rows 0..{nq - nk - 1} without keys), so out "

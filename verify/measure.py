@@ -34,15 +34,15 @@ class NotForThisKernel(Exception):
 
 class Truth:
     """The float64 reference, the eager baseline and the bounds of one case's inputs ``q, k, v`` (with
-    ``dout``: of the backward too) under one causal alignment; each computed once, when first needed.
+    ``dout``: of the backward too) under the case's attention spec; each computed once, when first needed.
 
     Nothing here depends on the kernel but the gradient bounds, which :meth:`gradient_bounds` computes
-    per kernel: kernels declaring the same alignment can share one ``Truth``."""
+    per kernel: kernels that compute the same spec can share one ``Truth``."""
 
-    def __init__(self, case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, alignment: str,
+    def __init__(self, case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  dout: torch.Tensor | None = None):
         self.case, self.q, self.k, self.v, self.dout = case, q, k, v, dout
-        self.options = {"causal": case.causal, "scale": case.scale, "alignment": alignment}
+        self.options = {"spec": case.spec, "scale": case.scale}
 
     @cached_property
     def ref(self) -> reference.Reference:

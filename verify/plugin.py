@@ -334,11 +334,6 @@ def env(request):
 _FAILURES = pytest.StashKey[list]()
 
 
-def _lazy_device(config):
-    """The run's device, asked for only when a failure's replay command needs it."""
-    return lambda: _device(config)
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     """Around each test body: on a GPU, its peak memory into the report and the cache emptied after it;
@@ -354,9 +349,8 @@ def pytest_runtest_call(item):
         raise
     except BaseException as exc:
         if _collects_verify(item.config):  # the suite's own tests, not another project's that has it installed
-            failures.skip_if_the_suite_ran_out_of_memory(item, exc, device=_lazy_device(item.config))
-            item.stash[_FAILURES] = failures.explain_failure(item, exc, device=_lazy_device(item.config),
-                                                             worker=_xdist_worker(item.config))
+            failures.skip_if_the_suite_ran_out_of_memory(item, exc)
+            item.stash[_FAILURES] = failures.explain_failure(item, exc, worker=_xdist_worker(item.config))
         raise
     finally:
         if budget is not None and getattr(item.config, "_flashverify_poisoned", None) is None:
@@ -398,7 +392,7 @@ def pytest_runtest_makereport(item, call):
                 report.failure(test=f"{item.nodeid} ({rep.when})", **failures.outside_call_fields(exc, rep.when))
             return
         explained = item.stash.get(_FAILURES, None) or (
-            failures.explain_failure(item, exc, device=_lazy_device(item.config), worker=_xdist_worker(item.config))
+            failures.explain_failure(item, exc, worker=_xdist_worker(item.config))
             if report is not None else [])
         for i, fields in enumerate(explained if report is not None else ()):
             report.failure(test=item.nodeid + (f"#{i}" if i else ""), **fields)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from references.spec import AttentionSpec
 from kernels import registry as registry_module
 from kernels.registry import Implementation
 from strategies.cases import dtype_name
@@ -58,7 +59,8 @@ def _call(impl: Implementation, q, k, v, *, causal: bool, scale: float | None):
     call = f"{impl.name}(q, k, v, causal={causal}, scale={scale!r}) on the tiny case {_describe(q, k)}"
     try:
         with torch.no_grad():
-            result = impl.call(q, k, v, causal=causal, scale=scale)
+            result = impl.call(q, k, v, spec=AttentionSpec(causal=causal, alignment=impl.causal_alignment),
+                               scale=scale)
     except Exception as exc:  # noqa: BLE001 - whatever the kernel raises is the problem to name
         hint = ""
         if scale is None and isinstance(exc, TypeError) and ("NoneType" in str(exc) or "scale" in str(exc)):

@@ -46,8 +46,8 @@ def _rng(case: AttentionCase, salt: int) -> torch.Generator:
 
 
 def _truth(ctx: Context, case: AttentionCase, q, k, v, dout=None) -> measure.Truth:
-    """What the kernel's results on ``q, k, v`` are compared with, under its declared causal alignment."""
-    return measure.Truth(case, q, k, v, alignment=ctx.impl.causal_alignment, dout=dout)
+    """What the kernel's results on ``q, k, v`` are compared with: the attention the case's spec describes."""
+    return measure.Truth(case, q, k, v, dout=dout)
 
 
 def _needs_lse(ctx: Context, lse) -> None:
@@ -292,7 +292,7 @@ def hidden_keys_never_reach_output(ctx: Context, case: AttentionCase) -> None:
         raise NotForThisCase("needs a causal mask")
     t = case.build(ctx.device)
     nq, nk = t.q.shape[2], t.k.shape[2]
-    per_row, _ = reference.visible_counts(nq, nk, causal=True, alignment=ctx.impl.causal_alignment)
+    per_row, _ = case.spec.counts(nq, nk)
     g = _rng(case, 5)
     cut = int(torch.randint(0, max(1, nq - 1), (1,), generator=g))  # rows 0..cut are checked
     # Visible keys are a prefix, growing with the row: rows 0..cut see keys 0 .. per_row[cut] - 1.
@@ -344,8 +344,7 @@ def layouts_agree(ctx: Context, case: AttentionCase) -> None:
 def fully_masked_rows(ctx: Context, case: AttentionCase) -> None:
     """Rows that see no key (causal with Nq > Nk, bottom-right) give out = 0 and lse = -inf exactly."""
     t = case.build(ctx.device)
-    per_row, _ = reference.visible_counts(t.q.shape[2], t.k.shape[2], causal=case.causal,
-                                          alignment=ctx.impl.causal_alignment)
+    per_row, _ = case.spec.counts(t.q.shape[2], t.k.shape[2])
     empty = per_row == 0
     if not bool(empty.any()):
         raise NotForThisCase("no row is fully masked")
@@ -401,10 +400,8 @@ def delta_matches_reference(ctx: Context, case: AttentionCase) -> None:
     t = case.build(ctx.device)
     out, lse = run_forward(ctx, case, t.q, t.k, t.v)
     _needs_lse(ctx, lse)
-    kwargs = {"causal": case.causal, "scale": case.scale}
-    if ctx.impl.tunable:
-        kwargs.update(block_m=case.block_m, block_n=case.block_n)
-    _, _, _, delta = ctx.impl.backward(t.q, t.k, t.v, out, lse, t.dout, **kwargs)
+    _, _, _, delta = ctx.impl.call_backward(t.q, t.k, t.v, out, lse, t.dout, spec=case.spec, scale=case.scale,
+                                            block_m=case.block_m, block_n=case.block_n)
     truth = _truth(ctx, case, t.q, t.k, t.v, dout=t.dout)
     ref = truth.ref
     identity = ref.rowwise(lambda c: (c.p * c.dp).sum(dim=-1))
@@ -448,8 +445,7 @@ def gradient_sums(ctx: Context, case: AttentionCase) -> None:
 def hidden_positions_get_zero_gradient(ctx: Context, case: AttentionCase) -> None:
     """Keys no query can see get exactly zero dK and dV; rows that see no key get exactly zero dQ."""
     t = case.build(ctx.device)
-    per_row, per_key = reference.visible_counts(t.q.shape[2], t.k.shape[2], causal=case.causal,
-                                                alignment=ctx.impl.causal_alignment)
+    per_row, per_key = case.spec.counts(t.q.shape[2], t.k.shape[2])
     unseen_keys, empty_rows = per_key == 0, per_row == 0
     if not bool(unseen_keys.any()) and not bool(empty_rows.any()):
         raise NotForThisCase("every key is seen and every row sees a key")
@@ -506,7 +502,7 @@ def gradcheck_float64(ctx: Context, case: AttentionCase) -> None:
     t = case.build(ctx.device)
 
     def fn(q, k, v):
-        out, _ = ctx.impl.call(q, k, v, causal=case.causal, scale=case.scale, block_m=case.block_m,
+        out, _ = ctx.impl.call(q, k, v, spec=case.spec, scale=case.scale, block_m=case.block_m,
                                block_n=case.block_n)
         return out
 
@@ -736,7 +732,7 @@ def outputs_stay_in_bounds(ctx: Context, case: AttentionCase) -> None:
                               pads=[(0, draw(0, 1)), heads, (draw(1, 3), draw(1, 3))]))
     given = {c.label: c.view for c in bufs}
     try:
-        result = ctx.impl.call(t.q, t.k, t.v, causal=case.causal, scale=case.scale, block_m=case.block_m,
+        result = ctx.impl.call(t.q, t.k, t.v, spec=case.spec, scale=case.scale, block_m=case.block_m,
                                block_n=case.block_n, **given)
     except Exception as exc:  # noqa: BLE001 - any refusal of a valid strided view is the finding
         views = "; ".join(f"{c.label} {tuple(c.view.shape)} strides {c.view.stride()}" for c in bufs)

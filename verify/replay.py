@@ -73,10 +73,17 @@ def main(argv=None) -> int:
     else:
         known = sorted(properties.PROPERTIES) + sorted(properties.SOFTMAX_PROPERTIES)
         parser.error(f"--property {prop!r} is not a property; known: {', '.join(known)}")
+    if case_cls is AttentionCase and isinstance(case_data, dict) and "causal" in case_data and "spec" not in case_data:
+        # A case written before cases carried their spec: its causal flag meant the kernel's alignment.
+        spec = {"causal": case_data["causal"], "alignment": impl.causal_alignment}
+        case_data = {**{k: v for k, v in case_data.items() if k != "causal"}, "spec": spec}
     try:
         case = case_cls.from_dict(case_data)
     except (CaseError, TypeError) as exc:
         parser.error(f"invalid case: {exc}")
+    why = impl.unsupported_spec(case.spec) if case_cls is AttentionCase else None
+    if why:
+        parser.error(f"the case's attention ({case.spec.describe()}) is not one {impl.name} computes: {why}")
     ctx = Context(impl=impl, prop=prop, device=device, case=case)
     print(f"replaying {prop} on {impl.name} ({device}): {case.describe()}")
     try:

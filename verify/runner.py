@@ -29,12 +29,13 @@ from hypothesis import event, given, reject, seed, settings, target
 from hypothesis import strategies as st
 
 from kernels.registry import Implementation
+from references.spec import AttentionSpec
 from strategies.attention import Limits, attention_cases, boundary_classes
 from strategies.cases import DTYPES, AttentionCase
 from strategies.softmax import softmax_cases
 from verify import properties
 from verify.gpu import sticky_cuda_error
-from verify.harness import Context, Recorder, StickyDeviceError, free_device_memory
+from verify.harness import Context, Recorder, StickyDeviceError, attach_context, free_device_memory
 from verify.properties import NotForThisCase, NotForThisKernel
 
 DTYPE_NAMES = tuple(DTYPES)
@@ -175,7 +176,8 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
         kwargs["layouts"] = tuple(layouts)
     strategy = attention_cases(dtype=dtype, limits=limits_of(impl, limits or env.limits),
                                head_dims=impl.head_dims, gqa=impl.gqa, block_m=impl.block_m,
-                               block_n=impl.block_n, causal=causal if impl.causal else False, **kwargs, **draw)
+                               block_n=impl.block_n, causal=causal if impl.causal else False,
+                               alignment=impl.causal_alignment, **kwargs, **draw)
     coverage = _Coverage()
 
     @settings(max_examples=_max_examples(impl, examples_share))
@@ -204,11 +206,15 @@ def run_example(fn, ctx: Context, case, env: Env) -> None:
     backward, or the suite's own work after the kernel broke the context) ends the test with this case
     (:class:`verify.harness.StickyDeviceError`, which Hypothesis does not shrink: every later example in
     this process would fail the same way); and the memory the example cached is released, so that the
-    next one starts from what the worker's budget allows."""
+    next one starts from what the worker's budget allows.
+
+    Any exception leaving the example carries its context (:func:`verify.harness.failing_context`): the
+    failure file names the case that ran, exactly as drawn, and its replay command."""
     on_gpu = not env.device.startswith("cpu")
     try:
         fn(ctx, case)
     except Exception as exc:
+        attach_context(exc, ctx)
         if on_gpu and sticky_cuda_error(exc) is not None:
             raise StickyDeviceError(ctx, exc, where="property (its backward, or the checks after it)") from exc
         raise
@@ -236,7 +242,8 @@ def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bo
     dims = [d for d in (impl.head_dims or range(1, limits.max_head_dim + 1))
             if d <= min(128, limits.max_head_dim) and d % 8 == 0] or sorted(impl.head_dims or [8])[:1]
     return AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=len_q, len_k=len_k, head_dim=max(dims),
-                         dtype=dtype, causal=causal, magnitude="normal", seed=0, layout="contiguous",
+                         dtype=dtype, spec=AttentionSpec(causal=causal, alignment=impl.causal_alignment),
+                         magnitude="normal", seed=0, layout="contiguous",
                          block_m=block_m, block_n=block_n)
 
 
@@ -266,7 +273,7 @@ def check_softmax(prop: str, impl: Implementation, dtype: str, env: Env) -> None
     @given(data=st.data())
     def run(data):
         case = data.draw(strategy, label="case")
-        fn(Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case), case)
+        run_example(fn, Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case), case, env)
 
     _own_seed(run, "softmax", prop, dtype, env.seed)()
 

@@ -1,24 +1,35 @@
-"""Which keys each query may see: the one definition of the attention mask.
+"""The attention a call computes, as one value: today which keys each query may see.
 
-A :class:`Mask` is a value (hashable, comparable) with the mask's parameters: today ``causal`` and its
-``alignment``. ``bottom_right`` (FlashAttention's convention) lets query ``i`` see key ``j`` when
-``j <= i + Nk - Nq``, so the last query sees every key and, when ``Nq > Nk``, the first ``Nq - Nk``
-queries see none; ``top_left`` (PyTorch's ``is_causal``) when ``j <= i``. The float64 and mpmath
-references, the eager baseline and the bounds all ask this module, so a new kind of mask (a window,
-sequence lengths) is written here once.
+An :class:`AttentionSpec` is a value (hashable, comparable, plain JSON) that the case carries and the
+float64 and mpmath references, the eager baseline, the bounds, the measurements and the kernel
+declarations all take: today ``causal`` and its ``alignment``; a window, sequence lengths or a score
+modification is a new field here, read by those same consumers.
+
+``bottom_right`` (FlashAttention's convention) lets query ``i`` see key ``j`` when ``j <= i + Nk - Nq``,
+so the last query sees every key and, when ``Nq > Nk``, the first ``Nq - Nk`` queries see none;
+``top_left`` (PyTorch's ``is_causal``) when ``j <= i``. The float64 and mpmath references, the eager
+baseline and the bounds ask the spec which keys a query sees (:meth:`AttentionSpec.rows` on chunks of
+rows, :meth:`AttentionSpec.counts` for whole-problem answers), so a new kind of mask is written here once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
 ALIGNMENTS = ("bottom_right", "top_left")
 
 
+def require_spec(spec) -> None:
+    """Refuse anything but an :class:`AttentionSpec` (the references' first check, before any work)."""
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"spec={spec!r}, but should be a references.spec.AttentionSpec")
+
+
 @dataclasses.dataclass(frozen=True)
-class Mask:
+class AttentionSpec:
     causal: bool = False
     alignment: str = "bottom_right"
 
@@ -60,3 +71,23 @@ class Mask:
         per_row = (i + offset + 1).clamp(min=0, max=len_k)
         per_key = (len_q - (j - offset).clamp(min=0)).clamp(min=0, max=len_q)
         return per_row, per_key
+
+    def describe(self) -> str:
+        """``causal`` / ``causal top_left`` / ``non-causal``: the spec in a case's one-line description."""
+        if not self.causal:
+            return "non-causal"
+        return "causal" if self.alignment == "bottom_right" else f"causal {self.alignment}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "AttentionSpec":
+        """From parsed JSON: an object with known fields only (a missing one takes its default)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"an attention spec should be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown attention spec fields {unknown}; known: {sorted(known)}")
+        return cls(**data)

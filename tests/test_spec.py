@@ -1,0 +1,53 @@
+"""references/spec.py: the one definition of which keys a query sees; its three views agree; a spec is a value."""
+
+import itertools
+
+import pytest
+import torch
+
+from references.spec import ALIGNMENTS, AttentionSpec
+
+
+@pytest.mark.parametrize("causal, alignment", list(itertools.product([False, True], ALIGNMENTS)))
+@pytest.mark.parametrize("len_q, len_k", [(1, 1), (3, 7), (7, 3), (5, 5), (4, 0), (1, 9)])
+def test_pairs_rows_and_counts_agree(causal, alignment, len_q, len_k):
+    mask = AttentionSpec(causal, alignment)
+    pairs = torch.tensor([[mask.visible(i, j, len_q, len_k) for j in range(len_k)] for i in range(len_q)],
+                         dtype=torch.bool).reshape(len_q, len_k)
+    assert torch.equal(mask.rows(len_q, len_k), pairs)
+    assert torch.equal(torch.cat([mask.rows(len_q, len_k, rows=(r, r + 1)) for r in range(len_q)]), pairs)
+    per_row, per_key = mask.counts(len_q, len_k)
+    assert per_row.tolist() == pairs.sum(1).tolist() and per_key.tolist() == pairs.sum(0).tolist()
+    # each query sees a prefix of the keys
+    assert all(pairs[i, :int(per_row[i])].all() for i in range(len_q))
+
+
+def test_alignments_place_the_diagonal():
+    assert AttentionSpec(True, "bottom_right").rows(2, 4).tolist() == [[True, True, True, False], [True] * 4]
+    assert AttentionSpec(True, "top_left").rows(2, 4).tolist() == [[True, False, False, False],
+                                                                   [True, True, False, False]]
+    # bottom-right with more queries than keys: the first Nq - Nk queries see nothing
+    assert AttentionSpec(True).counts(4, 2)[0].tolist() == [0, 0, 1, 2]
+
+
+def test_bad_parameters_are_refused():
+    with pytest.raises(ValueError, match="alignment='diagonal', but should be one of"):
+        AttentionSpec(True, "diagonal")
+    with pytest.raises(TypeError, match="causal=1, but should be a bool"):
+        AttentionSpec(1)
+    with pytest.raises(ValueError, match=r"rows=\(3, 5\), but should satisfy 0 <= r0 <= r1 <= len_q=4"):
+        AttentionSpec(True).rows(4, 4, rows=(3, 5))
+
+
+def test_a_spec_is_a_value():
+    assert AttentionSpec(True) == AttentionSpec(True, "bottom_right")
+    assert len({AttentionSpec(True), AttentionSpec(True), AttentionSpec(False)}) == 2
+    spec = AttentionSpec(True, "top_left")
+    assert AttentionSpec.from_dict(spec.to_dict()) == spec
+    assert AttentionSpec.from_dict({"causal": True}) == AttentionSpec(True)
+    with pytest.raises(ValueError, match=r"unknown attention spec fields \['window'\]"):
+        AttentionSpec.from_dict({"causal": True, "window": 3})
+    with pytest.raises(ValueError, match="should be a JSON object"):
+        AttentionSpec.from_dict([True])
+    assert [AttentionSpec(False).describe(), AttentionSpec(True).describe(), spec.describe()] == [
+        "non-causal", "causal", "causal top_left"]
