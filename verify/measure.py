@@ -117,7 +117,8 @@ def check_delta(ctx: Context, truth: Truth, out: torch.Tensor, delta: torch.Tens
 
 def run_backward(ctx: Context, case, q, k, v, dout) -> dict[str, torch.Tensor]:
     """The forward on fresh leaves of ``q, k, v``, then ``out.backward(dout)``: ``out`` (detached),
-    ``lse`` (when returned), ``dq``, ``dk`` and ``dv``. A broken contract fails ``ctx``."""
+    ``lse`` (when returned), ``dq``, ``dk`` and ``dv``. A broken contract fails ``ctx``, and so does a
+    backward that cannot run the case for a resource reason (:func:`verify.harness.resource_failure`)."""
     __tracebackhide__ = True
     if not ctx.impl.autograd:
         raise NotForThisKernel(f"{ctx.impl.name} declares no autograd backward")
@@ -125,7 +126,16 @@ def run_backward(ctx: Context, case, q, k, v, dout) -> dict[str, torch.Tensor]:
     out, lse = run_forward(ctx, case, q, k, v)
     if not out.requires_grad:
         ctx.fail("out does not require grad although q, k, v do: no gradient flows through out")
-    out.backward(dout)
+    try:
+        out.backward(dout)
+    except Exception as exc:  # a resource failure fails ctx in words; any other error goes on as it was
+        words = harness.resource_failure(exc, case, device=q.device, where="backward")
+        if words is None:
+            raise
+        import traceback
+
+        traceback.clear_frames(exc.__traceback__)  # the backward's tensors need not live as long as the failure
+        ctx.fail(words)
     results = {"out": out.detach(), **({"lse": lse.detach()} if lse is not None else {})}
     for label, x in (("dq", q), ("dk", k), ("dv", v)):
         if x.grad is None:
