@@ -9,7 +9,8 @@ write ``from kernels.registry import Implementation``. What each field unlocks i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +20,10 @@ from references.spec import ALIGNMENTS, AttentionSpec, require_spec
 
 ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KINDS = ("attention", "softmax")
+# The scales drawn for a kernel that declares ``scales="power_of_two"`` (the first is what failures shrink to).
+POWER_OF_TWO_SCALES = (0.125, 0.5, 0.25, 1.0, 2.0, 0.0625, 0.03125)
+# The attribute :func:`declare` sets on a plain callable.
+DECLARED = "__flashverify_declaration__"
 
 
 class ImplementationError(ValueError):
@@ -73,6 +78,19 @@ class Implementation:
     sibling: str | None = None
     # How the user named it with --impl (for replay commands); None for registry names.
     selector: str | None = None
+    # --- Limits: the suite draws only cases within them (never filters) and the report lists what they
+    # leave out (:meth:`not_covered`). README.md, "Declaring a kernel's limits".
+    equal_lengths: bool = False  # Nq == Nk only
+    len_q_multiple: int = 1  # Nq a multiple of this
+    len_k_multiple: int = 1  # Nk a multiple of this
+    min_len: int = 0  # Nq and Nk at least this
+    non_causal: bool = True  # False: causal only (with causal=True)
+    # The scale values the kernel takes (None in it: the default 1/sqrt(D)); "power_of_two"; None: any.
+    scales: tuple[float | None, ...] | str | None = None
+    # Largest head dim, for every dtype (an int) or per dtype ({torch.float32: 128, ...}); None: no limit.
+    max_head_dim: int | Mapping[torch.dtype, int] | None = None
+    contiguous_only: bool = False  # contiguous q, k, v (and dout) only
+    max_batch_heads: int | None = None  # B * Hq at most
     # Part of the default selection (shipped kernels); adapters to peers run when named.
     in_default: bool = True
 
@@ -100,6 +118,113 @@ class Implementation:
                 raise ImplementationError(f"{self.name}: {field}={value!r}, but should be a positive int or None")
         if self.backward is not None and not callable(self.backward):
             raise ImplementationError(f"{self.name}: backward={self.backward!r} is not callable")
+        self._check_limits()
+
+    def _check_limits(self) -> None:
+        """A clear error for a nonsensical limit (each names the field, its value and what is allowed)."""
+        def positive_int(field: str, value, *, zero: bool = False) -> None:
+            low = 0 if zero else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ImplementationError(f"{self.name}: {field}={value!r}, but should be an int >= {low}")
+
+        for field in ("len_q_multiple", "len_k_multiple"):
+            positive_int(field, getattr(self, field))
+        positive_int("min_len", self.min_len, zero=True)
+        for field in ("equal_lengths", "non_causal", "contiguous_only", "causal"):
+            if not isinstance(getattr(self, field), bool):
+                raise ImplementationError(f"{self.name}: {field}={getattr(self, field)!r}, but should be a bool")
+        if not self.causal and not self.non_causal:
+            raise ImplementationError(f"{self.name}: causal=False and non_causal=False leave no mask to run: a kernel runs "
+                                      "causal attention (causal=True), non-causal (non_causal=True) or both")
+        if self.max_batch_heads is not None:
+            positive_int("max_batch_heads", self.max_batch_heads)
+        if self.scales is not None and self.scales != "power_of_two":
+            ok = isinstance(self.scales, (tuple, list)) and len(self.scales) > 0 and all(
+                s is None or (not isinstance(s, bool) and isinstance(s, (int, float)) and math.isfinite(s))
+                for s in self.scales)
+            if not ok:
+                raise ImplementationError(f"{self.name}: scales={self.scales!r}, but should be None (any scale), "
+                                          "'power_of_two', or a non-empty tuple of finite floats and None "
+                                          "(None: the default 1/sqrt(D))")
+        limits = self.max_head_dim
+        if isinstance(limits, Mapping):
+            for dtype, d in limits.items():
+                if dtype not in ALL_DTYPES:
+                    raise ImplementationError(f"{self.name}: max_head_dim has key {dtype!r}; keys should be "
+                                              f"among {dtype_names(ALL_DTYPES)}")
+                positive_int(f"max_head_dim[{dtype_name(dtype)}]", d)
+        elif limits is not None:
+            positive_int("max_head_dim", limits)
+        if self.head_dims is not None and limits is not None:
+            for dtype in self.dtypes:
+                top = self.head_dim_limit(dtype)
+                if top is not None and min(self.head_dims) > top:
+                    raise ImplementationError(
+                        f"{self.name}: head_dims {sorted(self.head_dims)} are all above max_head_dim={top} in "
+                        f"{dtype_name(dtype)}: drop {dtype_name(dtype)} from dtypes or allow a head dim")
+
+    # ----------------------------------------------------------------------------- limits
+    def head_dim_limit(self, dtype: torch.dtype) -> int | None:
+        """The largest head dim declared for ``dtype`` (None: no limit)."""
+        if isinstance(self.max_head_dim, Mapping):
+            return self.max_head_dim.get(dtype)
+        return self.max_head_dim
+
+    @property
+    def scale_choices(self) -> tuple[float | None, ...] | None:
+        """The scales to draw (None: any, the suite's own choice)."""
+        if self.scales is None:
+            return None
+        return POWER_OF_TWO_SCALES if self.scales == "power_of_two" else tuple(self.scales)
+
+    @property
+    def length_multiples(self) -> tuple[int, int]:
+        """``(Nq multiple, Nk multiple)``; with equal lengths both are their least common multiple."""
+        if self.equal_lengths:
+            both = math.lcm(self.len_q_multiple, self.len_k_multiple)
+            return both, both
+        return self.len_q_multiple, self.len_k_multiple
+
+    def not_covered(self) -> list[str]:
+        """What the declaration leaves out of the suite's cases, in words (the report lists these, so a
+        narrow declaration is visible rather than a silent pass)."""
+        out = []
+        why = "not covered, declared unsupported"
+        if self.kind != "attention":
+            return out
+        if self.equal_lengths:
+            out.append(f"Nq != Nk: {why}")
+        mq, mk = self.length_multiples
+        if mq == mk and mq > 1:
+            out.append(f"lengths that are not a multiple of {mq}: {why}")
+        else:
+            if mq > 1:
+                out.append(f"Nq not a multiple of {mq}: {why}")
+            if mk > 1:
+                out.append(f"Nk not a multiple of {mk}: {why}")
+        if self.min_len > 0:
+            out.append(f"lengths below {self.min_len}: {why}")
+        if not self.causal:
+            out.append(f"causal masks: {why}")
+        if not self.non_causal:
+            out.append(f"non-causal attention: {why}")
+        if self.scales == "power_of_two":
+            out.append(f"scales that are not a power of two: {why}")
+        elif self.scales is not None:
+            shown = ", ".join("1/sqrt(D)" if s is None else f"{s:g}" for s in self.scales)
+            out.append(f"scales other than {shown}: {why}")
+        if isinstance(self.max_head_dim, Mapping):
+            for dtype, d in self.max_head_dim.items():
+                out.append(f"head dims above {d} in {dtype_name(dtype)}: {why}")
+        elif self.max_head_dim is not None:
+            out.append(f"head dims above {self.max_head_dim}: {why}")
+        if self.contiguous_only:
+            out.append(f"non-contiguous inputs (transposed, padded and packed views): {why}")
+        if self.max_batch_heads is not None:
+            out.append(f"B x Hq above {self.max_batch_heads}: {why}")
+        if not self.gqa:
+            out.append(f"grouped-query attention (Hkv < Hq): {why}")
+        return out
 
     @property
     def tunable(self) -> bool:
@@ -135,6 +260,8 @@ class Implementation:
         """The reason this implementation cannot compute the attention ``spec`` describes, or None."""
         if spec.causal and not self.causal:
             return f"{self.name} declares no causal masking"
+        if not spec.causal and not self.non_causal:
+            return f"{self.name} declares causal attention only"
         if spec.causal and spec.alignment != self.causal_alignment:
             return (f"{self.name} aligns causal masks {self.causal_alignment}; the case asks for "
                     f"{spec.alignment}")
@@ -188,4 +315,25 @@ class Implementation:
             f"{f' of length {len(result)}' if isinstance(result, (tuple, list)) else ''}, "
             "but should return out or (out, lse)"
         )
+
+
+def declare(**fields: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare a plain callable's limits (and any other :class:`Implementation` field but ``name`` and
+    ``forward``) where it is written; ``--impl path.py:fn`` then runs it with them::
+
+        @declare(equal_lengths=True, len_q_multiple=128, len_k_multiple=128, dtypes=(torch.float16,))
+        def attention(q, k, v, *, causal, scale): ...
+
+    The fields are checked when the suite loads the callable, as those of an ``Implementation``."""
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(Implementation)})
+    if unknown or "name" in fields or "forward" in fields:
+        known = sorted({f.name for f in dataclasses.fields(Implementation)} - {"name", "forward"})
+        raise ImplementationError(f"declare() got {sorted(set(unknown) | (set(fields) & {'name', 'forward'}))}; "
+                                  f"it takes the Implementation fields {known}")
+
+    def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        setattr(fn, DECLARED, dict(fields))
+        return fn
+
+    return mark
 

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from kernels import adapters, blocked, online_softmax
-from kernels.declaration import ALIGNMENTS, ALL_DTYPES, KINDS, Implementation, ImplementationError
+from kernels.declaration import ALIGNMENTS, ALL_DTYPES, DECLARED, KINDS, Implementation, ImplementationError, declare
 
 try:
     from kernels import triton_attention, triton_softmax
@@ -64,7 +64,7 @@ except ImportError:  # Triton is an optional extra: without it the Triton kernel
     triton_attention = triton_softmax = None
 
 __all__ = ["ALIGNMENTS", "ALL_DTYPES", "KINDS", "SHIPPED", "Implementation", "ImplementationError",
-           "default_selection", "from_callable", "load", "registry"]
+           "declare", "default_selection", "from_callable", "load", "registry"]
 
 # ------------------------------------------------------------------------------------ online softmax
 _SOFTMAX_BLOCKS = (1, 2, 3, 5, 8, 16, 64)
@@ -204,15 +204,11 @@ def registry() -> dict[str, Implementation]:
 def from_callable(fn: Callable[..., Any], name: str, *, device: str) -> Implementation:
     """Declare a plain callable with the defaults of the contract (README.md): float16, bfloat16,
     float32 and float64 on the suite's device, bottom-right causal, autograd, any head dim, no GQA,
-    fixed tiles.
+    fixed tiles, unless the callable carries other fields from :func:`kernels.declaration.declare`.
     Whether it returns the LSE is found out when it is called."""
-    return Implementation(
-        name=name,
-        forward=fn,
-        selector=name,
-        devices=(torch.device(device).type,),
-        description=f"plain callable {name}",
-    )
+    fields = {"devices": (torch.device(device).type,), "description": f"plain callable {name}",
+              **getattr(fn, DECLARED, {})}
+    return Implementation(name=name, forward=fn, selector=name, **fields)
 
 
 def _error_with_place(exc: BaseException) -> str:

@@ -172,9 +172,12 @@ def _run_section(summary: dict) -> list[str]:
     impls = [i for i in run.get("implementations") or [] if isinstance(i, dict)]
     if impls:
         out += ["<h3>Implementations under test</h3>", table(
-            ("name", "--impl", "kind", "dtypes", "causal alignment", "gqa", "backward+Delta", "description"),
+            ("name", "--impl", "kind", "dtypes", "causal alignment", "gqa", "backward+Delta", "description",
+             "not covered (declared unsupported)"),
             ([i.get("name"), code(i.get("spec")), i.get("kind"), ", ".join(map(str, i.get("dtypes") or [])),
-              i.get("causal_alignment"), i.get("gqa"), i.get("backward"), i.get("description")] for i in impls))]
+              i.get("causal_alignment"), i.get("gqa"), i.get("backward"), i.get("description"),
+              "; ".join(w.removesuffix(": not covered, declared unsupported") for w in i.get("not_covered") or [])
+              or "-"] for i in impls))]
     return out
 
 

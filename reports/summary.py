@@ -300,6 +300,11 @@ def markdown(summary: dict) -> str:
     if run.get("devices"):
         lines += [f"Device: {', '.join(run['devices'])} ({run.get('device_name') or '?'}), profile "
                   f"{run.get('profile')}" + (", TRITON_INTERPRET=1" if run.get("triton_interpret") else ""), ""]
+    narrow = [(i.get("name"), i.get("not_covered")) for i in run.get("implementations") or []
+              if isinstance(i, dict) and i.get("not_covered")]
+    if narrow:
+        lines += ["## What the declarations leave out", ""]
+        lines += [f"- {name}: {words}" for name, left_out in narrow for words in left_out] + [""]
     outcomes = summary.get("outcomes") or {}
     if outcomes:
         lines += ["Tests: " + ", ".join(f"{v} {k}" for k, v in sorted(outcomes.items())), ""]

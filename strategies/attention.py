@@ -145,7 +145,9 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                     layouts: Sequence[str] = LAYOUTS,
                     draw_scale: bool = True, shape_classes: Sequence[str] = SHAPE_CLASSES,
                     min_len_k: int = 0, min_len_q: int = 1, min_group: int = 1, longer: str | None = None,
-                    max_extra: int = 8):
+                    max_extra: int = 8, equal_lengths: bool = False, len_q_multiple: int = 1,
+                    len_k_multiple: int = 1, scale_choices: Sequence[float | None] | None = None,
+                    max_batch_heads: int | None = None):
     """Return a strategy for :class:`AttentionCase` values.
 
     dtype          the dtype name (``"float16"`` ...), fixed by the test's parametrisation
@@ -167,6 +169,15 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
 
     These constraints are part of the draw: the case a property runs is the case Hypothesis drew.
 
+    A kernel's declared limits (``kernels.declaration.Implementation``) are constraints of the same kind:
+    equal_lengths     Nq == Nk (Nk is the drawn Nq)
+    len_q/k_multiple  Nq (Nk) a multiple of this: the drawn length rounded up to one (a monotone map, so
+                      failures shrink to the smallest conforming length), at least one multiple
+    scale_choices     the scales to draw from (the first is what failures shrink to; None: the default)
+    max_batch_heads   B * Hq at most
+    The classes a limit contradicts are left out (``no_keys`` with equal lengths or a minimum key count,
+    ``decode`` with a query multiple above 1, the tile classes with any length limit).
+
     The shape class comes first, then batch, heads and head dim, then block sizes and the lengths they
     allow (at most sqrt(max_tiles) tiles per axis), then the flags, the magnitude class, the layout, the
     scale and the seed; every class makes the same draws and maps them onto its constraints.
@@ -185,9 +196,22 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         raise ValueError(f"min_group={min_group} needs gqa=True (grouped-query cases)")
     if min_group > limits.max_group:
         raise ValueError(f"min_group={min_group}, but limits.max_group={limits.max_group}")
+    if equal_lengths and longer is not None:
+        raise ValueError(f"longer={longer!r} contradicts equal_lengths=True")
+    if len_q_multiple < 1 or len_k_multiple < 1:
+        raise ValueError(f"len_q_multiple={len_q_multiple}, len_k_multiple={len_k_multiple}: both should be >= 1")
+    if scale_choices is not None and len(scale_choices) == 0:
+        raise ValueError("scale_choices should not be empty (None: any scale)")
+    if max_batch_heads is not None and max_batch_heads < min_group:
+        raise ValueError(f"max_batch_heads={max_batch_heads} leaves no room for min_group={min_group}")
+    if equal_lengths:
+        len_q_multiple = len_k_multiple = math.lcm(len_q_multiple, len_k_multiple)
+    length_limited = equal_lengths or len_q_multiple > 1 or len_k_multiple > 1
     classes = list(shape_classes)
-    for name, excluded in (("no_keys", min_len_k > 0 or longer == "len_k"),
-                           ("decode", min_len_q > 1 or longer == "len_q")):
+    for name, excluded in (("no_keys", min_len_k > 0 or longer == "len_k" or equal_lengths),
+                           ("decode", min_len_q > 1 or longer == "len_q" or len_q_multiple > 1),
+                           ("kv_tiles_wider", length_limited), ("k_aligned_q_ragged", length_limited),
+                           ("masked_q_tiles", length_limited)):
         if excluded and name in classes and len(classes) > 1:
             classes.remove(name)
     first, rest = classes[0], classes[1:]
@@ -207,6 +231,10 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         batch, heads_kv = 1, 1
     if kind == "decode" and gqa:  # decode fast paths are grouped-query paths
         group = max(group, min(2, limits.max_group))
+    if max_batch_heads is not None:  # B * Hq within the declared cap (monotone: smaller draws stay smaller)
+        batch = min(batch, max(1, max_batch_heads // (heads_kv * group)))
+        heads_kv = min(heads_kv, max(1, max_batch_heads // (batch * group)))
+        group = max(min_group, min(group, max_batch_heads // (batch * heads_kv)))
     heads = batch * heads_kv * group
     # The longest length of this class that keeps B * Hq * N * N within max_scores.
     max_len = limits.plain_len
@@ -256,21 +284,37 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         max_kt = min(max_len, per_axis * tn) if block_n else max_len
         len_q, len_k = _tile_lengths(kind, tm, tn, len_q, len_k, max_q=max_q, max_k=max_kt, min_len_k=min_len_k)
     len_q = max(len_q, min_len_q)
+    if length_limited:  # the declared multiples (and equal lengths), before any ``longer``
+        cap_q = min(top_q, math.isqrt(max(1, limits.max_scores // heads))) if equal_lengths else top_q
+        len_q = _conform(len_q, len_q_multiple, low=max(1, min_len_q), cap=cap_q)
+        len_k = len_q if equal_lengths else _conform(len_k, len_k_multiple, low=min_len_k, cap=top_k)
     if longer is not None:
         extra = draw(st.integers(1, max_extra), label=f"{longer} longer by")
+        # the next multiple above the other length, then ``extra - 1`` multiples more (multiple 1: + extra)
         if longer == "len_q":
-            len_q = len_k + extra
+            len_q = (len_k // len_q_multiple + extra) * len_q_multiple
         else:
-            len_k = len_q + extra
+            len_k = (len_q // len_k_multiple + extra) * len_k_multiple
     magnitude = draw(st.sampled_from(list(magnitudes)), label="magnitude")
     layout = draw(st.sampled_from(list(layouts)), label="layout")
-    scale = draw(scales(), label="scale") if draw_scale else None
+    if scale_choices is not None:
+        scale = draw(st.sampled_from(list(scale_choices)), label="scale") if draw_scale else scale_choices[0]
+    else:
+        scale = draw(scales(), label="scale") if draw_scale else None
     seed = draw(st.integers(0, 2 ** 16), label="seed")
     return AttentionCase(batch=batch, heads_q=heads_kv * group, heads_kv=heads_kv, len_q=len_q,
                          len_k=len_k, head_dim=head_dim, dtype=dtype,
                          spec=AttentionSpec(causal=is_causal, alignment=alignment),
                          magnitude=magnitude, seed=seed, layout=layout, scale=scale,
                          block_m=bm, block_n=bn)
+
+
+def _conform(length: int, multiple: int, *, low: int, cap: int) -> int:
+    """``length`` rounded up to a multiple of ``multiple`` and at least ``low``, at most ``cap`` rounded
+    down to a multiple but never below the smallest conforming length (monotone in ``length``)."""
+    smallest = -(-max(low, 0) // multiple) * multiple
+    up = max(smallest, -(-length // multiple) * multiple)
+    return max(smallest, min(up, cap // multiple * multiple))
 
 
 def _tile_lengths(kind: str, bm: int, bn: int, len_q: int, len_k: int, *, max_q: int, max_k: int,

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch
 
+from references.spec import AttentionSpec
+
 ROOT = Path(__file__).resolve().parent.parent
 FAULTY = "tests/fixtures/faulty_kernels.py"
 
 
-from references.spec import AttentionSpec
 def _env():
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 

@@ -20,7 +20,7 @@ from kernels import triton_attention as ta  # noqa: E402
 from kernels import triton_softmax as tsm  # noqa: E402
 from references import attention as ref  # noqa: E402
 from references import baseline  # noqa: E402
-from references.spec import AttentionSpec
+from references.spec import AttentionSpec  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not ta.INTERPRET else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE not in ta.DEVICES,

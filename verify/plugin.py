@@ -237,7 +237,8 @@ def _header_data(config) -> dict:
         "implementations": [{"name": i.name, "kind": i.kind, "spec": i.cli_name, "description": i.description,
                              "dtypes": [dtype_name(d) for d in i.dtypes],
                              "causal_alignment": i.causal_alignment, "gqa": i.gqa, "tunable": i.tunable,
-                             "backward": i.backward is not None, "deterministic": i.deterministic}
+                             "backward": i.backward is not None, "deterministic": i.deterministic,
+                             "not_covered": i.not_covered()}
                             for i in impls],
         "device": device,
         "device_name": device_name(device),
@@ -276,6 +277,8 @@ def pytest_report_header(config):
         caps += [c for c, on in (("gqa", impl["gqa"]), ("tunable blocks", impl["tunable"]),
                                  ("backward+delta", impl["backward"])) if on]
         lines.append(f"flashverify: under test {impl['spec']}: {', '.join(caps)}")
+        for words in impl["not_covered"]:
+            lines.append(f"flashverify:   {words}")
     report = config._flashverify_report
     if report is not None:
         lines.append(f"flashverify: report -> {report.dir}")

@@ -7,12 +7,16 @@ implementation and turns a :class:`PreflightError` into one usage error naming t
 
 What is called, on the suite's device in the first dtype the implementation declares among float32,
 float64, float16, bfloat16 (float32 for a plain callable): ``B=1, Hq=Hkv=2, Nq=2, Nk=3``, the smallest
-head dim it declares (8 for a plain callable), N(0, 1) inputs,
+head dim it declares (8 for a plain callable), N(0, 1) inputs; declared limits are kept (lengths rounded
+up to the declared multiples, equal when declared, at least ``min_len``; the head dim within
+``max_head_dim``; at most ``max_batch_heads`` heads),
 
 1. ``forward(q, k, v, causal=False, scale=None)``: must return ``out`` (q's shape, dtype and device) or
    ``(out, lse)`` (``lse`` ``[B, Hq, Nq]``, float32, float64 for float64 inputs, on q's device);
 2. the same with ``scale=1/sqrt(D)`` given: must agree with 1. (``scale=None`` means ``1/sqrt(D)``);
 3. ``causal=True`` when the implementation declares causal masking.
+A causal-only kernel is called with ``causal=True`` in 1. and 2.; one that declares its ``scales`` is
+called with the first of them (1. and 3.), and 2. is left out.
 
 Nothing here judges accuracy: the properties do that, with their bounds and replay commands.
 """
@@ -43,10 +47,15 @@ def tiny_case(impl: Implementation, device: str) -> tuple[torch.Tensor, torch.Te
     usable = [d for d in PREFERRED_DTYPES if d in impl.dtypes and impl.environment_limit(d) is None]
     if not usable or impl.unsupported(device=device):
         return None
-    head_dim = min(impl.head_dims) if impl.head_dims else HEAD_DIM
+    top = impl.head_dim_limit(usable[0])
+    head_dim = min(impl.head_dims) if impl.head_dims else min(HEAD_DIM, top or HEAD_DIM)
+    (mq, mk), least = impl.length_multiples, max(1, impl.min_len)
+    len_q = -(-max(LEN_Q, least) // mq) * mq  # the tiny lengths, within the declared limits
+    len_k = len_q if impl.equal_lengths else -(-max(LEN_K, least) // mk) * mk
+    heads = HEADS if impl.max_batch_heads is None else min(HEADS, impl.max_batch_heads)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(BATCH, HEADS, n, head_dim, generator=g, dtype=torch.float64)
-               for n in (LEN_Q, LEN_K, LEN_K))
+    q, k, v = (torch.randn(BATCH, heads, n, head_dim, generator=g, dtype=torch.float64)
+               for n in (len_q, len_k, len_k))
     return tuple(t.to(device=device, dtype=usable[0]) for t in (q, k, v))
 
 
@@ -116,9 +125,15 @@ def preflight(impl: Implementation, *, device: str) -> None:
     if inputs is None:
         return
     q, k, v = inputs
-    out_none, lse_none = _call(impl, q, k, v, causal=False, scale=None)
+    causal = not impl.non_causal
+    if impl.scale_choices is not None:  # a declared set of scales: call with the first, the rest is drawn
+        _call(impl, q, k, v, causal=causal, scale=impl.scale_choices[0])
+        if impl.causal and not causal:
+            _call(impl, q, k, v, causal=True, scale=impl.scale_choices[0])
+        return
+    out_none, lse_none = _call(impl, q, k, v, causal=causal, scale=None)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out_given, lse_given = _call(impl, q, k, v, causal=False, scale=scale)
+    out_given, lse_given = _call(impl, q, k, v, causal=causal, scale=scale)
     tol = 64 * torch.finfo(q.dtype).eps
     differs = not torch.allclose(out_none.double(), out_given.double(), rtol=tol, atol=tol, equal_nan=True)
     if lse_none is not None and lse_given is not None:
@@ -129,5 +144,5 @@ def preflight(impl: Implementation, *, device: str) -> None:
             f"pre-flight: {impl.name} gives different results for scale=None and scale=1/sqrt(D)={scale:.6g} "
             f"on the tiny case {_describe(q, k)} (out differs by up to {gap:.3g}): the contract (README.md) "
             "says scale=None means 1/sqrt(D)")
-    if impl.causal:
+    if impl.causal and not causal:
         _call(impl, q, k, v, causal=True, scale=None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -106,6 +107,7 @@ REQUIREMENTS = {
     "lse": (lambda impl: impl.returns_lse, "returns out alone (no LSE)"),
     "out_buffers": (lambda impl: impl.out_buffers,
                     "declares no out_buffers (its forward takes no out=/lse= buffers to write into)"),
+    "strided": (lambda impl: not impl.contiguous_only, "declares contiguous inputs only"),
 }
 
 
@@ -125,9 +127,13 @@ def skip_reason(impl: Implementation, dtype: str, env: Env, requires: Iterable[s
     return None
 
 
-def limits_of(impl: Implementation, limits: Limits) -> Limits:
+def limits_of(impl: Implementation, limits: Limits, dtype: str | None = None) -> Limits:
     """``limits`` narrowed by what ``impl`` declares: its longest sequence, its tile cap (``max_tiles``),
-    and a head dim it accepts when the profile's largest is below its smallest."""
+    its largest head dim in ``dtype`` (``max_head_dim``), and a head dim it accepts when the profile's
+    largest is below its smallest."""
+    top_d = impl.head_dim_limit(DTYPES[dtype]) if dtype is not None else None
+    if top_d is not None and top_d < limits.max_head_dim:
+        limits = dataclasses.replace(limits, max_head_dim=top_d)
     if impl.max_seq_len is not None and impl.max_seq_len < limits.max_len:
         limits = dataclasses.replace(limits, max_len=impl.max_seq_len)
     if impl.max_tiles is not None and impl.max_tiles < limits.max_tiles:
@@ -146,8 +152,9 @@ def _max_examples(impl: Implementation, share: float = 1.0) -> int:
 
 
 def _skip_unless_runnable(impl: Implementation, dtype: str, env: Env, requires: Iterable[str], *,
-                          causal: bool | None) -> None:
-    """Skip, with the declaration's words, an attention property this implementation cannot run here."""
+                          causal: bool | None, longer: str | None = None) -> None:
+    """Skip, with the declaration's words, an attention property this implementation cannot run here
+    (the report lists the same limits as not covered: ``Implementation.not_covered``)."""
     __tracebackhide__ = True
     if impl.kind != "attention":
         pytest.skip(f"{impl.name} is a {impl.kind} kernel")
@@ -156,6 +163,32 @@ def _skip_unless_runnable(impl: Implementation, dtype: str, env: Env, requires: 
         pytest.skip(reason)
     if causal and not impl.causal:
         pytest.skip(f"{impl.name} declares no causal masking")
+    if causal is False and not impl.non_causal:
+        pytest.skip(f"{impl.name} declares causal attention only; the property needs non-causal cases")
+    if longer is not None and impl.equal_lengths:
+        pytest.skip(f"{impl.name} declares Nq == Nk only; the property needs {longer} longer than the other")
+
+
+def _declared_draws(impl: Implementation, causal: bool | None, draw: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of :func:`attention_cases` that keep every drawn case within ``impl``'s declaration
+    (its limits are part of the draw, never a filter) merged with the property's own constraints."""
+    mq, mk = impl.length_multiples
+    declared = {"gqa": impl.gqa, "block_m": impl.block_m, "block_n": impl.block_n,
+                "alignment": impl.causal_alignment, "equal_lengths": impl.equal_lengths,
+                "len_q_multiple": mq, "len_k_multiple": mk, "scale_choices": impl.scale_choices,
+                "max_batch_heads": impl.max_batch_heads}
+    if causal is None:
+        causal = None if impl.causal and impl.non_causal else impl.causal
+    declared["causal"] = causal if impl.causal else False
+    if impl.contiguous_only:
+        declared["layouts"] = ("contiguous",)
+    out = {**declared, **draw}
+    if impl.min_len:
+        out["min_len_q"] = max(out.get("min_len_q", 1), impl.min_len)
+        out["min_len_k"] = max(out.get("min_len_k", 0), impl.min_len)
+    if impl.head_dims is not None:
+        out["head_dims"] = impl.head_dims
+    return out
 
 
 def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, requires: Iterable[str] = (),
@@ -167,17 +200,15 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
     ``draw``: constraints of :func:`strategies.attention.attention_cases` (``min_group``, ``min_len_q``,
     ``longer``); the case each example runs is the case drawn, never edited after."""
     __tracebackhide__ = True
-    _skip_unless_runnable(impl, dtype, env, requires, causal=causal)
+    _skip_unless_runnable(impl, dtype, env, requires, causal=causal, longer=draw.get("longer"))
     fn = properties.PROPERTIES[prop]
-    kwargs = {}
+    kwargs = dict(draw)
     if magnitudes is not None:
         kwargs["magnitudes"] = tuple(magnitudes)
     if layouts is not None:
         kwargs["layouts"] = tuple(layouts)
-    strategy = attention_cases(dtype=dtype, limits=limits_of(impl, limits or env.limits),
-                               head_dims=impl.head_dims, gqa=impl.gqa, block_m=impl.block_m,
-                               block_n=impl.block_n, causal=causal if impl.causal else False,
-                               alignment=impl.causal_alignment, **kwargs, **draw)
+    strategy = attention_cases(dtype=dtype, limits=limits_of(impl, limits or env.limits, dtype),
+                               **_declared_draws(impl, causal, kwargs))
     coverage = _Coverage()
 
     @settings(max_examples=_max_examples(impl, examples_share))
@@ -229,8 +260,10 @@ def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bo
     up to 128 the implementation accepts, N(0, 1) inputs, the implementation's own block sizes.
 
     A tunable kernel that declares ``max_tiles`` (its tile loop runs in Python) runs its largest
-    declared tiles instead, and the lengths stop where the tile count would pass ``max_tiles``."""
-    limits = limits_of(impl, limits)
+    declared tiles instead, and the lengths stop where the tile count would pass ``max_tiles``.
+    Declared limits hold here too: lengths rounded down to the declared multiples (equal when declared),
+    at least ``min_len``, the first declared scale."""
+    limits = limits_of(impl, limits, dtype)
     len_k = limits.max_len
     block_m = block_n = None
     if impl.max_tiles is not None and impl.tunable:
@@ -239,11 +272,18 @@ def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bo
     len_q = max(1, min(len_k, limits.max_scores // len_k))
     if block_m is not None:
         len_q = min(len_q, limits.tiles_per_axis * block_m)
+    mq, mk = impl.length_multiples
+    if impl.equal_lengths:  # the longest N with N * N within max_scores (and the query tiles' cap)
+        len_q = len_k = max(1, min(len_k, math.isqrt(limits.max_scores),
+                                   limits.tiles_per_axis * block_m if block_m is not None else len_k))
+    len_q = max(mq * max(1, -(-impl.min_len // mq)), len_q // mq * mq)
+    len_k = len_q if impl.equal_lengths else max(mk * -(-impl.min_len // mk), len_k // mk * mk)
     dims = [d for d in (impl.head_dims or range(1, limits.max_head_dim + 1))
             if d <= min(128, limits.max_head_dim) and d % 8 == 0] or sorted(impl.head_dims or [8])[:1]
     return AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=len_q, len_k=len_k, head_dim=max(dims),
                          dtype=dtype, spec=AttentionSpec(causal=causal, alignment=impl.causal_alignment),
                          magnitude="normal", seed=0, layout="contiguous",
+                         scale=impl.scale_choices[0] if impl.scale_choices else None,
                          block_m=block_m, block_n=block_n)
 
 
