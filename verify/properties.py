@@ -747,6 +747,147 @@ def outputs_stay_in_bounds(ctx: Context, case: AttentionCase) -> None:
         _check_written(ctx, bufs[1], returned=result[1], normal=lse0, tolerance=lambda: 2 * truth.forward_bounds["lse"])
 
 
+_INPUTS = ("q", "k", "v", "dout")
+
+
+def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """Every byte of ``storage`` (not only what one view of it shows), as a flat uint8 tensor on that memory."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+@dataclasses.dataclass
+class _Held:
+    """One storage behind the caller's inputs and its bytes before the kernel ran."""
+
+    storage: torch.UntypedStorage
+    views: list[tuple[str, torch.Tensor]]  # the inputs viewing it, in q, k, v, dout order
+    before: torch.Tensor                   # uint8, a copy of every byte
+
+
+def _layout(x: torch.Tensor) -> tuple:
+    return tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.untyped_storage().data_ptr()
+
+
+def _hold(t) -> list[_Held]:
+    """A bitwise copy of each distinct storage behind ``t.q, t.k, t.v, t.dout`` (one for a packed buffer)."""
+    held: dict[int, _Held] = {}
+    for name in _INPUTS:
+        x = getattr(t, name)
+        storage = x.untyped_storage()
+        if storage.nbytes() == 0:
+            continue
+        if storage.data_ptr() not in held:
+            held[storage.data_ptr()] = _Held(storage, [], _storage_bytes(storage).clone())
+        held[storage.data_ptr()].views.append((name, x))
+    return list(held.values())
+
+
+def _through(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``flat`` (one entry per element of ``x``'s dtype over its whole storage) seen through ``x``'s view."""
+    return flat.as_strided(x.shape, x.stride(), x.storage_offset())
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
+def _around(element: int, views: list[tuple[str, torch.Tensor]]) -> tuple[str, str]:
+    """The input whose view is nearest to storage ``element`` (which none of them holds), and where it is."""
+    spans = [(name, x.storage_offset(), x.storage_offset() + sum((n - 1) * s for n, s in zip(x.shape, x.stride())))
+             for name, x in views if x.numel()]
+    for name, lo, hi in spans:
+        if lo <= element <= hi:
+            return name, (f"within the span of the {name} view (storage elements {lo}..{hi}) but not one of its "
+                          "elements: padding between its rows or head-dim columns")
+    past = [(element - hi, name, hi) for name, lo, hi in spans if hi < element]
+    if past:
+        d, name, hi = min(past)
+        return name, f"{_count(d, 'element')} past the last element of the {name} view (storage element {hi})"
+    ahead = [(lo - element, name, lo) for name, lo, hi in spans if lo > element]
+    if ahead:
+        d, name, lo = min(ahead)
+        return name, f"{_count(d, 'element')} before the first element of the {name} view (storage element {lo})"
+    name = views[0][0]
+    return name, f"in a storage where every view ({', '.join(n for n, _ in views)}) is empty"
+
+
+def _changes(held: list[_Held]) -> list[str]:
+    """What changed in the held storages since they were copied: per input, inside its view, and outside
+    every view (padding, a packed buffer's gaps), each with how much and where first."""
+    lines = []
+    for h in held:
+        now = _storage_bytes(h.storage)
+        if now.numel() != h.before.numel():
+            lines.append(f"the storage of {', '.join(n for n, _ in h.views)} was resized from "
+                         f"{_count(h.before.numel(), 'byte')} to {now.numel()}")
+            continue
+        changed = now != h.before
+        if not bool(changed.any()):
+            continue
+        covered = torch.zeros_like(changed)  # the bytes some input's view holds
+        for name, x in h.views:
+            size = x.element_size()
+            whole = changed.numel() // size * size  # the bytes of the storage's whole elements
+            mine = torch.zeros(whole // size, dtype=torch.bool, device=changed.device)
+            _through(mine, x).fill_(True)
+            mine = torch.cat([mine.repeat_interleave(size), mine.new_zeros(changed.numel() - whole)])
+            covered |= mine
+            inside = _through(changed[:whole].view(-1, size).any(dim=1), x)
+            count = int(inside.sum())
+            if count:
+                idx = tuple(int(i) for i in inside.nonzero()[0])
+                old, new = (_through(b[:whole].view(x.dtype), x) for b in (h.before, now))
+                lines.append(f"{name} changed inside its view: {_count(count, 'element')} of {x.numel()} "
+                             f"({_count(int((changed & mine).sum()), 'byte')} changed), first at {list(idx)}: "
+                             f"{_show(old, idx)} became {_show(new, idx)}")
+        outside = changed & ~covered
+        if bool(outside.any()):
+            x = h.views[0][1]  # the inputs sharing one storage share its dtype too
+            size = x.element_size()
+            whole = changed.numel() // size * size
+            element = int(outside.nonzero()[0, 0]) // size
+            name, where = _around(element, h.views)
+            shared = f" (the buffer {', '.join(n for n, _ in h.views)} share)" if len(h.views) > 1 else ""
+            old, new = (b[:whole].view(x.dtype) for b in (h.before, now))
+            value = f": {_show(old, (element,))} became {_show(new, (element,))}" if element < old.numel() else ""
+            lines.append(f"{name} changed outside its view: "
+                         f"{_count(int(outside[:whole].view(-1, size).any(dim=1).sum()), 'element')} "
+                         f"({_count(int(outside.sum()), 'byte')} changed) of the memory around the {name} view"
+                         f"{shared} that no input's view holds (padding or neighbouring memory the caller owns), "
+                         f"first at storage element {element}, {where}{value}")
+    return lines
+
+
+def _check_untouched(ctx: Context, t, held: list[_Held], layouts: dict[str, tuple], when: str) -> None:
+    __tracebackhide__ = True
+    lines = _changes(held)
+    for name in _INPUTS:
+        x = getattr(t, name)
+        if _layout(x) != layouts[name]:
+            lines.append(f"{name} itself was changed: shape, strides, storage offset, dtype and storage were "
+                         f"{layouts[name]}, are {_layout(x)}")
+    if lines:
+        ctx.fail(f"the kernel modified its inputs {when}; it may read q, k, v and dout but never write them "
+                 "or the memory around their views:\n  " + "\n  ".join(lines))
+
+
+@prop
+def inputs_untouched(ctx: Context, case: AttentionCase) -> None:
+    """The forward on the caller's ``q, k, v``, and with autograd the forward and ``out.backward(dout)``
+    on leaves that share their memory, leave every byte of the inputs' storages as it was: the views
+    (q, k, v, dout), the NaN padding around them and the gaps of a packed buffer, compared bitwise (NaN
+    equals itself), and the inputs' shapes, strides and offsets."""
+    t = case.build(ctx.device)
+    held = _hold(t)
+    layouts = {name: _layout(getattr(t, name)) for name in _INPUTS}
+    run_forward(ctx, case, t.q, t.k, t.v)
+    _check_untouched(ctx, t, held, layouts, "in its forward")
+    if ctx.impl.autograd:
+        run_backward(ctx, case, t.q, t.k, t.v, t.dout)  # fresh leaves: x.detach() shares x's storage
+        _check_untouched(ctx, t, held, layouts, "in its forward and backward through autograd "
+                                                "(out.backward(dout) on leaves sharing the inputs' memory)")
+
+
 # ------------------------------------------------------------------------------------ softmax
 SOFTMAX_PROPERTIES: dict[str, Callable[[Context, SoftmaxCase], None]] = {}
 

@@ -27,6 +27,14 @@ def test_out_within_visible_values(impl, dtype, env):
     check_attention("out_within_visible_values", impl, dtype, env)
 
 
+def test_inputs_untouched(impl, dtype, env):
+    """The forward, and the backward through autograd, leave q, k, v, dout and the memory around them as
+    they were (bitwise). Before the metamorphic properties: a kernel that writes into its inputs (one that
+    centres K in place gets the right out) fails those, which call it again on the tensors it changed,
+    with messages about shifts and permutations; this one names the cause, and runs first under -x."""
+    check_attention("inputs_untouched", impl, dtype, env)
+
+
 def test_block_size_invariance(impl, dtype, env):
     check_attention("block_size_invariance", impl, dtype, env, requires=["tunable"])
 
