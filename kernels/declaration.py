@@ -192,6 +192,9 @@ class Implementation:
         why = "not covered, declared unsupported"
         if self.kind != "attention":
             return out
+        left = [d for d in ALL_DTYPES if d not in self.dtypes]
+        if left:
+            out.append(f"{dtype_names(left)}: {why}")
         if self.equal_lengths:
             out.append(f"Nq != Nk: {why}")
         mq, mk = self.length_multiples

@@ -15,7 +15,6 @@ rows, :meth:`AttentionSpec.counts` for whole-problem answers), so a new kind of 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
@@ -77,17 +76,3 @@ class AttentionSpec:
         if not self.causal:
             return "non-causal"
         return "causal" if self.alignment == "bottom_right" else f"causal {self.alignment}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Any) -> "AttentionSpec":
-        """From parsed JSON: an object with known fields only (a missing one takes its default)."""
-        if not isinstance(data, dict):
-            raise ValueError(f"an attention spec should be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown attention spec fields {unknown}; known: {sorted(known)}")
-        return cls(**data)

@@ -57,18 +57,22 @@ class CaseError(ValueError):
     """A case description is not valid (bad field, inconsistent shapes, unknown class)."""
 
 
-def case_from_dict(cls, data: Any):
-    """Build a case dataclass from parsed JSON: an object with exactly the known fields, validated."""
+def case_from_dict(cls, data: Any, *, what: str = "case"):
+    """Build a case dataclass (or a part of one, ``what``) from parsed JSON: an object with the known
+    fields only, validated by the class."""
     if not isinstance(data, dict):
-        raise CaseError(f"a case should be a JSON object, got {type(data).__name__}")
+        article = "an" if what[0] in "aeiou" else "a"
+        raise CaseError(f"{article} {what} should be a JSON object, got {type(data).__name__}")
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - fields)
     if unknown:
-        raise CaseError(f"unknown case fields {unknown}; known: {sorted(fields)}")
+        raise CaseError(f"unknown {what} fields {unknown}; known: {sorted(fields)}")
     try:
         return cls(**data)
-    except TypeError as exc:
-        raise CaseError(f"incomplete case: {exc}") from None
+    except CaseError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise CaseError(f"{'incomplete' if isinstance(exc, TypeError) else 'invalid'} {what}: {exc}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,10 +160,7 @@ class AttentionCase:
         if isinstance(data, dict) and "causal" in data and "spec" not in data:
             data = {**{k: v for k, v in data.items() if k != "causal"}, "spec": {"causal": data["causal"]}}
         if isinstance(data, dict) and "spec" in data:
-            try:
-                data = {**data, "spec": AttentionSpec.from_dict(data["spec"])}
-            except (TypeError, ValueError) as exc:
-                raise CaseError(f"spec: {exc}") from None
+            data = {**data, "spec": case_from_dict(AttentionSpec, data["spec"], what="attention spec")}
         return case_from_dict(cls, data)
 
     @classmethod

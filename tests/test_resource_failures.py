@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.registry import load
+from kernels.registry import Implementation, load
 from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from verify.harness import Context, PropertyFailure, StickyDeviceError, resource_failure, run_forward
-from verify.measure import run_backward
+from verify.measure import run_backward, run_direct_backward
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -202,6 +202,23 @@ def test_run_backward_words_a_resource_failure_of_the_backward():
     assert ": resource limit (not a wrong answer): the kernel's backward needs 36864 bytes of shared memory, " \
            "the card has 24576, at head_dim 48 with the kernel's own blocks (float32)" in str(info.value)
     assert info.value.case == case and "--property gradients_match_reference" in info.value.replay
+
+
+def test_a_declared_backward_s_resource_failure_is_worded_too():
+    """delta_matches_reference calls the declared backward directly (not through autograd)."""
+    case = _case(48, None, None, "float32")
+    t = case.build()
+
+    def backward(q, k, v, out, lse, dout, *, causal, scale):
+        raise OutOfResources(36864, 24576, "shared memory")
+
+    impl = Implementation(name="direct", forward=lambda q, k, v, *, causal, scale: (q.clone(), None),
+                          backward=backward)
+    ctx = Context(impl=impl, prop="delta_matches_reference", case=case)
+    with pytest.raises(PropertyFailure) as info:
+        run_direct_backward(ctx, case, t.q, t.k, t.v, t.q, None, t.dout)
+    assert "direct: resource limit (not a wrong answer): the kernel's backward needs 36864 bytes of shared " \
+           "memory, the card has 24576, at head_dim 48" in str(info.value)
 
 
 def test_a_kernel_that_raises_for_another_reason_still_raises_its_own_error():

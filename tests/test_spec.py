@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from references.spec import ALIGNMENTS, AttentionSpec
+from strategies.cases import AttentionCase, CaseError
 
 
 @pytest.mark.parametrize("causal, alignment", list(itertools.product([False, True], ALIGNMENTS)))
@@ -43,11 +44,17 @@ def test_a_spec_is_a_value():
     assert AttentionSpec(True) == AttentionSpec(True, "bottom_right")
     assert len({AttentionSpec(True), AttentionSpec(True), AttentionSpec(False)}) == 2
     spec = AttentionSpec(True, "top_left")
-    assert AttentionSpec.from_dict(spec.to_dict()) == spec
-    assert AttentionSpec.from_dict({"causal": True}) == AttentionSpec(True)
-    with pytest.raises(ValueError, match=r"unknown attention spec fields \['window'\]"):
-        AttentionSpec.from_dict({"causal": True, "window": 3})
-    with pytest.raises(ValueError, match="should be a JSON object"):
-        AttentionSpec.from_dict([True])
+    case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=2, len_k=3, head_dim=4, dtype="float32", spec=spec)
+    assert AttentionCase.from_json(case.to_json()) == case and '"spec":{"causal":true,"alignment":"top_left"}' \
+        in case.to_json()
+    # A case written before cases carried a spec: its causal flag, bottom-right.
+    old = {k: v for k, v in case.to_dict().items() if k != "spec"}
+    assert AttentionCase.from_dict({**old, "causal": True}).spec == AttentionSpec(True)
+    with pytest.raises(CaseError, match=r"unknown attention spec fields \['window'\]"):
+        AttentionCase.from_dict({**old, "spec": {"causal": True, "window": 3}})
+    with pytest.raises(CaseError, match="an attention spec should be a JSON object"):
+        AttentionCase.from_dict({**old, "spec": [True]})
+    with pytest.raises(CaseError, match="invalid attention spec: alignment='middle'"):
+        AttentionCase.from_dict({**old, "spec": {"causal": True, "alignment": "middle"}})
     assert [AttentionSpec(False).describe(), AttentionSpec(True).describe(), spec.describe()] == [
         "non-causal", "causal", "causal top_left"]

@@ -400,8 +400,7 @@ def delta_matches_reference(ctx: Context, case: AttentionCase) -> None:
     t = case.build(ctx.device)
     out, lse = run_forward(ctx, case, t.q, t.k, t.v)
     _needs_lse(ctx, lse)
-    _, _, _, delta = ctx.impl.call_backward(t.q, t.k, t.v, out, lse, t.dout, spec=case.spec, scale=case.scale,
-                                            block_m=case.block_m, block_n=case.block_n)
+    _, _, _, delta = measure.run_direct_backward(ctx, case, t.q, t.k, t.v, out, lse, t.dout)
     truth = _truth(ctx, case, t.q, t.k, t.v, dout=t.dout)
     ref = truth.ref
     identity = ref.rowwise(lambda c: (c.p * c.dp).sum(dim=-1))
