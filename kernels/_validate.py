@@ -17,6 +17,16 @@ def dtype_names(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(dtype_name(d) for d in dtypes)
 
 
+def check_window(window_size, *, kernel: str) -> tuple[int, int]:
+    """``window_size`` as ``(left, right)``: a pair of ints >= -1 (-1 unbounded, flash_attn's convention)."""
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
+        isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+    if not ok:
+        raise ValueError(f"{kernel}: window_size={window_size!r}, but should be a pair (left, right) of ints >= -1 "
+                         "(-1: unbounded)")
+    return int(window_size[0]), int(window_size[1])
+
+
 def check_block(name: str, value, *, kernel: str, allowed: Iterable[int] | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{kernel}: {name}={value!r}, but should be a positive int")

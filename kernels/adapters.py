@@ -27,25 +27,28 @@ class _Eager(torch.autograd.Function):
     so that the kernel checked here is the baseline the other kernels are measured against."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        out, lse = baseline.forward(q, k, v, spec=AttentionSpec(causal=causal), scale=scale)
+    def forward(ctx, q, k, v, spec, scale):
+        out, lse = baseline.forward(q, k, v, spec=spec, scale=scale)
         ctx.save_for_backward(q, k, v, out)
-        ctx.settings = (causal, scale)
+        ctx.settings = (spec, scale)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out = ctx.saved_tensors
-        causal, scale = ctx.settings
-        dq, dk, dv, _ = baseline.backward(q, k, v, dout, spec=AttentionSpec(causal=causal), scale=scale, out=out)
+        spec, scale = ctx.settings
+        dq, dk, dv, _ = baseline.backward(q, k, v, dout, spec=spec, scale=scale, out=out)
         return dq, dk, dv, None, None
 
 
-def eager_forward(q, k, v, *, causal: bool = False, scale: float | None = None):
-    """Eager attention at the inputs' precision, with the baseline's own backward."""
+def eager_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
+                  window_size: tuple[int, int] = (-1, -1)):
+    """Eager attention at the inputs' precision, with the baseline's own backward; ``window_size``:
+    a sliding window ``(left, right)`` in flash_attn's convention (-1 unbounded)."""
     _validate.check_attention_inputs(q, k, v, kernel="eager", dtypes=ALL_DTYPES, scale=scale)
-    return _Eager.apply(q, k, v, causal, scale)
+    left, right = _validate.check_window(window_size, kernel="eager")
+    return _Eager.apply(q, k, v, AttentionSpec(causal=causal, window_left=left, window_right=right), scale)
 
 
 def sdpa_math_forward(q, k, v, *, causal: bool = False, scale: float | None = None):

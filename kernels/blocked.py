@@ -28,6 +28,8 @@ Backward (KV blocks outer, Q blocks inner) recomputes ``P = exp(s - lse)`` from 
     dK += scale * dS^T Q;    dQ += scale * dS K
 
 Causal masking is bottom-right aligned: key ``j`` is visible to query ``i`` iff ``j <= i + Nk - Nq``.
+A sliding window ``window_size=(left, right)`` (flash_attn's convention, -1 unbounded) also hides the
+keys outside ``i + Nk - Nq - left .. i + Nk - Nq + right``; it only masks, the tile loops are unchanged.
 Key blocks that no query of a Q tile can see are skipped; a row that sees no key at all gets
 ``out = 0`` and ``lse = -inf``. Grouped-query attention maps query head ``h`` to key/value head
 ``h // (Hq // Hkv)``; dK and dV sum over the query heads of a group.
@@ -35,6 +37,7 @@ Key blocks that no query of a Q tile can see are skipped; a row that sees no key
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -43,6 +46,7 @@ from kernels import _autograd, _validate
 from kernels.declaration import ALL_DTYPES
 
 NEG_INF = float("-inf")
+NO_WINDOW = (-1, -1)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -92,10 +96,26 @@ def _scores(q_tile, k_tile, scale, acc_dtype):
     return (q_tile.to(acc_dtype) @ k_tile.to(acc_dtype).transpose(-1, -2)) * scale
 
 
-def _mask(s, causal, m0, m1, n0, n1, len_q, len_k):
+def _in_window(m0: int, m1: int, n0: int, n1: int, len_q: int, len_k: int, window, device) -> torch.Tensor:
+    """Keys n0:n1 inside the sliding window ``(left, right)`` of queries m0:m1 (flash_attn's convention:
+    around the bottom-right diagonal, -1 unbounded; bool [m1-m0, n1-n0])."""
+    rows = torch.arange(m0, m1, device=device)[:, None] + (len_k - len_q)
+    cols = torch.arange(n0, n1, device=device)[None, :]
+    left, right = window
+    inside = torch.ones(m1 - m0, n1 - n0, dtype=torch.bool, device=device)
+    if left >= 0:
+        inside &= cols >= rows - left
+    if right >= 0:
+        inside &= cols <= rows + right
+    return inside
+
+
+def _mask(s, causal, m0, m1, n0, n1, len_q, len_k, window=NO_WINDOW):
     if causal:
         visible = _visible(m0, m1, n0, n1, len_q, len_k, s.device)
         s = s.masked_fill(~visible, NEG_INF)
+    if window != NO_WINDOW:  # the tile loops' bounds stay the causal ones: a window only narrows them
+        s = s.masked_fill(~_in_window(m0, m1, n0, n1, len_q, len_k, window, s.device), NEG_INF)
     return s
 
 
@@ -119,10 +139,11 @@ def _outputs(q, k, v, out, lse, *, kernel):
 
 
 def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,
-                    block_m: int = 64, block_n: int = 64, out=None, lse=None):
+                    block_m: int = 64, block_n: int = 64, out=None, lse=None, window_size=NO_WINDOW):
     """FA2 forward without autograd: returns ``(out, lse)``. ``out``/``lse`` given: the results are
     written into them (any strides) and they are returned."""
     scale = _check(q, k, v, kernel="fa2_blocked", scale=scale, block_m=block_m, block_n=block_n)
+    window = _validate.check_window(window_size, kernel="fa2_blocked")
     out, lse = _outputs(q, k, v, out, lse, kernel="fa2_blocked")
     b, hq, len_q, d = q.shape
     len_k = k.shape[2]
@@ -138,7 +159,7 @@ def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
         for n0 in range(0, kv_end, block_n):
             n1 = min(n0 + block_n, len_k)
             s = _scores(q_tile, k_all[:, :, n0:n1], scale, acc_dtype)
-            s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k)
+            s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k, window)
             m_new = torch.maximum(m_i, s.amax(dim=-1))
             # Rows that have seen no visible key yet keep m = -inf; subtract 0 there instead.
             m_ref = torch.where(m_new == NEG_INF, 0.0, m_new)
@@ -155,10 +176,11 @@ def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
 
 
 def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,
-                    block_m: int = 64, block_n: int = 64, out=None, lse=None):
+                    block_m: int = 64, block_n: int = 64, out=None, lse=None, window_size=NO_WINDOW):
     """FA1 forward without autograd: returns ``(out, lse)``; the output is renormalised every step.
     ``out``/``lse`` given: the results are written into them (any strides) and they are returned."""
     scale = _check(q, k, v, kernel="fa1_blocked", scale=scale, block_m=block_m, block_n=block_n)
+    window = _validate.check_window(window_size, kernel="fa1_blocked")
     out, lse = _outputs(q, k, v, out, lse, kernel="fa1_blocked")
     b, hq, len_q, d = q.shape
     len_k = k.shape[2]
@@ -173,7 +195,7 @@ def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
         for m0 in range(_q_start(n0, len_q, len_k, block_m, causal), len_q, block_m):
             m1 = min(m0 + block_m, len_q)
             s = _scores(q[:, :, m0:m1], k_tile, scale, acc_dtype)
-            s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k)
+            s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k, window)
             m_old, l_old = m[:, :, m0:m1], l[:, :, m0:m1]
             m_new = torch.maximum(m_old, s.amax(dim=-1))
             m_ref = torch.where(m_new == NEG_INF, 0.0, m_new)
@@ -190,9 +212,10 @@ def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
 
 
 def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
-                 block_m: int = 64, block_n: int = 64):
+                 block_m: int = 64, block_n: int = 64, window_size=NO_WINDOW):
     """Blocked FA2 backward: returns ``(dq, dk, dv, delta)`` with ``delta = rowsum(dO * O)``."""
     scale = _check(q, k, v, kernel="fa2_blocked backward", scale=scale, block_m=block_m, block_n=block_n)
+    window = _validate.check_window(window_size, kernel="fa2_blocked backward")
     _validate.check_backward_inputs(q, k, v, out, lse, dout, kernel="fa2_blocked backward")
     b, hq, len_q, d = q.shape
     hkv, len_k = k.shape[1], k.shape[2]
@@ -214,7 +237,7 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
             m1 = min(m0 + block_m, len_q)
             q_tile, do_tile = q[:, :, m0:m1], do[:, :, m0:m1]
             s = _scores(q_tile, k_tile, scale, acc_dtype)
-            s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k)
+            s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k, window)
             p = torch.exp(s - lse_ref[:, :, m0:m1, None])
             dv_acc += p.to(q.dtype).to(acc_dtype).transpose(-1, -2) @ do_tile
             dp = do_tile @ v_tile.transpose(-1, -2)
@@ -228,28 +251,33 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), delta
 
 
-def _apply(q, k, v, causal, scale, block_m, block_n, forward_raw, out, lse, kernel):
+def _apply(q, k, v, causal, scale, block_m, block_n, forward_raw, out, lse, kernel, window_size):
     buffers = None
+    window = _validate.check_window(window_size, kernel=kernel)
     if out is not None or lse is not None:
         _check(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
         buffers = _outputs(q, k, v, out, lse, kernel=kernel)
+    backward = fa2_backward
+    if window != NO_WINDOW:
+        forward_raw = functools.partial(forward_raw, window_size=window)
+        backward = functools.partial(fa2_backward, window_size=window)
     return _autograd.apply(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                           forward=forward_raw, backward=fa2_backward, buffers=buffers)
+                           forward=forward_raw, backward=backward, buffers=buffers)
 
 
 def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                block_m: int = 64, block_n: int = 64, out=None, lse=None):
+                block_m: int = 64, block_n: int = 64, out=None, lse=None, window_size=NO_WINDOW):
     """FA2 forward with autograd: ``(out, lse)``; gradients flow through ``out``.
 
     ``out=`` (q's shape and dtype) and ``lse=`` (``[B, Hq, Nq]``, float32; float64 for float64 inputs),
     views with any strides, receive the results, and are what is returned (see ``out_buffers`` in
     :class:`kernels.registry.Implementation`); gradients still flow to q, k, v through the returned out.
     """
-    return _apply(q, k, v, causal, scale, block_m, block_n, fa2_forward_raw, out, lse, "fa2_blocked")
+    return _apply(q, k, v, causal, scale, block_m, block_n, fa2_forward_raw, out, lse, "fa2_blocked", window_size)
 
 
 def fa1_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                block_m: int = 64, block_n: int = 64, out=None, lse=None):
+                block_m: int = 64, block_n: int = 64, out=None, lse=None, window_size=NO_WINDOW):
     """FA1 forward with autograd (the backward is the blocked FA2 backward, which needs only O and LSE);
     ``out=``/``lse=`` as for :func:`fa2_forward`."""
-    return _apply(q, k, v, causal, scale, block_m, block_n, fa1_forward_raw, out, lse, "fa1_blocked")
+    return _apply(q, k, v, causal, scale, block_m, block_n, fa1_forward_raw, out, lse, "fa1_blocked", window_size)

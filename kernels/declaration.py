@@ -35,7 +35,7 @@ class Implementation:
     """One kernel under test and what it declares it supports.
 
     Attention kernels (``kind="attention"``):
-      forward(q, k, v, *, causal, scale[, block_m, block_n][, out, lse]) -> (out, lse) or out
+      forward(q, k, v, *, causal, scale[, window_size][, block_m, block_n][, out, lse]) -> (out, lse) or out
       backward(q, k, v, out, lse, dout, *, causal, scale[, block_m, block_n]) -> (dq, dk, dv, delta)
     Softmax kernels (``kind="softmax"``):
       forward(x[, block_n=...]) -> (y, lse) over the last dimension of a 2-D float tensor.
@@ -51,6 +51,8 @@ class Implementation:
     gqa: bool = False
     causal: bool = True
     causal_alignment: str = "bottom_right"
+    # Sliding windows (flash_attn's convention): the forward takes window_size=(left, right), -1 unbounded.
+    windows: bool = False
     # Tunable tiles: the block sizes the suite may draw (None: not tunable).
     block_m: Sequence[int] | None = None
     block_n: Sequence[int] | None = None
@@ -130,7 +132,7 @@ class Implementation:
         for field in ("len_q_multiple", "len_k_multiple"):
             positive_int(field, getattr(self, field))
         positive_int("min_len", self.min_len, zero=True)
-        for field in ("equal_lengths", "non_causal", "contiguous_only", "causal"):
+        for field in ("equal_lengths", "non_causal", "contiguous_only", "causal", "windows"):
             if not isinstance(getattr(self, field), bool):
                 raise ImplementationError(f"{self.name}: {field}={getattr(self, field)!r}, but should be a bool")
         if not self.causal and not self.non_causal:
@@ -227,6 +229,8 @@ class Implementation:
             out.append(f"B x Hq above {self.max_batch_heads}: {why}")
         if not self.gqa:
             out.append(f"grouped-query attention (Hkv < Hq): {why}")
+        if not self.windows:
+            out.append(f"sliding windows: {why}")
         return out
 
     @property
@@ -265,6 +269,8 @@ class Implementation:
             return f"{self.name} declares no causal masking"
         if not spec.causal and not self.non_causal:
             return f"{self.name} declares causal attention only"
+        if spec.windowed and not self.windows:
+            return f"{self.name} declares no sliding window"
         if spec.causal and spec.alignment != self.causal_alignment:
             return (f"{self.name} aligns causal masks {self.causal_alignment}; the case asks for "
                     f"{spec.alignment}")
@@ -277,6 +283,8 @@ class Implementation:
         if why is not None:
             raise ImplementationError(why)
         kwargs: dict[str, Any] = {"causal": spec.causal, "scale": scale}
+        if spec.windowed:
+            kwargs["window_size"] = (spec.window_left, spec.window_right)
         if self.tunable and block_m is not None:
             kwargs["block_m"] = block_m
         if self.tunable and block_n is not None:

@@ -29,50 +29,88 @@ def require_spec(spec) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
+    """The attention one call computes. ``causal`` and its ``alignment``; a sliding window
+    ``(window_left, window_right)`` in the flash_attn convention: -1 is unbounded, and query ``i`` sees the
+    keys ``j`` with ``i + offset - window_left <= j <= i + offset + window_right`` (``offset``: the
+    alignment's diagonal, ``Nk - Nq`` bottom-right, 0 top-left), intersected with the causal mask when
+    causal. The keys a query sees are always one contiguous range, and both its ends grow with the row:
+    :meth:`key_range` gives the ranges, :meth:`rows` the mask, :meth:`counts` the counts."""
+
     causal: bool = False
     alignment: str = "bottom_right"
+    window_left: int = -1
+    window_right: int = -1
 
     def __post_init__(self) -> None:
         if not isinstance(self.causal, bool):
             raise TypeError(f"causal={self.causal!r}, but should be a bool")
         if self.alignment not in ALIGNMENTS:
             raise ValueError(f"alignment={self.alignment!r}, but should be one of {ALIGNMENTS}")
+        for name in ("window_left", "window_right"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+                raise ValueError(f"{name}={value!r}, but should be an int >= -1 (-1: unbounded)")
+
+    @property
+    def windowed(self) -> bool:
+        """Whether a sliding window bounds either side."""
+        return self.window_left >= 0 or self.window_right >= 0
 
     def offset(self, len_q: int, len_k: int) -> int:
-        """The diagonal's shift: query ``i`` sees keys ``j <= i + offset`` (when causal)."""
+        """The diagonal's shift: query ``i``'s diagonal is key ``i + offset`` (the causal mask's last key)."""
         return len_k - len_q if self.alignment == "bottom_right" else 0
+
+    def key_range(self, len_q: int, len_k: int, *, device=None,
+                  rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(first, end)`` int64 ``[r1 - r0]``: query ``i`` sees keys ``first[i] <= j < end[i]`` (``end =
+        first`` when it sees none); both are non-decreasing in ``i``."""
+        r0, r1 = (0, len_q) if rows is None else rows
+        if not 0 <= r0 <= r1 <= len_q:
+            raise ValueError(f"rows=({r0}, {r1}), but should satisfy 0 <= r0 <= r1 <= len_q={len_q}")
+        diag = torch.arange(r0, r1, device=device) + self.offset(len_q, len_k)
+        first = (diag - self.window_left).clamp(min=0, max=len_k) if self.window_left >= 0 else torch.zeros_like(diag)
+        end = torch.full_like(diag, len_k)
+        if self.window_right >= 0:
+            end = torch.minimum(end, diag + self.window_right + 1)
+        if self.causal:
+            end = torch.minimum(end, diag + 1)
+        return first, torch.maximum(end.clamp(min=0), first)
 
     def visible(self, i: int, j: int, len_q: int, len_k: int) -> bool:
         """Whether query ``i`` may see key ``j`` (one pair: the mpmath reference's loop)."""
-        return not self.causal or j <= i + self.offset(len_q, len_k)
+        diag = i + self.offset(len_q, len_k)
+        if self.causal and j > diag:
+            return False
+        if self.window_right >= 0 and j > diag + self.window_right:
+            return False
+        return not (self.window_left >= 0 and j < diag - self.window_left)
 
     def rows(self, len_q: int, len_k: int, *, device=None, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Bool ``[r1 - r0, Nk]``: True where query ``i`` (``r0 <= i < r1``, default all rows) may see key
         ``j``. Use it on chunks of rows: the whole mask is an ``Nq x Nk`` matrix."""
-        r0, r1 = (0, len_q) if rows is None else rows
-        if not 0 <= r0 <= r1 <= len_q:
-            raise ValueError(f"rows=({r0}, {r1}), but should satisfy 0 <= r0 <= r1 <= len_q={len_q}")
-        if not self.causal:
-            return torch.ones(r1 - r0, len_k, dtype=torch.bool, device=device)
-        i = torch.arange(r0, r1, device=device)[:, None]
+        first, end = self.key_range(len_q, len_k, device=device, rows=rows)
         j = torch.arange(len_k, device=device)[None, :]
-        return j <= i + self.offset(len_q, len_k)
+        return (j >= first[:, None]) & (j < end[:, None])
 
     def counts(self, len_q: int, len_k: int, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(per_row [Nq], per_key [Nk])`` int64: the keys each query sees (keys ``0 .. per_row - 1``)
-        and the queries that see each key, without forming the mask."""
-        if not self.causal:
-            return (torch.full((len_q,), len_k, dtype=torch.int64, device=device),
-                    torch.full((len_k,), len_q, dtype=torch.int64, device=device))
-        offset = self.offset(len_q, len_k)
-        i = torch.arange(len_q, device=device)
+        """``(per_row [Nq], per_key [Nk])`` int64: the keys each query sees and the queries that see each
+        key, without forming the mask (the rows that see key ``j`` are one range too: those whose range
+        ends after ``j``, up to the last whose range starts at or before it)."""
+        first, end = self.key_range(len_q, len_k, device=device)
         j = torch.arange(len_k, device=device)
-        per_row = (i + offset + 1).clamp(min=0, max=len_k)
-        per_key = (len_q - (j - offset).clamp(min=0)).clamp(min=0, max=len_q)
-        return per_row, per_key
+        from_row = torch.searchsorted(end, j, right=True)  # the first row whose range ends after j
+        to_row = torch.searchsorted(first, j, right=True)  # the rows whose range starts at or before j
+        return end - first, (to_row - from_row).clamp(min=0)
 
     def describe(self) -> str:
-        """``causal`` / ``causal top_left`` / ``non-causal``: the spec in a case's one-line description."""
+        """``causal`` / ``causal top_left`` / ``non-causal``, with ``window (left, right)`` when windowed:
+        the spec in a case's one-line description."""
         if not self.causal:
-            return "non-causal"
-        return "causal" if self.alignment == "bottom_right" else f"causal {self.alignment}"
+            words = "non-causal"
+        else:
+            words = "causal" if self.alignment == "bottom_right" else f"causal {self.alignment}"
+        if self.windowed:
+            words += f" window ({self.window_left}, {self.window_right})"
+            if not self.causal and self.alignment != "bottom_right":
+                words += f" {self.alignment}"
+        return words

@@ -32,6 +32,9 @@ REQUIRED: dict[str, str | None] = {
     "scale_above_one": None,
     "scale_tiny": None,
     "scale_not_float16": None,
+    "window_zero": None,  # drawn for the kernels that declare sliding windows (eager among the shipped)
+    "window_narrow": None,
+    "window_at_least_n": None,
 }
 
 

@@ -147,7 +147,7 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                     min_len_k: int = 0, min_len_q: int = 1, min_group: int = 1, longer: str | None = None,
                     max_extra: int = 8, equal_lengths: bool = False, len_q_multiple: int = 1,
                     len_k_multiple: int = 1, scale_choices: Sequence[float | None] | None = None,
-                    max_batch_heads: int | None = None):
+                    max_batch_heads: int | None = None, windows: bool = False):
     """Return a strategy for :class:`AttentionCase` values.
 
     dtype          the dtype name (``"float16"`` ...), fixed by the test's parametrisation
@@ -175,6 +175,9 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                       failures shrink to the smallest conforming length), at least one multiple
     scale_choices     the scales to draw from (the first is what failures shrink to; None: the default)
     max_batch_heads   B * Hq at most
+    windows           also draw sliding windows (each side unbounded, -1, first: failures shrink to no
+                      window, then to window 0; else a narrow 0 .. 4 or any 0 .. max(Nq, Nk) + 1, so widths
+                      0, 1, a few and >= N all occur)
     The classes a limit contradicts are left out (``no_keys`` with equal lengths or a minimum key count,
     ``decode`` with a query multiple above 1, the tile classes with any length limit).
 
@@ -301,10 +304,15 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         scale = draw(st.sampled_from(list(scale_choices)), label="scale") if draw_scale else scale_choices[0]
     else:
         scale = draw(scales(), label="scale") if draw_scale else None
+    window = (-1, -1)
+    if windows:
+        side = st.one_of(st.just(-1), st.integers(0, 4), st.integers(0, max(len_q, len_k) + 1))
+        window = (draw(side, label="window_left"), draw(side, label="window_right"))
     seed = draw(st.integers(0, 2 ** 16), label="seed")
     return AttentionCase(batch=batch, heads_q=heads_kv * group, heads_kv=heads_kv, len_q=len_q,
                          len_k=len_k, head_dim=head_dim, dtype=dtype,
-                         spec=AttentionSpec(causal=is_causal, alignment=alignment),
+                         spec=AttentionSpec(causal=is_causal, alignment=alignment, window_left=window[0],
+                                            window_right=window[1]),
                          magnitude=magnitude, seed=seed, layout=layout, scale=scale,
                          block_m=bm, block_n=bn)
 
@@ -354,13 +362,16 @@ def boundary_classes(case: AttentionCase) -> list[str]:
         "kv_tiles_wider": causal and any(n > m and nk >= 2 * n for m, n in pairs),
         "k_aligned_q_ragged": causal and nk > 0 and any(nk % n == 0 and nq % m != 0 for m, n in pairs),
         "masked_q_tiles": causal and any(nq - nk >= m for m, _ in pairs),
-        "fully_masked_rows": (causal and nq > nk) or nk == 0,
+        "fully_masked_rows": bool((case.spec.counts(nq, nk)[0] == 0).any()) if nq else False,
         "storage_offset": case.layout == "packed",
         "scale_zero": case.scale == 0,
         "scale_negative": case.scale is not None and case.scale < 0,
         "scale_above_one": case.scale is not None and case.scale > 1,
         "scale_tiny": case.scale is not None and 0 < abs(case.scale) < 1e-4,
         "scale_not_float16": case.scale is not None and _not_float16(case.scale),
+        "window_zero": case.spec.window_left == 0 or case.spec.window_right == 0,
+        "window_narrow": any(0 < w < max(nq, nk) for w in (case.spec.window_left, case.spec.window_right)),
+        "window_at_least_n": any(w >= max(nq, nk) for w in (case.spec.window_left, case.spec.window_right)),
     }
     return [name for name, hit in checks.items() if hit]
 
@@ -374,4 +385,4 @@ BOUNDARY_CLASSES = ("decode", "decode_causal_gqa", "no_keys", "gqa", "len_over_6
                     "len_at_power_of_two_edge", "head_dim_over_64", "head_dim_over_128",
                     "head_dim_not_power_of_two", "kv_tiles_wider", "k_aligned_q_ragged", "masked_q_tiles",
                     "fully_masked_rows", "storage_offset", "scale_zero", "scale_negative", "scale_above_one",
-                    "scale_tiny", "scale_not_float16")
+                    "scale_tiny", "scale_not_float16", "window_zero", "window_narrow", "window_at_least_n")

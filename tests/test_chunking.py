@@ -53,10 +53,15 @@ def chunk_cases(draw, *, max_len: int = 9, max_dim: int = 6):
         head_dim=draw(st.integers(1, max_dim), label="head_dim"),
         causal=draw(st.booleans(), label="causal"),
         alignment=draw(st.sampled_from(ALIGNMENTS), label="alignment"),
+        window=tuple(draw(st.one_of(st.just(-1), st.integers(0, 4)), label=f"window_{side}") for side in "lr"),
         dtype=draw(st.sampled_from(DTYPES), label="dtype"),
         rows=draw(st.integers(1, 3), label="rows"),
         seed=draw(st.integers(0, 2 ** 31 - 1), label="seed"),
     )
+
+
+def _spec(case) -> AttentionSpec:
+    return AttentionSpec(case["causal"], case["alignment"], *case["window"])
 
 
 def _inputs(case):
@@ -98,7 +103,7 @@ def _both(case, fn):
 @given(case=chunk_cases())
 def test_chunked_reference_equals_one_chunk(case):
     q, k, v, dout = _inputs(case)
-    kw = dict(spec=AttentionSpec(causal=case["causal"], alignment=case["alignment"]))
+    kw = dict(spec=_spec(case))
     whole, chunked = _both(case, lambda: ra.attention(q, k, v, dout=dout, **kw))
     scale = whole.scale
     kap = kappa(q, k, scale=scale, len_k=k.shape[2])
@@ -138,7 +143,7 @@ def test_reference_holds_no_score_matrix():
 @given(case=chunk_cases())
 def test_chunked_bounds_equal_one_chunk(case):
     q, k, v, dout = _inputs(case)
-    kw = dict(spec=AttentionSpec(causal=case["causal"], alignment=case["alignment"]))
+    kw = dict(spec=_spec(case))
     dtype = q.dtype
     out = ra.attention(q, k, v, **kw).out.to(dtype)  # a kernel output within its rounding
 
@@ -164,7 +169,7 @@ def test_chunked_bounds_equal_one_chunk(case):
 @given(case=chunk_cases())
 def test_chunked_criteria_magnitudes_equal_one_chunk(case):
     q, k, v, dout = _inputs(case)
-    kw = dict(spec=AttentionSpec(causal=case["causal"], alignment=case["alignment"]))
+    kw = dict(spec=_spec(case))
     ref = ra.attention(q, k, v, dout=dout, **kw)
 
     def run():
@@ -182,7 +187,7 @@ def test_chunked_criteria_magnitudes_equal_one_chunk(case):
 def test_chunked_baseline_equals_one_chunk(case):
     """Row-wise results at the baseline's precision; dK and dV in another float32 summation order."""
     q, k, v, dout = _inputs(case)
-    kw = dict(spec=AttentionSpec(causal=case["causal"], alignment=case["alignment"]))
+    kw = dict(spec=_spec(case))
     whole, chunked = _both(case, lambda: baseline.forward(q, k, v, **kw) + baseline.backward(q, k, v, dout, **kw))
     ref = ra.attention(q, k, v, dout=dout, **kw)
     mags = magnitudes(ref, q, k, v, dout, scale=ref.scale)

@@ -69,6 +69,9 @@ def make_inputs(*, seed: int, kind: str, dtype: torch.dtype, batch: int, heads_q
     return tuple(t.to(dtype) for t in (q, k, v, dout))
 
 
+_window_side = st.one_of(st.just(-1), st.integers(0, 6))  # -1 unbounded (first: failures shrink to no window)
+
+
 @st.composite
 def attention_cases(draw, *, max_len: int = 5, max_dim: int = 5, kinds=KINDS):
     """Return a strategy for small attention cases (dict of keyword arguments for make_inputs, plus
@@ -83,10 +86,17 @@ def attention_cases(draw, *, max_len: int = 5, max_dim: int = 5, kinds=KINDS):
         head_dim=draw(st.integers(1, max_dim), label="head_dim"),
         causal=draw(st.booleans(), label="causal"),
         alignment=draw(st.sampled_from(ALIGNMENTS), label="alignment"),
+        window=(draw(_window_side, label="window_left"), draw(_window_side, label="window_right")),
         kind=draw(st.sampled_from(kinds), label="kind"),
         dtype=draw(st.sampled_from(DTYPES), label="dtype"),
         seed=draw(st.integers(0, 2 ** 31 - 1), label="seed"),
     )
+
+
+def _spec_of(case: dict) -> AttentionSpec:
+    """Take the spec's entries out of a drawn ``case`` (the rest are make_inputs' arguments)."""
+    window = case.pop("window")
+    return AttentionSpec(case.pop("causal"), case.pop("alignment"), window[0], window[1])
 
 
 # --- tolerances ---------------------------------------------------------------------------------------
@@ -131,13 +141,13 @@ def assert_close(*, name: str, actual: torch.Tensor, expected: torch.Tensor, tol
             f"(float64 {float(actual[idx])!r}, mpmath {float(expected[idx])!r}) [{case}]")
 
 
-def check_against_mp(*, q, k, v, dout, causal: bool, alignment: str, scale: float | None = None, case: str):
+def check_against_mp(*, q, k, v, dout, causal: bool, alignment: str, scale: float | None = None, case: str,
+                     window: tuple[int, int] = (-1, -1)):
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    ref = ref_attention.attention(q, k, v,
-                                  spec=AttentionSpec(causal=causal, alignment=alignment), scale=scale, dout=dout)
-    exact = ref_mp.attention(q, k, v, spec=AttentionSpec(causal=causal, alignment=alignment), scale=scale, dout=dout,
-                             probabilities=True)
+    spec = AttentionSpec(causal=causal, alignment=alignment, window_left=window[0], window_right=window[1])
+    ref = ref_attention.attention(q, k, v, spec=spec, scale=scale, dout=dout)
+    exact = ref_mp.attention(q, k, v, spec=spec, scale=scale, dout=dout, probabilities=True)
     kap = kappa(q, k, scale=scale, len_k=k.shape[2])
     mags = magnitudes(exact, q, k, v, dout, scale=scale)
     names = ("p", "out", "lse") + (("delta", "dq", "dk", "dv") if dout is not None else ())
@@ -214,10 +224,10 @@ def test_attention_row_matches_whole_tensor_attention():
 @settings(**SETTINGS)
 @given(case=attention_cases())
 def test_float64_reference_matches_mpmath(case):
-    causal, alignment = case.pop("causal"), case.pop("alignment")
+    spec = _spec_of(case)
     q, k, v, dout = make_inputs(**case)
-    check_against_mp(q=q, k=k, v=v, dout=dout, causal=causal, alignment=alignment,
-                     case=f"{case}, causal={causal}, alignment={alignment}")
+    check_against_mp(q=q, k=k, v=v, dout=dout, causal=spec.causal, alignment=spec.alignment,
+                     window=(spec.window_left, spec.window_right), case=f"{case}, {spec}")
 
 
 ADVERSARIAL = [
@@ -249,6 +259,28 @@ def test_float64_reference_matches_mpmath_adversarial(kind, dtype, len_q, len_k,
         assert torch.all(ref.dq[:, :, empty] == 0) and torch.all(ref.delta[:, :, empty] == 0)
 
 
+WINDOWED = [
+    # (kind, dtype, Nq, Nk, D, causal, alignment, (left, right))
+    ("large_logits", torch.float16, 5, 7, 4, False, "bottom_right", (1, 0)),
+    ("dominant", torch.float32, 6, 4, 3, True, "bottom_right", (0, -1)),  # each row sees its diagonal key alone
+    ("ties", torch.bfloat16, 4, 6, 3, False, "top_left", (2, 1)),
+    ("normal", torch.float64, 3, 8, 2, False, "bottom_right", (0, 0)),  # keys 0..4 seen by no row
+    ("all_negative", torch.float64, 4, 4, 3, True, "bottom_right", (9, 9)),  # wider than N: no window
+]
+
+
+@pytest.mark.parametrize("kind,dtype,len_q,len_k,head_dim,causal,alignment,window", WINDOWED)
+def test_float64_reference_matches_mpmath_with_windows(kind, dtype, len_q, len_k, head_dim, causal, alignment,
+                                                       window):
+    q, k, v, dout = make_inputs(seed=13, kind=kind, dtype=dtype, batch=1, heads_q=2, heads_kv=1,
+                                len_q=len_q, len_k=len_k, head_dim=head_dim)
+    ref, exact = check_against_mp(q=q, k=k, v=v, dout=dout, causal=causal, alignment=alignment, window=window,
+                                  case=f"{kind}, {dtype}, Nq={len_q}, Nk={len_k}, D={head_dim}, window {window}")
+    unseen = ~ref.keys_seen
+    if unseen.any():  # keys no row sees get exactly zero gradients
+        assert torch.all(ref.dk[:, :, unseen] == 0) and torch.all(ref.dv[:, :, unseen] == 0)
+
+
 def test_float64_reference_scores_far_beyond_float16_range():
     # |scale q.k| ~ 1e5: a float16 or float32 exp overflows; the float64 reference must stay exact.
     q = torch.tensor([[[[300.0, -200.0], [250.0, 100.0]]]], dtype=F64)
@@ -264,9 +296,9 @@ def test_float64_reference_scores_far_beyond_float16_range():
 @given(case=attention_cases(max_len=24, max_dim=16))
 def test_delta_identity(case):
     """rowsum(dO * O) = rowsum(P * dP) with dP = dO V^T, to float64 rounding."""
-    causal, alignment = case.pop("causal"), case.pop("alignment")
+    spec = _spec_of(case)
     q, k, v, dout = make_inputs(**case)
-    ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=causal, alignment=alignment), dout=dout)
+    ref = ref_attention.attention(q, k, v, spec=spec, dout=dout)
     lhs = ref.delta
     dense = ref.dense()
     rhs = (dense.p * dense.dp).sum(-1)
@@ -279,11 +311,11 @@ def test_delta_identity(case):
     assert_close(name="delta identity", actual=lhs, expected=rhs, tol=tol, case=str(case))
 
 
-def naive_attention(q, k, v, *, causal: bool, alignment: str, scale: float):
+def naive_attention(q, k, v, *, spec: AttentionSpec, scale: float):
     """Float64 attention written the plain way, for autograd (fully masked rows give zeros)."""
     hq = q.shape[1]
     ke, ve = ref_attention.expand_kv(k, hq), ref_attention.expand_kv(v, hq)
-    vis = AttentionSpec(causal=causal, alignment=alignment).rows(q.shape[2], k.shape[2])
+    vis = spec.rows(q.shape[2], k.shape[2])
     s = (q @ ke.transpose(-1, -2)) * scale
     empty = ~vis.any(-1)[:, None]
     s = torch.where(vis & ~empty, s, torch.where(empty, 0.0, -math.inf))  # empty rows: finite dummy scores
@@ -295,14 +327,14 @@ def naive_attention(q, k, v, *, causal: bool, alignment: str, scale: float):
 @given(case=attention_cases(max_len=12, max_dim=8, kinds=("normal", "ties", "dominant", "all_negative",
                                                             "v_offset")))
 def test_reference_backward_matches_float64_autograd(case):
-    causal, alignment = case.pop("causal"), case.pop("alignment")
+    spec = _spec_of(case)
     q, k, v, dout = (t.to(F64) for t in make_inputs(**case))
     scale = 1.0 / math.sqrt(q.shape[-1])
-    dq, dk, dv, _ = ref_attention.backward(q, k, v, dout, spec=AttentionSpec(causal=causal, alignment=alignment))
+    dq, dk, dv, _ = ref_attention.backward(q, k, v, dout, spec=spec)
     qa, ka, va = (t.clone().requires_grad_(True) for t in (q, k, v))
-    out = naive_attention(qa, ka, va, causal=causal, alignment=alignment, scale=scale)
+    out = naive_attention(qa, ka, va, spec=spec, scale=scale)
     ga = torch.autograd.grad(out, (qa, ka, va), dout)
-    ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=causal, alignment=alignment), dout=dout)
+    ref = ref_attention.attention(q, k, v, spec=spec, dout=dout)
     kap = kappa(q, k, scale=scale, len_k=k.shape[2])
     mags = magnitudes(ref, q, k, v, dout, scale=scale)
     for name, mine, theirs in zip(("dq", "dk", "dv"), (dq, dk, dv), ga):

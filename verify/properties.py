@@ -125,16 +125,44 @@ def out_within_visible_values(ctx: Context, case: AttentionCase) -> None:
 
 def _visible_value_box(ref) -> tuple[torch.Tensor, torch.Tensor]:
     """Elementwise min and max ``[B, Hq, Nq, D]`` of the ``v`` rows each query row sees (0 for rows
-    that see none). The visible keys of a row are a prefix of the keys, so a running min and max over
-    the keys (``O(Nk D)``) answer every row without an ``Nq x Nk`` mask."""
-    n = ref.n_visible
+    that see none). The visible keys of a row are one range (``AttentionSpec.key_range``): a prefix
+    without a left window, where a running min and max over the keys (``O(Nk D)``) answer every row;
+    with one, a sparse table of minima and maxima over power-of-two spans (``O(Nk D log Nk)``). Neither
+    forms an ``Nq x Nk`` mask."""
+    first, end = ref.spec.key_range(ref.len_q, ref.len_k, device=ref.out.device)
+    has = (end > first)[None, None, :, None]
     if ref.len_k == 0:
         return torch.zeros_like(ref.out), torch.zeros_like(ref.out)
-    last = (n - 1).clamp(min=0)  # the last visible key of each row
-    lo = torch.cummin(ref.v_expanded, dim=2).values[:, :, last]
-    hi = torch.cummax(ref.v_expanded, dim=2).values[:, :, last]
-    has = (n > 0)[None, None, :, None]
+    last = (end - 1).clamp(min=0)  # the last visible key of each row
+    values = ref.v_expanded
+    if not bool((first > 0).any()):
+        lo, hi = torch.cummin(values, dim=2).values[:, :, last], torch.cummax(values, dim=2).values[:, :, last]
+    else:
+        seen = end > first  # rows that see no key get the dummy range [0, 1), masked below
+        lo, hi = _range_extremes(values, torch.where(seen, first, 0), torch.where(seen, end, 1))
     return torch.where(has, lo, 0.0), torch.where(has, hi, 0.0)
+
+
+def _range_extremes(values: torch.Tensor, first: torch.Tensor, end: torch.Tensor):
+    """Min and max of ``values[:, :, first[i]:end[i]]`` for every ``i`` (``end > first``), by a sparse
+    table: level ``l`` holds the extremes of the spans of ``2^l`` keys; a range is two spans that overlap."""
+    lows, highs = [values], [values]
+    width = 1
+    while 2 * width <= values.shape[2]:
+        lo, hi = lows[-1], highs[-1]
+        lows.append(torch.minimum(lo[:, :, :-width], lo[:, :, width:]))
+        highs.append(torch.maximum(hi[:, :, :-width], hi[:, :, width:]))
+        width *= 2
+    length = end - first
+    level = torch.floor(torch.log2(length.to(torch.float64))).to(torch.int64)  # 2^level <= length
+    lo = torch.empty(values.shape[:2] + (first.numel(), values.shape[3]), dtype=values.dtype, device=values.device)
+    hi = torch.empty_like(lo)
+    for l in level.unique().tolist():
+        rows = (level == l).nonzero().flatten()
+        a, b = first[rows], end[rows] - 2 ** l  # [a, a + 2^l) and [b, b + 2^l) cover [a, end)
+        lo[:, :, rows] = torch.minimum(lows[l][:, :, a], lows[l][:, :, b])
+        hi[:, :, rows] = torch.maximum(highs[l][:, :, a], highs[l][:, :, b])
+    return lo, hi
 
 
 @prop
@@ -281,22 +309,22 @@ def value_linearity(ctx: Context, case: AttentionCase) -> None:
 
 @prop
 def hidden_keys_never_reach_output(ctx: Context, case: AttentionCase) -> None:
-    """Under a causal mask, keys hidden from rows 0..r may hold NaN, inf or huge values (v: huge finite
-    values) without changing rows 0..r of out and lse.
+    """Under a causal mask (or a sliding window), keys hidden from rows 0..r may hold NaN, inf or huge
+    values (v: huge finite values) without changing rows 0..r of out and lse.
 
     A dot product multiplies each hidden value by p = 0, and 0 * inf = NaN, so a tensor-core kernel
     cannot hide inf/NaN in V at in-bounds positions that share a tile with visible ones; V is poisoned
     with the largest finite values instead. K may hold anything: masking selects, it never multiplies.
     """
-    if not case.causal:
-        raise NotForThisCase("needs a causal mask")
+    if not case.causal and not case.spec.windowed:
+        raise NotForThisCase("needs a causal mask or a sliding window")
     t = case.build(ctx.device)
     nq, nk = t.q.shape[2], t.k.shape[2]
-    per_row, _ = case.spec.counts(nq, nk)
     g = _rng(case, 5)
     cut = int(torch.randint(0, max(1, nq - 1), (1,), generator=g))  # rows 0..cut are checked
-    # Visible keys are a prefix, growing with the row: rows 0..cut see keys 0 .. per_row[cut] - 1.
-    hidden = torch.arange(nk) >= (per_row[cut] if nq else 0)
+    # Each row sees one range of keys and the ranges' ends never move back: rows 0..cut see keys
+    # first[0] .. end[cut] - 1 at most (the keys between are seen unless a range is empty).
+    hidden = ~case.spec.rows(nq, nk, rows=(0, min(cut + 1, nq))).any(dim=0)
     if not bool(hidden.any()):
         raise NotForThisCase("every key is visible to the checked rows")
     poison = [float("nan"), float("inf"), float("-inf"), 0.5 * torch.finfo(t.k.dtype).max][
@@ -377,6 +405,24 @@ def gqa_equals_repeated_heads(ctx: Context, case: AttentionCase) -> None:
     _same(ctx, what="out with GQA vs repeated K/V heads", a=out_g, b=out_f, tol=2 * bound["out"])
     if lse_g is not None:
         _same(ctx, what="lse with GQA vs repeated K/V heads", a=lse_g, b=lse_f, tol=2 * bound["lse"])
+
+
+@prop
+def wide_window_equals_no_window(ctx: Context, case: AttentionCase) -> None:
+    """A sliding window at least ``Nq + Nk`` wide on both sides sees every key the unwindowed mask sees:
+    out and lse equal those without a window (the kernel's windowed and plain paths agree)."""
+    if not ctx.impl.windows:
+        raise NotForThisKernel(f"{ctx.impl.name} declares no sliding window")
+    t = case.build(ctx.device)
+    wide = case.len_q + case.len_k
+    plain = case.replace(spec=dataclasses.replace(case.spec, window_left=-1, window_right=-1))
+    windowed = case.replace(spec=dataclasses.replace(case.spec, window_left=wide, window_right=wide))
+    out0, lse0 = run_forward(ctx, plain, t.q, t.k, t.v)
+    out1, lse1 = run_forward(ctx, windowed, t.q, t.k, t.v)
+    bound = _truth(ctx, plain, t.q, t.k, t.v).forward_bounds
+    _same(ctx, what=f"out with window ({wide}, {wide}) vs none", a=out1, b=out0, tol=2 * bound["out"])
+    if lse0 is not None:
+        _same(ctx, what=f"lse with window ({wide}, {wide}) vs none", a=lse1, b=lse0, tol=2 * bound["lse"])
 
 
 # ------------------------------------------------------------------------------------ backward

@@ -108,6 +108,7 @@ REQUIREMENTS = {
     "out_buffers": (lambda impl: impl.out_buffers,
                     "declares no out_buffers (its forward takes no out=/lse= buffers to write into)"),
     "strided": (lambda impl: not impl.contiguous_only, "declares contiguous inputs only"),
+    "windows": (lambda impl: impl.windows, "declares no sliding window"),
 }
 
 
@@ -176,7 +177,7 @@ def _declared_draws(impl: Implementation, causal: bool | None, draw: dict[str, A
     declared = {"gqa": impl.gqa, "block_m": impl.block_m, "block_n": impl.block_n,
                 "alignment": impl.causal_alignment, "equal_lengths": impl.equal_lengths,
                 "len_q_multiple": mq, "len_k_multiple": mk, "scale_choices": impl.scale_choices,
-                "max_batch_heads": impl.max_batch_heads}
+                "max_batch_heads": impl.max_batch_heads, "windows": impl.windows}
     if causal is None:
         causal = None if impl.causal and impl.non_causal else impl.causal
     declared["causal"] = causal if impl.causal else False

@@ -40,7 +40,7 @@ def test_block_size_invariance(impl, dtype, env):
 
 
 def test_key_permutation_invariance(impl, dtype, env):
-    check_attention("key_permutation_invariance", impl, dtype, env, causal=False)
+    check_attention("key_permutation_invariance", impl, dtype, env, causal=False, windows=False)
 
 
 def test_score_shift_invariance(impl, dtype, env):
@@ -69,6 +69,10 @@ def test_fully_masked_rows(impl, dtype, env):
 
 def test_gqa_equals_repeated_heads(impl, dtype, env):
     check_attention("gqa_equals_repeated_heads", impl, dtype, env, requires=["gqa"], min_group=2)
+
+
+def test_wide_window_equals_no_window(impl, dtype, env):
+    check_attention("wide_window_equals_no_window", impl, dtype, env, requires=["windows"])
 
 
 def test_outputs_stay_in_bounds(impl, dtype, env):
