@@ -26,9 +26,11 @@ def _verify(tmp_path, *args):
 
 
 def test_a_spec_with_a_window_reaches_only_a_kernel_that_declares_windows():
-    impl = load("fa2_blocked", device="cpu")
-    assert impl.unsupported_spec(AttentionSpec(True, window_left=3)) == "fa2_blocked declares no sliding window"
+    impl = load("sdpa_math", device="cpu")  # declares no window
+    assert impl.unsupported_spec(AttentionSpec(True, "top_left", window_left=3)) == \
+        "sdpa_math declares no sliding window"
     assert "sliding windows: not covered, declared unsupported" in impl.not_covered()
+    assert load("fa2_blocked", device="cpu").unsupported_spec(AttentionSpec(True, window_left=3)) is None
     windowed = load(f"{FIXTURE}:windowed", device="cpu")
     assert windowed.unsupported_spec(AttentionSpec(True, window_left=3)) is None
     assert windowed._keywords(AttentionSpec(False, window_left=2, window_right=0), None, None, None) == {
