@@ -388,12 +388,14 @@ def _fmt_index(idx: tuple[int, ...]) -> str:
 
 def assert_accurate(ctx: Context, *, op: str, actual: torch.Tensor, expected: torch.Tensor,
                     baseline: torch.Tensor, bound: torch.Tensor, input_dtype: torch.dtype,
-                    magnitude: criteria.Magnitudes) -> ErrorStats:
+                    magnitude: criteria.Magnitudes,
+                    diagnose: Callable[[], list[str]] | None = None) -> ErrorStats:
     """Both pass criteria for one op (``out``, ``lse``, ``delta``, ``dq``, ``dk``, ``dv``).
 
     ``actual`` is the kernel's result, ``expected`` the float64 reference, ``baseline`` the
     same-precision eager result, ``bound`` the componentwise rounding-error bound and ``magnitude``
-    what criterion 1's floor scales with (:func:`references.criteria.magnitudes`).
+    what criterion 1's floor scales with (:func:`references.criteria.magnitudes`). ``diagnose``, asked
+    only on a failure, gives lines that name a likely cause (e.g. another LSE convention).
     """
     __tracebackhide__ = True
     if expected.dtype != torch.float64:
@@ -436,6 +438,8 @@ def assert_accurate(ctx: Context, *, op: str, actual: torch.Tensor, expected: to
                  + ("  [criterion 2 FAILED]" if ratio > 1 else ""))
     lines.append(f"max rel {stats.max_rel:.3e}, rmse {stats.rmse:.3e}, max ulp {stats.max_ulp:.3g} "
                  f"({dtype_name(stored)})")
+    if diagnose is not None:
+        lines += diagnose()
     ctx.fail("\n  ".join(lines))
     return stats
 

@@ -11,6 +11,7 @@ sweep decides every op as ``pytest verify`` does.
 from __future__ import annotations
 
 import contextlib
+import math
 import traceback
 from functools import cached_property
 
@@ -97,8 +98,38 @@ def check(ctx: Context, truth: Truth, op: str, actual: torch.Tensor, bounds_of: 
     __tracebackhide__ = True
     if op not in PROPERTY_OF:
         raise ValueError(f"op={op!r}, but should be one of {tuple(PROPERTY_OF)} (delta: check_delta)")
+    diagnose = (lambda: lse_convention(actual, truth.ref, bounds_of[op])) if op == "lse" else None
     return assert_accurate(ctx, op=op, actual=actual, expected=getattr(truth.ref, op), baseline=truth.eager[op],
-                           bound=bounds_of[op], input_dtype=truth.q.dtype, magnitude=magnitudes(op, truth.ref))
+                           bound=bounds_of[op], input_dtype=truth.q.dtype, magnitude=magnitudes(op, truth.ref),
+                           diagnose=diagnose)
+
+
+# Other LSE conventions real kernels store, and what converts them to the contract's natural-log LSE.
+# (words, the reference's LSE in that convention, the factor that scales the bound into it)
+_LSE_CONVENTIONS = (
+    ("a base-2 logarithm (log2 of the row sum, as kernels that use exp2 store it): multiply by ln 2 "
+     "= 0.6931 to get the natural-log LSE the contract asks for",
+     lambda ref: ref.lse / math.log(2.0), 1 / math.log(2.0)),
+    ("log(sum_j exp(s_ij - m_i)), the running max m_i left out: add the row max",
+     lambda ref: ref.lse - ref.row_max, 1.0),
+)
+
+
+def lse_convention(actual: torch.Tensor, ref, bound: torch.Tensor) -> list[str]:
+    """When a kernel's LSE fails, whether it is the contract's LSE in another known convention (base 2,
+    the row max left out) on every row with keys, within the bound scaled to that convention: the words
+    that say so, or nothing."""
+    got = actual.detach().to(torch.float64)
+    rows = torch.isfinite(ref.lse) & torch.isfinite(got)
+    if not bool(rows.any()):
+        return []
+    for words, convert, factor in _LSE_CONVENTIONS:
+        other = convert(ref)
+        slack = factor * 2 * bound.to(got.device) + 4 * torch.finfo(torch.float32).eps * other.abs()
+        if bool(((got - other).abs() <= slack)[rows].all()):
+            return [f"the kernel's lse equals the reference's in another convention on every row with keys: "
+                    f"it looks like {words}"]
+    return []
 
 
 def check_delta(ctx: Context, truth: Truth, out: torch.Tensor, delta: torch.Tensor,
