@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from reports import plots
-from reports.summary import LEGEND, TABLE_COLUMNS, WORST_COLUMNS, fmt, num, status_line
+from reports.summary import LEGEND, TABLE_COLUMNS, WORST_COLUMNS, failure_counts, failure_kind, fmt, num, status_line
 
 STYLE = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto; max-width: 1400px;
@@ -212,11 +212,11 @@ def report_html(summary: dict, rows: list[dict]) -> str:
              table([h for _, h in WORST_COLUMNS], ([w.get(k) for k, _ in WORST_COLUMNS] for w in worst),
                    failed=[w.get("pass") is False for w in worst],
                    below=[Raw("replay: " + code(w["replay"])) if w.get("replay") else None for w in worst])]
-    body.append(f"<h2>Failures ({len(failures)})</h2>")
+    body.append(f"<h2>Failures ({esc(failure_counts(failures))})</h2>")
     if not failures:
         body.append('<p class="muted">No test failed.</p>')
     for f in failures:
-        body.append(f"<details open><summary><code>{esc(f.get('test'))}</code></summary>"
+        body.append(f"<details open><summary><code>{esc(f.get('test'))}</code> ({esc(failure_kind(f))})</summary>"
                     f"<pre>{esc(str(f.get('message', '')).strip())}</pre>"
                     + (f"<p>Replay:</p><pre>{esc(f['replay'])}</pre>" if f.get("replay") else
                        f"<p class=\"muted\">No replay command{': ' + esc(f['note']) if f.get('note') else ''}</p>")

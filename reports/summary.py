@@ -8,6 +8,7 @@ skipped, a worker whose ``run-<worker>.json`` was never marked finished makes th
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import statistics
@@ -83,6 +84,31 @@ def read_failures(report_dir: str | Path) -> list[dict]:
             data["file"] = str(Path("failures") / path.name)
             out.append(data)
     return out
+
+
+# What a failure is, read from the words its message starts with (verify/harness.py and verify/failures.py
+# write them): the first that matches names it. The first two are the kernel's limits, not wrong answers.
+FAILURE_KINDS = (
+    ("resource limit (not a wrong answer)", "resource limit (not a wrong answer)"),
+    ("compile failure (not a wrong answer)", "compile failure (not a wrong answer)"),
+    ("Timeout:", "timeout"),
+    ("ran out of device memory", "out of memory"),
+    ("sticky CUDA error", "sticky CUDA error"),
+    ("differs from the float64 reference", "wrong answer"),
+)
+
+
+def failure_kind(failure: dict) -> str:
+    """The kind of one failure file (:data:`FAILURE_KINDS`), ``other`` when none matches (a property's own
+    check, a kernel that raises)."""
+    message = str(failure.get("message", ""))
+    return next((kind for words, kind in FAILURE_KINDS if words in message), "other")
+
+
+def failure_counts(failures: list[dict]) -> str:
+    """``3: 2 wrong answer, 1 resource limit (not a wrong answer)``, the heading of a report's failures."""
+    kinds = collections.Counter(failure_kind(f) for f in failures)
+    return f"{len(failures)}" + (": " + ", ".join(f"{n} {k}" for k, n in kinds.most_common()) if failures else "")
 
 
 def describe_case(case: Any) -> str:
@@ -324,9 +350,9 @@ def markdown(summary: dict) -> str:
     lines += coverage.markdown(summary.get("coverage") or {})
     lines += memory.markdown(summary.get("peak_memory") or {})
     failures = summary.get("failures") or []
-    lines += ["", f"## Failures ({len(failures)})", ""]
+    lines += ["", f"## Failures ({failure_counts(failures)})", ""]
     for f in failures:
-        lines += [f"### {f.get('test')}", "", "```", str(f.get("message", "")).strip().replace("```", "'''"), "```", ""]
+        lines += [f"### {f.get('test')} ({failure_kind(f)})", "", "```", str(f.get("message", "")).strip().replace("```", "'''"), "```", ""]
         if f.get("replay"):
             lines += ["Replay:", "", "```", f["replay"], "```", ""]
         elif f.get("note"):

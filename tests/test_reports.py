@@ -319,3 +319,22 @@ def test_key_value_tables_have_no_empty_header_row():
 
     assert "<thead>" not in key_values([("device", "cpu"), ("profile", "ci")])
     assert "<th>name</th>" in table(("name", "value"), [("a", 1)])
+
+
+def test_failures_are_counted_by_kind_so_a_limit_is_not_read_as_a_wrong_answer():
+    failures = [
+        {"test": "a", "message": "k: resource limit (not a wrong answer): the kernel's forward needs 393216 bytes"},
+        {"test": "b", "message": "k: out differs from the float64 reference\n  max abs error 1"},
+        {"test": "c", "message": "k: compile failure (not a wrong answer): the kernel's forward failed to compile"},
+        {"test": "d", "message": "k: out differs from the float64 reference"},
+        {"test": "e", "message": "RuntimeError: kernel gave up"},
+    ]
+    assert [summary.failure_kind(f) for f in failures] == [
+        "resource limit (not a wrong answer)", "wrong answer", "compile failure (not a wrong answer)",
+        "wrong answer", "other"]
+    assert summary.failure_counts(failures) == ("5: 2 wrong answer, 1 resource limit (not a wrong answer), "
+                                                "1 compile failure (not a wrong answer), 1 other")
+    assert summary.failure_counts([]) == "0"
+    text = summary.markdown({"status": "complete", "measurements": 0, "unreadable_lines": 0,
+                             "by_implementation_op_dtype": [], "failures": failures})
+    assert "## Failures (5: 2 wrong answer," in text and "### a (resource limit (not a wrong answer))" in text
