@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from references.spec import AttentionSpec
 from reports import accuracy, cli, html, plots, summary
 from reports.progress import Progress
 from reports.session import ReportSession, clear_report_dir, write_atomic

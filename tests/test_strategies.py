@@ -8,7 +8,6 @@ import re
 import pytest
 import torch
 from hypothesis import find, given, settings
-from hypothesis import strategies as st
 
 from references import attention as reference
 from references.spec import AttentionSpec
