@@ -276,7 +276,7 @@ class Implementation:
                     f"{spec.alignment}")
         return None
 
-    def _keywords(self, spec: AttentionSpec, scale, block_m, block_n) -> dict[str, Any]:
+    def kernel_keywords(self, spec: AttentionSpec, scale, block_m, block_n) -> dict[str, Any]:
         """The kernel's own keywords for ``spec`` (refused when the declaration does not support it)."""
         require_spec(spec)
         why = self.unsupported_spec(spec)
@@ -296,7 +296,7 @@ class Implementation:
         """Run the declared backward on ``spec``'s attention: ``(dq, dk, dv, delta)``."""
         if self.backward is None:
             raise ImplementationError(f"{self.name} declares no backward")
-        return self.backward(q, k, v, out, lse, dout, **self._keywords(spec, scale, block_m, block_n))
+        return self.backward(q, k, v, out, lse, dout, **self.kernel_keywords(spec, scale, block_m, block_n))
 
     def call(self, q, k, v, *, spec: AttentionSpec, scale: float | None = None,
              block_m: int | None = None, block_n: int | None = None,
@@ -305,7 +305,7 @@ class Implementation:
         ``(out, lse_or_None)``. The spec becomes the kernel's own keywords (``causal``); a spec the
         declaration does not support is refused. ``out``/``lse`` are passed on as the forward's
         ``out=``/``lse=`` buffers; only for a declaration with ``out_buffers``."""
-        kwargs = self._keywords(spec, scale, block_m, block_n)
+        kwargs = self.kernel_keywords(spec, scale, block_m, block_n)
         if out is not None or lse is not None:
             if not self.out_buffers:
                 raise ImplementationError(f"{self.name} declares no out_buffers: its forward takes no "

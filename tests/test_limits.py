@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, find, given, settings
 from kernels.declaration import Implementation, ImplementationError, declare
 from kernels.registry import load
 from strategies.attention import Limits, attention_cases
-from verify.runner import _declared_draws, longest_case
+from verify.runner import declared_draws, longest_case
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = "tests/fixtures/constrained_kernels.py"
@@ -108,7 +108,7 @@ def test_every_drawn_case_conforms_without_filtering(name, dtype):
 
     @settings(max_examples=150, database=None, deadline=None,
               suppress_health_check=[HealthCheck.too_slow])  # filter_too_much is NOT suppressed
-    @given(attention_cases(dtype=dtype, limits=limits, **_declared_draws(impl, None, {})))
+    @given(attention_cases(dtype=dtype, limits=limits, **declared_draws(impl, None, {})))
     def check(case):
         assert _conforms(impl, case) == [], (case.describe(), _conforms(impl, case))
 
@@ -117,14 +117,14 @@ def test_every_drawn_case_conforms_without_filtering(name, dtype):
 
 def test_failures_shrink_to_the_smallest_conforming_case():
     impl = _impl("tutorial_like")
-    smallest = find(attention_cases(dtype="float32", limits=LIMITS, **_declared_draws(impl, None, {})),
+    smallest = find(attention_cases(dtype="float32", limits=LIMITS, **declared_draws(impl, None, {})),
                     lambda c: True)
     assert (smallest.len_q, smallest.len_k, smallest.batch * smallest.heads_q) == (16, 16, 1), smallest
-    longer = find(attention_cases(dtype="float32", limits=LIMITS, **_declared_draws(impl, None, {})),
+    longer = find(attention_cases(dtype="float32", limits=LIMITS, **declared_draws(impl, None, {})),
                   lambda c: c.len_q >= 40)
     assert longer.len_q == longer.len_k == 48, longer  # the first multiple of 16 from 40
     m64 = _impl("multiple_of_64_only")
-    smallest = find(attention_cases(dtype="float32", limits=LIMITS, **_declared_draws(m64, None, {})),
+    smallest = find(attention_cases(dtype="float32", limits=LIMITS, **declared_draws(m64, None, {})),
                     lambda c: c.len_k > 0)
     assert (smallest.len_q, smallest.len_k) == (64, 64), smallest
 

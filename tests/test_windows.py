@@ -33,7 +33,7 @@ def test_a_spec_with_a_window_reaches_only_a_kernel_that_declares_windows():
     assert load("fa2_blocked", device="cpu").unsupported_spec(AttentionSpec(True, window_left=3)) is None
     windowed = load(f"{FIXTURE}:windowed", device="cpu")
     assert windowed.unsupported_spec(AttentionSpec(True, window_left=3)) is None
-    assert windowed._keywords(AttentionSpec(False, window_left=2, window_right=0), None, None, None) == {
+    assert windowed.kernel_keywords(AttentionSpec(False, window_left=2, window_right=0), None, None, None) == {
         "causal": False, "scale": None, "window_size": (2, 0)}
 
 

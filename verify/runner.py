@@ -170,7 +170,7 @@ def _skip_unless_runnable(impl: Implementation, dtype: str, env: Env, requires: 
         pytest.skip(f"{impl.name} declares Nq == Nk only; the property needs {longer} longer than the other")
 
 
-def _declared_draws(impl: Implementation, causal: bool | None, draw: dict[str, Any]) -> dict[str, Any]:
+def declared_draws(impl: Implementation, causal: bool | None, draw: dict[str, Any]) -> dict[str, Any]:
     """The arguments of :func:`attention_cases` that keep every drawn case within ``impl``'s declaration
     (its limits are part of the draw, never a filter) merged with the property's own constraints."""
     mq, mk = impl.length_multiples
@@ -209,7 +209,7 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
     if layouts is not None:
         kwargs["layouts"] = tuple(layouts)
     strategy = attention_cases(dtype=dtype, limits=limits_of(impl, limits or env.limits, dtype),
-                               **_declared_draws(impl, causal, kwargs))
+                               **declared_draws(impl, causal, kwargs))
     coverage = _Coverage()
 
     @settings(max_examples=_max_examples(impl, examples_share))
