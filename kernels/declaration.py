@@ -136,8 +136,9 @@ class Implementation:
             if not isinstance(getattr(self, field), bool):
                 raise ImplementationError(f"{self.name}: {field}={getattr(self, field)!r}, but should be a bool")
         if not self.causal and not self.non_causal:
-            raise ImplementationError(f"{self.name}: causal=False and non_causal=False leave no mask to run: a kernel runs "
-                                      "causal attention (causal=True), non-causal (non_causal=True) or both")
+            raise ImplementationError(f"{self.name}: causal=False and non_causal=False leave no mask to run: a "
+                                      "kernel runs causal attention (causal=True), non-causal (non_causal=True) "
+                                      "or both")
         if self.max_batch_heads is not None:
             positive_int("max_batch_heads", self.max_batch_heads)
         if self.scales is not None and self.scales != "power_of_two":
