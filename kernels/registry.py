@@ -159,21 +159,21 @@ if triton_attention is not None and triton_softmax is not None:
         block_m=(1,), block_n=_TRITON_SOFTMAX_BLOCKS, autograd=False,
         description="Triton online softmax: one pass for (m, l), one pass to normalise",
     )
-    TRITON_FA2 = Implementation(
-        name="triton_fa2", forward=triton_attention.fa2_forward, backward=triton_attention.fa2_backward,
-        dtypes=triton_attention.DTYPES, devices=triton_attention.DEVICES,
-        head_dims=triton_attention.HEAD_DIMS, gqa=True,
-        block_m=_ATTENTION_BLOCKS, block_n=_ATTENTION_BLOCKS, deterministic=True, out_buffers=True,
-        sibling="triton_fa1",
-        environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
+    def _triton_attention(**fields) -> Implementation:
+        """The fields the Triton FA1 and FA2 share: their dtypes, devices and head dims, GQA, the drawn
+        tiles, the FA2 backward, deterministic, out= buffers, the interpreter's limits."""
+        return Implementation(backward=triton_attention.fa2_backward, dtypes=triton_attention.DTYPES,
+                              devices=triton_attention.DEVICES, head_dims=triton_attention.HEAD_DIMS, gqa=True,
+                              block_m=_ATTENTION_BLOCKS, block_n=_ATTENTION_BLOCKS, deterministic=True,
+                              out_buffers=True, environment_limits=_ENVIRONMENT_LIMITS,
+                              max_examples=_MAX_EXAMPLES, **fields)
+
+    TRITON_FA2 = _triton_attention(
+        name="triton_fa2", forward=triton_attention.fa2_forward, sibling="triton_fa1",
         description="Triton FlashAttention-2: outer-scaled forward, Delta/dK-dV/dQ backward without atomics",
     )
-    TRITON_FA1 = Implementation(
-        name="triton_fa1", forward=triton_attention.fa1_forward, backward=triton_attention.fa2_backward,
-        dtypes=triton_attention.DTYPES, devices=triton_attention.DEVICES,
-        head_dims=triton_attention.HEAD_DIMS, gqa=True,
-        block_m=_ATTENTION_BLOCKS, block_n=_ATTENTION_BLOCKS, deterministic=True, out_buffers=True,
-        environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
+    TRITON_FA1 = _triton_attention(
+        name="triton_fa1", forward=triton_attention.fa1_forward,
         description="Triton FlashAttention-1: inner-scaled forward (renormalised every KV step); FA2 backward",
     )
     _TRITON: tuple[Implementation, ...] = (TRITON_SOFTMAX, TRITON_FA2, TRITON_FA1)

@@ -289,8 +289,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     len_q = max(len_q, min_len_q)
     if length_limited:  # the declared multiples (and equal lengths), before any ``longer``
         cap_q = min(top_q, math.isqrt(max(1, limits.max_scores // heads))) if equal_lengths else top_q
-        len_q = _conform(len_q, len_q_multiple, low=max(1, min_len_q), cap=cap_q)
-        len_k = len_q if equal_lengths else _conform(len_k, len_k_multiple, low=min_len_k, cap=top_k)
+        len_q = conform_length(len_q, len_q_multiple, low=max(1, min_len_q), cap=cap_q)
+        len_k = len_q if equal_lengths else conform_length(len_k, len_k_multiple, low=min_len_k, cap=top_k)
     if longer is not None:
         extra = draw(st.integers(1, max_extra), label=f"{longer} longer by")
         # the next multiple above the other length, then ``extra - 1`` multiples more (multiple 1: + extra)
@@ -317,7 +317,7 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                          block_m=bm, block_n=bn)
 
 
-def _conform(length: int, multiple: int, *, low: int, cap: int) -> int:
+def conform_length(length: int, multiple: int, *, low: int, cap: int) -> int:
     """``length`` rounded up to a multiple of ``multiple`` and at least ``low``, at most ``cap`` rounded
     down to a multiple but never below the smallest conforming length (monotone in ``length``)."""
     smallest = -(-max(low, 0) // multiple) * multiple

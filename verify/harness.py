@@ -14,6 +14,7 @@ fails its property with that reason in words (:func:`resource_failure`), distinc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -302,6 +303,22 @@ def resource_failure(exc: BaseException, case: Any, *, device: Any = None, where
     return f"{words}\n  the kernel raised {_error_text(error)}"
 
 
+@contextlib.contextmanager
+def resource_failures_fail(ctx: "Context", case, *, device, where: str):
+    """A resource failure of the kernel inside the block fails ``ctx`` in words (:func:`resource_failure`:
+    a PropertyFailure with the case and its replay, chained to the kernel's error); any other error,
+    sticky CUDA errors and out-of-memory included, goes on as it was."""
+    __tracebackhide__ = True
+    try:
+        yield
+    except Exception as exc:
+        words = resource_failure(exc, case, device=device, where=where)
+        if words is None:
+            raise
+        traceback.clear_frames(exc.__traceback__)  # the kernel's tensors need not live as long as the failure
+        ctx.fail(words)
+
+
 @dataclasses.dataclass
 class Context:
     """Everything a property needs besides the case: the implementation, the device, the recorder."""
@@ -357,8 +374,9 @@ def run_forward(ctx: Context, case, q, k, v):
     __tracebackhide__ = True
     out_of_memory = None
     try:
-        out, lse = ctx.impl.call(q, k, v, spec=case.spec, scale=case.scale,
-                                 block_m=case.block_m, block_n=case.block_n)
+        with resource_failures_fail(ctx, case, device=q.device, where="forward"):
+            out, lse = ctx.impl.call(q, k, v, spec=case.spec, scale=case.scale,
+                                     block_m=case.block_m, block_n=case.block_n)
     except OutOfMemoryError as exc:
         out_of_memory = release_out_of_memory(exc)
     except Exception as exc:
@@ -366,11 +384,7 @@ def run_forward(ctx: Context, case, q, k, v):
 
         if sticky_cuda_error(exc) is not None:
             raise StickyDeviceError(ctx, exc, where="forward") from exc
-        words = resource_failure(exc, case, device=q.device)
-        if words is None:
-            raise
-        traceback.clear_frames(exc.__traceback__)  # the kernel's tensors need not live as long as the failure
-        ctx.fail(words)  # a PropertyFailure with the case and its replay, chained to the kernel's error
+        raise
     if out_of_memory is not None:  # failed outside the except block: the new failure holds no traceback
         ctx.fail(f"the kernel ran out of device memory in its forward ({out_of_memory}); "
                  "its memory was released and the run goes on")

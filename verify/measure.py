@@ -10,9 +10,7 @@ sweep decides every op as ``pytest verify`` does.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import traceback
 from functools import cached_property
 
 import torch
@@ -148,26 +146,11 @@ def check_delta(ctx: Context, truth: Truth, out: torch.Tensor, delta: torch.Tens
                            input_dtype=truth.q.dtype, magnitude=magnitudes("delta", truth.ref))
 
 
-@contextlib.contextmanager
-def _resource_failures_fail(ctx: Context, case, *, device, where: str):
-    """A resource failure of the kernel inside the block fails ``ctx`` in words
-    (:func:`verify.harness.resource_failure`); any other error goes on as it was."""
-    __tracebackhide__ = True
-    try:
-        yield
-    except Exception as exc:
-        words = harness.resource_failure(exc, case, device=device, where=where)
-        if words is None:
-            raise
-        traceback.clear_frames(exc.__traceback__)  # the kernel's tensors need not live as long as the failure
-        ctx.fail(words)
-
-
 def run_direct_backward(ctx: Context, case, q, k, v, out, lse, dout):
     """The implementation's declared backward (``Implementation.call_backward``) on ``case``'s spec:
     ``(dq, dk, dv, delta)``; a resource failure fails ``ctx`` in words, as in :func:`run_backward`."""
     __tracebackhide__ = True
-    with _resource_failures_fail(ctx, case, device=q.device, where="backward"):
+    with harness.resource_failures_fail(ctx, case, device=q.device, where="backward"):
         return ctx.impl.call_backward(q, k, v, out, lse, dout, spec=case.spec, scale=case.scale,
                                       block_m=case.block_m, block_n=case.block_n)
 
@@ -183,7 +166,7 @@ def run_backward(ctx: Context, case, q, k, v, dout) -> dict[str, torch.Tensor]:
     out, lse = run_forward(ctx, case, q, k, v)
     if not out.requires_grad:
         ctx.fail("out does not require grad although q, k, v do: no gradient flows through out")
-    with _resource_failures_fail(ctx, case, device=q.device, where="backward"):
+    with harness.resource_failures_fail(ctx, case, device=q.device, where="backward"):
         out.backward(dout)
     results = {"out": out.detach(), **({"lse": lse.detach()} if lse is not None else {})}
     for label, x in (("dq", q), ("dk", k), ("dv", v)):

@@ -31,6 +31,7 @@ import torch
 from references.spec import AttentionSpec
 from kernels import registry as registry_module
 from kernels.registry import Implementation
+from strategies.attention import conform_length
 from strategies.cases import dtype_name
 
 # The tiny case (Nq < Nk, so that a causal call exercises a mask with a visible key for every row).
@@ -49,9 +50,10 @@ def tiny_case(impl: Implementation, device: str) -> tuple[torch.Tensor, torch.Te
         return None
     top = impl.head_dim_limit(usable[0])
     head_dim = min(impl.head_dims) if impl.head_dims else min(HEAD_DIM, top or HEAD_DIM)
+    # The tiny lengths rounded up into the declared limits (the cap is never reached).
     (mq, mk), least = impl.length_multiples, max(1, impl.min_len)
-    len_q = -(-max(LEN_Q, least) // mq) * mq  # the tiny lengths, within the declared limits
-    len_k = len_q if impl.equal_lengths else -(-max(LEN_K, least) // mk) * mk
+    len_q = conform_length(LEN_Q, mq, low=least, cap=mq * max(LEN_Q, least))
+    len_k = len_q if impl.equal_lengths else conform_length(LEN_K, mk, low=least, cap=mk * max(LEN_K, least))
     heads = HEADS if impl.max_batch_heads is None else min(HEADS, impl.max_batch_heads)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(BATCH, heads, n, head_dim, generator=g, dtype=torch.float64)

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from kernels.registry import Implementation
 from references.spec import AttentionSpec
-from strategies.attention import Limits, attention_cases, boundary_classes
+from strategies.attention import Limits, attention_cases, boundary_classes, conform_length
 from strategies.cases import DTYPES, AttentionCase
 from strategies.softmax import softmax_cases
 from verify import properties
@@ -277,8 +277,8 @@ def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bo
     if impl.equal_lengths:  # the longest N with N * N within max_scores (and the query tiles' cap)
         len_q = len_k = max(1, min(len_k, math.isqrt(limits.max_scores),
                                    limits.tiles_per_axis * block_m if block_m is not None else len_k))
-    len_q = max(mq * max(1, -(-impl.min_len // mq)), len_q // mq * mq)
-    len_k = len_q if impl.equal_lengths else max(mk * -(-impl.min_len // mk), len_k // mk * mk)
+    len_q = conform_length(len_q, mq, low=max(1, impl.min_len), cap=len_q)  # rounded down, within the limits
+    len_k = len_q if impl.equal_lengths else conform_length(len_k, mk, low=impl.min_len, cap=len_k)
     dims = [d for d in (impl.head_dims or range(1, limits.max_head_dim + 1))
             if d <= min(128, limits.max_head_dim) and d % 8 == 0] or sorted(impl.head_dims or [8])[:1]
     return AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=len_q, len_k=len_k, head_dim=max(dims),
