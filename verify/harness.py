@@ -21,7 +21,6 @@ import math
 import re
 import sys
 import traceback
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -86,27 +85,36 @@ class StickyDeviceError(BaseException):
                          f"  replay: {self.replay}  (in a fresh process)")
 
 
-def running_context(frame: types.FrameType | None) -> Context | None:
-    """The :class:`Context` of the property example running in ``frame``'s stack, or None.
+# The property example running now, pushed and popped by :func:`running` (verify.runner.run_example).
+_RUNNING: list[Context] = []
 
-    The outermost frame holding a ``ctx`` is the property function itself (``fn(ctx, case)``), whose
-    context is the example's own (a property may make others, e.g. for a sibling implementation).
-    """
-    found = None
-    while frame is not None:
-        ctx = frame.f_locals.get("ctx")
-        if isinstance(ctx, Context):
-            found = ctx
-        frame = frame.f_back
-    return found
+
+@contextlib.contextmanager
+def running(ctx: Context):
+    """Mark ``ctx``'s example as the one running (for :func:`running_context`) while the block runs, and
+    mark every exception that leaves it with ``ctx`` (:func:`attach_context`)."""
+    _RUNNING.append(ctx)
+    try:
+        yield
+    except Exception as exc:
+        attach_context(exc, ctx)
+        raise
+    finally:
+        _RUNNING.pop()
+
+
+def running_context() -> Context | None:
+    """The :class:`Context` of the property example running now, or None (read by the time-limit
+    watchdog, possibly from another thread)."""
+    return _RUNNING[-1] if _RUNNING else None
 
 
 _CONTEXT_ATTRIBUTE = "_flashverify_context"
 
 
 def attach_context(exc: BaseException, ctx: Context) -> None:
-    """Mark ``exc`` as raised in the property example ``ctx`` (:func:`verify.runner.run_example` does, for
-    every exception that leaves an example)."""
+    """Mark ``exc`` as raised in the property example ``ctx`` (:func:`running` does, for every exception
+    that leaves an example)."""
     try:
         setattr(exc, _CONTEXT_ATTRIBUTE, ctx)
     except AttributeError:  # an exception type without a __dict__: its failure file names no case

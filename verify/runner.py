@@ -36,7 +36,7 @@ from strategies.cases import DTYPES, AttentionCase
 from strategies.softmax import softmax_cases
 from verify import properties
 from verify.gpu import sticky_cuda_error
-from verify.harness import Context, Recorder, StickyDeviceError, attach_context, free_device_memory
+from verify.harness import Context, Recorder, StickyDeviceError, free_device_memory, running
 from verify.properties import NotForThisCase, NotForThisKernel
 
 DTYPE_NAMES = tuple(DTYPES)
@@ -177,9 +177,9 @@ def declared_draws(impl: Implementation, causal: bool | None, draw: dict[str, An
     declared = {"gqa": impl.gqa, "block_m": impl.block_m, "block_n": impl.block_n,
                 "alignment": impl.causal_alignment, "equal_lengths": impl.equal_lengths,
                 "len_q_multiple": mq, "len_k_multiple": mk, "scale_choices": impl.scale_choices,
-                "max_batch_heads": impl.max_batch_heads, "windows": impl.windows}
-    if causal is None:
-        causal = None if impl.causal and impl.non_causal else impl.causal
+                "max_batch_heads": impl.max_batch_heads, "windows": impl.windows, "head_dims": impl.head_dims}
+    if causal is None and not (impl.causal and impl.non_causal):
+        causal = impl.causal  # the one mask the kernel runs
     declared["causal"] = causal if impl.causal else False
     if impl.contiguous_only:
         declared["layouts"] = ("contiguous",)
@@ -187,8 +187,6 @@ def declared_draws(impl: Implementation, causal: bool | None, draw: dict[str, An
     if impl.min_len:
         out["min_len_q"] = max(out.get("min_len_q", 1), impl.min_len)
         out["min_len_k"] = max(out.get("min_len_k", 0), impl.min_len)
-    if impl.head_dims is not None:
-        out["head_dims"] = impl.head_dims
     return out
 
 
@@ -244,9 +242,9 @@ def run_example(fn, ctx: Context, case, env: Env) -> None:
     failure file names the case that ran, exactly as drawn, and its replay command."""
     on_gpu = not env.device.startswith("cpu")
     try:
-        fn(ctx, case)
+        with running(ctx):
+            fn(ctx, case)
     except Exception as exc:
-        attach_context(exc, ctx)
         if on_gpu and sticky_cuda_error(exc) is not None:
             raise StickyDeviceError(ctx, exc, where="property (its backward, or the checks after it)") from exc
         raise

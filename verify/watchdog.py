@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 
 # Per-test time limit of `pytest verify` runs (seconds): a test runs up to hundreds of Hypothesis
@@ -50,7 +49,7 @@ def start_timer(item, settings, *, worker: str | None) -> None:
     use_signal = (settings.method == "signal" and hasattr(signal, "SIGALRM")
                   and threading.current_thread() is main_thread)
     grace = min(60.0, max(5.0, seconds / 10)) if use_signal else 0.0
-    watchdog = threading.Timer(seconds + grace, _native_hang, (item, settings, main_thread.ident, worker))
+    watchdog = threading.Timer(seconds + grace, _native_hang, (item, settings, worker))
     watchdog.name = f"flashverify timeout {item.nodeid}"
     watchdog.daemon = True
 
@@ -60,7 +59,7 @@ def start_timer(item, settings, *, worker: str | None) -> None:
             return
         from verify.harness import TimeoutFailure, running_context, timeout_message
 
-        ctx = running_context(frame)
+        ctx = running_context()
         raise TimeoutFailure(timeout_message(ctx, seconds=seconds), ctx=ctx)
 
     def cancel():
@@ -76,7 +75,7 @@ def start_timer(item, settings, *, worker: str | None) -> None:
     watchdog.start()
 
 
-def _native_hang(item, settings, main_ident, worker):
+def _native_hang(item, settings, worker):
     """The watchdog's end of a test that never returned: failure file and summary, then exit status 1."""
     import pytest_timeout
 
@@ -85,7 +84,7 @@ def _native_hang(item, settings, main_ident, worker):
     from verify.failures import failure_fields
     from verify.harness import TimeoutFailure, running_context, timeout_message
 
-    ctx = running_context(sys._current_frames().get(main_ident))
+    ctx = running_context()
     failure = TimeoutFailure(timeout_message(ctx, seconds=float(settings.timeout), native=True), ctx=ctx)
     config = item.config
     capman = config.pluginmanager.getplugin("capturemanager")
