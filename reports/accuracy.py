@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 from reports.session import device_name, read_jsonl, versions
 from reports.summary import RECORD_COLUMNS, fmt, largest, num
+from strategies.cases import dtype_name
 
 SWEEP_MAGNITUDES = ("normal", "outliers", "large_logits")
 OPS = ("out", "lse", "dq", "dk", "dv")
@@ -131,7 +132,7 @@ def skip_reason(impl, case, *, device: str) -> str | None:
 def _impl_info(impl) -> dict:
     return {"name": impl.name, "spec": impl.cli_name, "description": impl.description,
             "causal_alignment": impl.causal_alignment, "returns_lse": impl.returns_lse,
-            "dtypes": [str(d).removeprefix("torch.") for d in impl.dtypes], "devices": list(impl.devices)}
+            "dtypes": [dtype_name(d) for d in impl.dtypes], "devices": list(impl.devices)}
 
 
 def _as_computed_by(case, alignment: str):
@@ -172,7 +173,7 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
             (out_dir / name).unlink(missing_ok=True)
     skipped: dict[tuple[str, str], int] = defaultdict(int)
     plan = []  # (case, [impls still to run])
-    planned_pairs = []  # every (spec, case index, causal alignment) the sweep measures, done or not
+    planned_pairs = []  # every (spec, case index) the sweep measures, done or not
     for index, case in enumerate(cases):
         run_here = []
         for impl in impls:
@@ -180,7 +181,7 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
             if why:
                 skipped[(impl.name, why)] += 1
                 continue
-            planned_pairs.append([impl.cli_name, index, impl.causal_alignment])
+            planned_pairs.append([impl.cli_name, index])
             if _case_key(impl.cli_name, _as_computed_by(case, impl.causal_alignment).to_dict()) not in done:
                 run_here.append(impl)
         plan.append((case, run_here))
@@ -379,12 +380,9 @@ def _planned_keys(header: dict) -> set[str] | None:
         return None
     fields = {f.name for f in dataclasses.fields(Sweep)}
     cases = Sweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in sweep.items() if k in fields}).cases()
-    keys = set()
-    for spec, index, *alignment in pairs:
-        if 0 <= index < len(cases):
-            case = _as_computed_by(cases[index], alignment[0]) if alignment else cases[index]
-            keys.add(_case_key(str(spec), case.to_dict()))
-    return keys
+    alignment = {str(i.get("spec")): i.get("causal_alignment") for i in header.get("implementations") or []}
+    return {_case_key(str(spec), _as_computed_by(cases[index], alignment.get(str(spec)) or "bottom_right").to_dict())
+            for spec, index, *_ in pairs if 0 <= index < len(cases)}
 
 
 def write_report(out_dir: str | Path) -> dict:

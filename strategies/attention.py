@@ -143,7 +143,7 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                     block_n: Sequence[int] | None = None, causal: bool | None = None,
                     alignment: str = "bottom_right", magnitudes: Sequence[str] = MAGNITUDES,
                     layouts: Sequence[str] = LAYOUTS,
-                    draw_scale: bool = True, shape_classes: Sequence[str] = SHAPE_CLASSES,
+                    shape_classes: Sequence[str] = SHAPE_CLASSES,
                     min_len_k: int = 0, min_len_q: int = 1, min_group: int = 1, longer: str | None = None,
                     max_extra: int = 8, equal_lengths: bool = False, len_q_multiple: int = 1,
                     len_k_multiple: int = 1, scale_choices: Sequence[float | None] | None = None,
@@ -159,7 +159,6 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     alignment      the kernel's causal alignment (``bottom_right`` or ``top_left``): the case's spec carries it
     magnitudes     magnitude classes to draw from (the first is what failures shrink to)
     layouts        memory layouts to draw from
-    draw_scale     also draw explicit softmax scales (:func:`scales`; None, the default, comes first)
     shape_classes  the shape classes to draw from (``plain`` first: what failures shrink to)
     min_len_k      the fewest keys (0 allows ``no_keys``; a property that needs keys passes 1)
     min_len_q      the fewest queries (above 1 leaves ``decode`` out)
@@ -300,10 +299,7 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
             len_k = (len_q // len_k_multiple + extra) * len_k_multiple
     magnitude = draw(st.sampled_from(list(magnitudes)), label="magnitude")
     layout = draw(st.sampled_from(list(layouts)), label="layout")
-    if scale_choices is not None:
-        scale = draw(st.sampled_from(list(scale_choices)), label="scale") if draw_scale else scale_choices[0]
-    else:
-        scale = draw(scales(), label="scale") if draw_scale else None
+    scale = draw(scales() if scale_choices is None else st.sampled_from(list(scale_choices)), label="scale")
     window = (-1, -1)
     if windows:
         side = st.one_of(st.just(-1), st.integers(0, 4), st.integers(0, max(len_q, len_k) + 1))
