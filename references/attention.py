@@ -10,7 +10,8 @@ time (:meth:`Reference.chunks`), so no ``Nq x Nk`` matrix of the whole problem i
 Conventions (DESIGN.md): layout ``[B, H, N, D]``; grouped-query attention maps query head ``h`` to
 key/value head ``h // (Hq // Hkv)``; which keys a query sees is the answer of the
 :class:`~references.spec.AttentionSpec` (causal masks bottom-right aligned, key ``j`` visible to query
-``i`` iff ``j <= i + Nk - Nq``, unless the spec's ``alignment`` is ``"top_left"``, ``j <= i``); a row
+``i`` iff ``j <= i + Nk - Nq``, unless the spec's ``alignment`` is ``"top_left"``, ``j <= i``), and
+the scores are the spec's modified ones (softcap, ALiBi: :meth:`AttentionSpec.modify`); a row
 with no visible key has ``P = 0``, ``out = 0`` and ``lse = -inf``; the LSE is the natural-log logsumexp of the scaled scores
 over the visible keys. The visible keys of every row are a prefix of the keys, so per-row and per-key
 counts (:meth:`AttentionSpec.counts`) replace the mask wherever a whole-problem answer is needed.
@@ -181,7 +182,7 @@ class Chunk:
     scores: torch.Tensor  # s = scale * q k^T, -inf where not visible
     p: torch.Tensor  # softmax probabilities, 0 where not visible
     dp: torch.Tensor | None = None  # dO V^T (keys no row of the chunk sees: 0)
-    ds: torch.Tensor | None = None  # P * (dP - Delta)
+    ds: torch.Tensor | None = None  # P * (dP - Delta): the gradient of the (modified) scores s
 
 
 @dataclasses.dataclass
@@ -258,16 +259,23 @@ class Reference:
 
 def _chunk(ref: Reference, r0: int, r1: int) -> Chunk:
     visible = ref.spec.rows(ref.len_q, ref.len_k, device=ref.q64.device, rows=(r0, r1))
-    scores, p = _scores_and_p(ref.q64[:, :, r0:r1], ref.k_expanded, visible, ref.scale, ref.lse[:, :, r0:r1])
+    raw = _raw_scores(ref.q64[:, :, r0:r1], ref.k_expanded, ref.scale)
+    scores, p = _scores_and_p(ref.spec.modify(raw, ref.len_q, ref.len_k, rows=(r0, r1)), visible,
+                              ref.lse[:, :, r0:r1])
     c = Chunk(r0=r0, r1=r1, visible=visible, scores=scores, p=p)
     if ref.dout is not None:
         c.dp, c.ds = _dp_and_ds(ref.dout[:, :, r0:r1], ref.v_expanded, ref.keys_seen, p, ref.delta[:, :, r0:r1])
     return c
 
 
-def _scores_and_p(q64, ke, visible, scale, lse):
+def _raw_scores(q64, ke, scale):
+    """The scaled scores ``scale * q k^T``, before the spec's modifications."""
+    return (q64 @ ke.transpose(-1, -2)) * scale
+
+
+def _scores_and_p(modified, visible, lse):
     # Mask with where(), never multiplication: values at hidden positions (even inf/NaN) stay out.
-    scores = torch.where(visible, (q64 @ ke.transpose(-1, -2)) * scale, -math.inf)
+    scores = torch.where(visible, modified, -math.inf)
     p = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
     return scores, torch.where(visible, p, 0.0)
 
@@ -302,22 +310,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
     for n, (r0, r1) in enumerate(spans):
         rows = slice(r0, r1)
         visible = spec.rows(len_q, len_k, device=q.device, rows=(r0, r1))
-        s = torch.where(visible, (q64[:, :, rows] @ ke.transpose(-1, -2)) * scale, -math.inf)
+        raw = _raw_scores(q64[:, :, rows], ke, scale)
+        modified = spec.modify(raw, len_q, len_k, rows=(r0, r1))
+        s = torch.where(visible, modified, -math.inf)
         if len_k:
             lse[:, :, rows] = torch.logsumexp(s, dim=-1)
             row_max[:, :, rows] = s.amax(dim=-1)
-        scores, p = _scores_and_p(q64[:, :, rows], ke, visible, scale, lse[:, :, rows])
+        scores, p = _scores_and_p(modified, visible, lse[:, :, rows])
         out[:, :, rows] = p @ torch.where(seen, ve, 0.0)
         c = Chunk(r0=r0, r1=r1, visible=visible, scores=scores, p=p)
         if dout is not None:
             ref.delta[:, :, rows] = (ref.dout[:, :, rows] * out[:, :, rows]).sum(dim=-1)
             c.dp, c.ds = _dp_and_ds(ref.dout[:, :, rows], ve, seen[:, 0], p, ref.delta[:, :, rows])
-            ref.dq[:, :, rows] = scale * (c.ds @ torch.where(seen, ke, 0.0))
+            chain = spec.modify_grad(raw)  # dS is the gradient of the modified scores; dQ, dK need the raw ones
+            ds_raw = c.ds if chain is None else torch.where(visible, c.ds * chain, 0.0)
+            ref.dq[:, :, rows] = scale * (ds_raw @ torch.where(seen, ke, 0.0))
             if n == 0:
-                dk_heads = scale * (c.ds.transpose(-1, -2) @ q64[:, :, rows])
+                dk_heads = scale * (ds_raw.transpose(-1, -2) @ q64[:, :, rows])
                 dv_heads = p.transpose(-1, -2) @ ref.dout[:, :, rows]
             else:
-                dk_heads += scale * (c.ds.transpose(-1, -2) @ q64[:, :, rows])
+                dk_heads += scale * (ds_raw.transpose(-1, -2) @ q64[:, :, rows])
                 dv_heads += p.transpose(-1, -2) @ ref.dout[:, :, rows]
         if len(spans) == 1:
             ref._single = c  # it fits the budget: keep it for the bounds and criteria

@@ -5,11 +5,13 @@ attention makes at the same precision. Here that eager attention is defined exac
 framework would run it for float16/bfloat16/float32 inputs:
 
 forward
-    scores and softmax in float32 (float64 for float64 inputs), ``P`` cast to the input dtype,
+    scores and softmax in float32 (float64 for float64 inputs), the spec's score modifications (softcap,
+    ALiBi) in the same precision, ``P`` cast to the input dtype,
     ``P @ V`` accumulated in float32, output rounded to the input dtype once; LSE kept in float32.
 backward
     ``dV = P^T dO`` with ``P`` in the input dtype, ``dP = dO V^T`` and ``Delta = rowsum(dO * O)`` in
-    float32 (``O`` being the baseline's own rounded output), ``dS = P (dP - Delta)`` cast to the input
+    float32 (``O`` being the baseline's own rounded output), ``dS = P (dP - Delta)`` (times softcap's
+    ``1 - tanh^2`` in float32) cast to the input
     dtype, ``dQ = scale dS K`` and ``dK = scale dS^T Q`` accumulated in float32, each rounded once.
 
 Products of two float16 or bfloat16 numbers are exact in float32, so up-casting both operands and
@@ -53,7 +55,8 @@ def forward(q, k, v, *, spec: AttentionSpec = AttentionSpec(), scale: float | No
     for r0, r1 in row_chunks(len_q, len_k, d, b * hq):
         rows = slice(r0, r1)
         visible = spec.rows(len_q, len_k, device=q.device, rows=(r0, r1))
-        s = torch.where(visible, (q[:, :, rows].to(acc) @ ke.transpose(-1, -2)) * scale, -math.inf)
+        raw = (q[:, :, rows].to(acc) @ ke.transpose(-1, -2)) * scale
+        s = torch.where(visible, spec.modify(raw, len_q, len_k, rows=(r0, r1)), -math.inf)
         m = s.amax(dim=-1, keepdim=True) if len_k else torch.full((*s.shape[:3], 1), -math.inf,
                                                                    dtype=acc, device=q.device)
         m = torch.where(torch.isneginf(m), 0.0, m)
@@ -85,13 +88,16 @@ def backward(q, k, v, dout, *, spec: AttentionSpec = AttentionSpec(), scale: flo
         rows = slice(r0, r1)
         visible = spec.rows(len_q, len_k, device=q.device, rows=(r0, r1))
         q_rows = q[:, :, rows].to(acc)
-        s = torch.where(visible, (q_rows @ ke.transpose(-1, -2)) * scale, -math.inf)
+        raw = (q_rows @ ke.transpose(-1, -2)) * scale
+        s = torch.where(visible, spec.modify(raw, len_q, len_k, rows=(r0, r1)), -math.inf)
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)
         do = do_all[:, :, rows]
         dv_part = _low(p, dtype, acc).transpose(-1, -2) @ do
         dp = do @ ve.transpose(-1, -2)
         delta[:, :, rows] = (do * out_all[:, :, rows]).sum(dim=-1)
-        ds = _low(p * (dp - delta[:, :, rows, None]), dtype, acc)
+        ds = p * (dp - delta[:, :, rows, None])
+        chain = spec.modify_grad(raw)  # softcap: the gradient of the raw scores, before the cast
+        ds = _low(ds if chain is None else torch.where(visible, ds * chain, 0.0), dtype, acc)
         dq[:, :, rows] = ((ds @ ke) * scale).to(dtype)
         dk_part = ds.transpose(-1, -2) @ q_rows
         # Partial sums over rows, added in the accumulator (the scale multiplies the total, as unchunked).

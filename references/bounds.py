@@ -233,6 +233,24 @@ accumulator inside dot products (``P @ V``, ``Q K^T``, ``dO V^T``, ``dS K``, ``d
 they accumulate (as published measurements report for NVIDIA tensor cores with float16/bfloat16
 operands), not a validated model of any one unit. The default is the standard model of the contract,
 which is what the CPU runs here and IEEE float32 dots on GPUs follow.
+
+13. Score modifications: softcap and ALiBi
+------------------------------------------
+The spec's modifications (``references.spec``) change the scores before the softmax; everything after
+them (sections 3-8) reads the modified scores ``s'`` and their error ``E'``, which the kernel computes
+in the accumulator from its own rounded ``s^`` (error ``E``, section 2):
+
+* softcap ``c``: ``x = fl(s^ / c)``, ``t = tanh(x)`` within ``C_TANH`` roundings, ``s' = fl(c t)``.
+  ``tanh`` is 1-Lipschitz and ``|t| <= 1``, so ``E' = E + u (|s| + E) + (C_TANH + 2) u c + 3 eta``
+  (``|s|`` bounded by ``sigma |q| . |k|``).
+* ALiBi: ``b = fl(-slope |i + offset - j|)`` (the distance is an exact integer) and ``fl(s' + b)``:
+  ``+ u (|b| + |s' + b|) + 2 eta``.
+
+Backward: ``dS`` is the gradient of the modified scores; with a softcap, ``dQ`` and ``dK`` take
+``dS_raw = dS (1 - t^2)``. The kernel's ``t^`` is off by ``dt = E / c + u (|s| / c) + (C_TANH + 1) u``,
+its ``1 - t^2`` by ``dc = 2 dt + dt^2 + 2 u``; so ``|dS_raw^ - dS_raw| <= err(dS) (1 - t^2 + dc)
++ |dS^| dc + u |dS^| (1 - t^2 + dc) + eta``, and ``|dS_raw^| <= |dS^| (1 - t^2 + dc)(1 + u) + eta``.
+ALiBi's bias is a constant: no change in the backward.
 """
 
 from __future__ import annotations
@@ -250,6 +268,7 @@ F64 = torch.float64
 C_EXP = 4.0  # exp within 2 ulps: relative error <= 4u
 C_LOG = 4.0  # log within 2 ulps
 LOG_ABS = 4.0  # absolute allowance of an approximate log2, in u
+C_TANH = 4.0  # tanh within 4 ulps (libm and CUDA's tanhf are within 2; not the approximate tanh.approx.f32)
 C_ARG = 4.0  # roundings that land in an exponent argument, per unit of |argument| (section 3)
 SAFETY = 1.0625  # dropped second-order terms (section 10)
 # The centred term (A) is computed exactly, in row chunks, when B * Hq * Nq * Nk * D is at most this;
@@ -359,6 +378,9 @@ class _Case:
     av: torch.Tensor  # |v| likewise
     v: torch.Tensor  # v likewise
     o: torch.Tensor  # reference output [B, Hq, rows, D]
+    cap: float | None = None  # the spec's softcap
+    tanh: torch.Tensor | None = None  # softcap: tanh(s_raw / cap) of the reference, 0 where hidden
+    bias_abs: torch.Tensor | None = None  # ALiBi: |bias| [Hq, rows, Nk], 0 where hidden
 
 
 def _keys(ref: Reference, q, k, v) -> _Keys:
@@ -383,18 +405,46 @@ def _case(ref: Reference, q, kk: _Keys, chunk: Chunk) -> _Case:
     rows = n_rows > 0
     aq = q[:, :, r].detach().to(F64).abs()
     qk = torch.where(vis, abs(ref.scale) * (aq @ kk.ak.transpose(-1, -2)), 0.0)
+    spec, scores = ref.spec, torch.where(vis, chunk.scores, 0.0)
+    bias = tanh = None
+    if spec.alibi_slopes is not None:
+        bias = torch.where(vis, spec.alibi_bias(ref.len_q, ref.len_k, heads=q.shape[1], device=q.device,
+                                                rows=(chunk.r0, chunk.r1)), 0.0)
+    if spec.softcap is not None:
+        tanh = torch.where(vis, (scores - (0.0 if bias is None else bias)) / spec.softcap, 0.0)
     return _Case(
         vis=vis, rows=rows, keys=kk.keys, n_rows=n_rows, n_keys=kk.n_keys, len_q=kk.len_q,
-        group=kk.group, heads_kv=kk.heads_kv, d=kk.d, scale=kk.scale, p=chunk.p,
-        s=torch.where(vis, chunk.scores, 0.0),
+        group=kk.group, heads_kv=kk.heads_kv, d=kk.d, scale=kk.scale, p=chunk.p, s=scores,
         m=torch.where(rows, ref.row_max[:, :, r], 0.0), lse=torch.where(rows, ref.lse[:, :, r], 0.0),
         qk=qk, aq=aq, ak=kk.ak, av=kk.av, v=kk.v, o=ref.out[:, :, r],
+        cap=spec.softcap, tanh=tanh, bias_abs=None if bias is None else bias.abs(),
     )
 
 
-def _score_error(c: _Case, model: Model) -> torch.Tensor:
+def _raw_score_error(c: _Case, model: Model) -> torch.Tensor:
     """E_ij (section 2), with an absolute eta per product, addition and the scaling (underflow)."""
     return gamma(c.d - 1 + model.score_roundings, model.u_dot) * c.qk + (2 * c.d + 2) * model.eta_acc
+
+
+def _score_error(c: _Case, model: Model) -> torch.Tensor:
+    """E'_ij: the error of the scores the softmax sees, the spec's modifications included (section 13)."""
+    err = _raw_score_error(c, model)
+    u, eta = model.u_acc, model.eta_acc
+    if c.cap is not None:
+        err = err + u * (c.qk + err) + (C_TANH + 2) * u * c.cap + 3 * eta
+    if c.bias_abs is not None:
+        err = err + u * (c.bias_abs + c.s.abs()) + 2 * eta
+    return err
+
+
+def _softcap_chain(c: _Case, model: Model, ds_err: torch.Tensor, ds_abs: torch.Tensor):
+    """``(err, magnitude)`` of ``dS_raw = dS (1 - t^2)`` from those of ``dS`` (section 13)."""
+    u, eta = model.u_acc, model.eta_acc
+    dt = _raw_score_error(c, model) / c.cap + u * c.qk / c.cap + (C_TANH + 1) * u
+    dc = 2 * dt + dt * dt + 2 * u
+    chain = 1 - c.tanh * c.tanh + dc
+    err = ds_err * chain + ds_abs * dc + u * ds_abs * chain + eta
+    return torch.where(c.vis, err, 0.0), torch.where(c.vis, ds_abs * chain * (1 + u) + eta, 0.0)
 
 
 def _ranks(c: _Case, tol: torch.Tensor) -> torch.Tensor:
@@ -543,6 +593,8 @@ def _backward_terms(c: _Case, model: Model, *, dout_abs, lse_err, delta_err, dp_
         m_grad = ds_err.sum(-1, keepdim=True) + gamma(c.n_rows + 2, u)[:, None] * ds_abs.sum(-1, keepdim=True)
         ds_err = ds_err + torch.where(near_max, m_grad, 0.0)
         ds_abs = ds_abs + torch.where(near_max, m_grad, 0.0)
+    if c.cap is not None:  # dQ and dK take the gradient of the raw scores (section 13)
+        ds_err, ds_abs = _softcap_chain(c, model, ds_err, ds_abs)
     sc = abs(c.scale)
 
     dq = (sc * (ds_err @ c.ak + gamma(c.n_rows + 3, model.u_dot)[:, None] * (ds_abs @ c.ak))

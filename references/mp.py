@@ -18,7 +18,8 @@ Functions
     ``dk_j``, ``dv_j`` of this row (summing them over the rows that see key ``j`` gives ``dK_j``, ``dV_j``).
 ``attention(q, k, v, *, spec, scale, dout, probabilities=False)``
     Whole tiny tensors in the ``[B, H, N, D]`` layout with grouped-query attention and the masking
-    conventions of :mod:`references.attention` (the keys a query sees: the ``AttentionSpec``,
+    conventions of :mod:`references.attention` (the keys a query sees and the score modifications,
+    softcap and ALiBi: the ``AttentionSpec``,
     a row with no visible key gives ``out = 0``, ``lse = -inf``, zero gradients). Only values that a
     visible (row, key) pair reads are converted, so inf or NaN elsewhere is allowed. Cost grows as
     ``B * Hq * Nq * Nk * D`` mpf operations: keep it to a few thousand. It works one query row at a
@@ -98,10 +99,17 @@ def _dot(a: list, b: list) -> mpmath.mpf:
     return mpmath.fsum(x * y for x, y in zip(a, b))
 
 
-def _row(q: list, keys: list, values: list, scale: mpmath.mpf, dout: list | None) -> RowResult:
+def _row(q: list, keys: list, values: list, scale: mpmath.mpf, dout: list | None, *, cap=None,
+         biases: list | None = None) -> RowResult:
     d = len(q)
     n = len(keys)
     scores = [scale * _dot(q, kj) for kj in keys]
+    chain = [mpmath.mpf(1)] * n  # ds'/ds of each score
+    if cap is not None:  # softcap: c tanh(s / c), derivative 1 - tanh^2
+        tanh = [mpmath.tanh(x / cap) for x in scores]
+        scores, chain = [cap * t for t in tanh], [1 - t * t for t in tanh]
+    if biases is not None:  # ALiBi: a constant per key
+        scores = [x + b for x, b in zip(scores, biases)]
     lse = _lse(scores)
     if n == 0:
         zeros = [mpmath.mpf(0)] * d
@@ -113,11 +121,11 @@ def _row(q: list, keys: list, values: list, scale: mpmath.mpf, dout: list | None
     res = RowResult(out=out, lse=lse, p=p)
     if dout is None:
         return res
-    # <dout, out> with out = sum_j P_j v_j and P = softmax(scale q.k_j):
-    #   dP_j = dout . v_j,  Delta = dout . out = sum_j P_j dP_j,  dS_j = P_j (dP_j - Delta)
+    # <dout, out> with out = sum_j P_j v_j and P = softmax(s'_j), s'_j the modified scale q.k_j:
+    #   dP_j = dout . v_j,  Delta = dout . out = sum_j P_j dP_j,  dS_j = P_j (dP_j - Delta) ds'_j/ds_j
     #   dq = scale sum_j dS_j k_j,  dk_j = scale dS_j q,  dv_j = P_j dout
     delta = _dot(dout, out)
-    ds = [p[j] * (_dot(dout, values[j]) - delta) for j in range(n)]
+    ds = [p[j] * (_dot(dout, values[j]) - delta) * chain[j] for j in range(n)]
     res.delta = delta
     res.dq = [scale * mpmath.fsum(ds[j] * keys[j][t] for j in range(n)) for t in range(d)]
     res.dk = [[scale * ds[j] * q[t] for t in range(d)] for j in range(n)]
@@ -131,11 +139,13 @@ def _vectors(rows) -> list:
     return [[_mpf(x) for x in r] for r in rows]
 
 
-def attention_row(q_i, keys, values, *, scale: float, dout_i=None) -> RowResult:
+def attention_row(q_i, keys, values, *, scale: float, dout_i=None, softcap: float | None = None,
+                  biases=None) -> RowResult:
     """One query row against its visible ``keys`` and ``values`` (``[n, D]``; ``n = 0`` allowed).
 
-    ``q_i`` and ``dout_i`` are length-``D`` sequences or 1-D tensors. Returns a :class:`RowResult`
-    of mpf values computed at 50 digits.
+    ``q_i`` and ``dout_i`` are length-``D`` sequences or 1-D tensors; ``softcap`` caps the scores
+    (``c * tanh(s / c)``), then ``biases`` (one float per key, ALiBi's) are added. Returns a
+    :class:`RowResult` of mpf values computed at 50 digits.
     """
     with mpmath.workdps(DPS):
         q = _vectors([q_i])[0]
@@ -146,7 +156,9 @@ def attention_row(q_i, keys, values, *, scale: float, dout_i=None) -> RowResult:
             if any(len(r) != len(q) for r in rows):
                 raise ValueError(f"attention_row: every row of {label} should have length D={len(q)}")
         do = None if dout_i is None else _vectors([dout_i])[0]
-        return _row(q, ks, vs, _mpf(scale), do)
+        cap = None if softcap is None else _mpf(softcap)
+        bias = None if biases is None else [_mpf(x) for x in biases]
+        return _row(q, ks, vs, _mpf(scale), do, cap=cap, biases=bias)
 
 
 @dataclasses.dataclass
@@ -200,6 +212,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
     with mpmath.workdps(DPS):
         s = _mpf(scale)
         zero = mpmath.mpf(0)
+        cap = None if spec.softcap is None else _mpf(spec.softcap)
+        if spec.alibi_slopes is not None and len(spec.alibi_slopes) != hq:
+            raise ValueError(f"alibi_slopes has {len(spec.alibi_slopes)} slopes, but q has {hq} heads: one slope "
+                             "per query head")
+        offset = spec.offset(len_q, len_k)
         dk_acc = [[[[zero] * d for _ in range(len_k)] for _ in range(hkv)] for _ in range(b)]
         dv_acc = [[[[zero] * d for _ in range(len_k)] for _ in range(hkv)] for _ in range(b)]
         for bi in range(b):
@@ -209,9 +226,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
                     cols = [j for j in range(len_k) if spec.visible(i, j, len_q, len_k)]
                     if not cols:  # out = 0, lse = -inf, zero gradients: already in place
                         continue
+                    biases = None if spec.alibi_slopes is None else [
+                        -_mpf(spec.alibi_slopes[h]) * abs(i + offset - j) for j in cols]
                     r = _row(row_of("q", qt, bi, h, i), [row_of("k", kt, bi, g, j) for j in cols],
                              [row_of("v", vt, bi, g, j) for j in cols], s,
-                             row_of("dout", dt, bi, h, i) if grads else None)
+                             row_of("dout", dt, bi, h, i) if grads else None, cap=cap, biases=biases)
                     out[bi, h, i] = torch.tensor([float(x) for x in r.out], **f64)
                     lse[bi, h, i] = float(r.lse)
                     if probabilities:

@@ -1,9 +1,16 @@
-"""The attention a call computes, as one value: today which keys each query may see.
+"""The attention a call computes, as one value: which keys each query may see, and what the scores are.
 
 An :class:`AttentionSpec` is a value (hashable, comparable, plain JSON) that the case carries and the
 float64 and mpmath references, the eager baseline, the bounds, the measurements and the kernel
-declarations all take: today ``causal`` and its ``alignment``; a window, sequence lengths or a score
-modification is a new field here, read by those same consumers.
+declarations all take: ``causal`` and its ``alignment``, a sliding window, and two score modifications
+(a logit softcap and ALiBi biases); sequence lengths or another modification is a new field here, read
+by those same consumers.
+
+Score modifications (flash_attn's conventions) act on the scaled scores ``s = scale * q . k``, in this
+order, before any masking: a softcap ``c`` gives ``c * tanh(s / c)``; ALiBi adds
+``-slope_h * |i + offset - j|`` (one slope per query head ``h``; ``offset`` as for the causal diagonal).
+:meth:`AttentionSpec.modify` applies both to a chunk of rows, :meth:`AttentionSpec.modify_grad` gives
+``ds'/ds`` for the backward (softcap's ``1 - tanh^2``; ALiBi's bias is a constant).
 
 ``bottom_right`` (FlashAttention's convention) lets query ``i`` see key ``j`` when ``j <= i + Nk - Nq``,
 so the last query sees every key and, when ``Nq > Nk``, the first ``Nq - Nk`` queries see none;
@@ -15,6 +22,7 @@ rows, :meth:`AttentionSpec.counts` for whole-problem answers), so a new kind of 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -34,12 +42,17 @@ class AttentionSpec:
     keys ``j`` with ``i + offset - window_left <= j <= i + offset + window_right`` (``offset``: the
     alignment's diagonal, ``Nk - Nq`` bottom-right, 0 top-left), intersected with the causal mask when
     causal. The keys a query sees are always one contiguous range, and both its ends grow with the row:
-    :meth:`key_range` gives the ranges, :meth:`rows` the mask, :meth:`counts` the counts."""
+    :meth:`key_range` gives the ranges, :meth:`rows` the mask, :meth:`counts` the counts.
+
+    ``softcap`` (a float > 0, or None for none) and ``alibi_slopes`` (one float per query head, or None)
+    modify the scores (module docstring); the slopes are a tuple (a JSON list reads as one)."""
 
     causal: bool = False
     alignment: str = "bottom_right"
     window_left: int = -1
     window_right: int = -1
+    softcap: float | None = None
+    alibi_slopes: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.causal, bool):
@@ -50,6 +63,58 @@ class AttentionSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < -1:
                 raise ValueError(f"{name}={value!r}, but should be an int >= -1 (-1: unbounded)")
+        cap = self.softcap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                                or not math.isfinite(cap) or cap <= 0):
+            raise ValueError(f"softcap={cap!r}, but should be a finite number > 0 (None: no softcap)")
+        slopes = self.alibi_slopes
+        if slopes is not None:
+            if isinstance(slopes, list):
+                slopes = tuple(slopes)
+                object.__setattr__(self, "alibi_slopes", slopes)
+            ok = isinstance(slopes, tuple) and len(slopes) > 0 and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in slopes)
+            if not ok:
+                raise ValueError(f"alibi_slopes={slopes!r}, but should be a non-empty sequence of finite numbers, "
+                                 "one per query head (None: no ALiBi)")
+
+    @property
+    def modified(self) -> bool:
+        """Whether a softcap or ALiBi modifies the scores."""
+        return self.softcap is not None or self.alibi_slopes is not None
+
+    def _slopes(self, heads: int, *, device, dtype) -> torch.Tensor:
+        if len(self.alibi_slopes) != heads:
+            raise ValueError(f"alibi_slopes has {len(self.alibi_slopes)} slopes, but the attention has {heads} "
+                             "query heads: one slope per query head")
+        return torch.tensor(self.alibi_slopes, dtype=dtype, device=device)
+
+    def alibi_bias(self, len_q: int, len_k: int, *, heads: int, device=None, dtype=torch.float64,
+                   rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """``[heads, r1 - r0, Nk]``: ALiBi's ``-slope_h * |i + offset - j|`` (the distance is exact; one
+        rounding of the product in ``dtype``). Requires ``alibi_slopes``."""
+        r0, r1 = (0, len_q) if rows is None else rows
+        diag = torch.arange(r0, r1, device=device) + self.offset(len_q, len_k)
+        dist = (diag[:, None] - torch.arange(len_k, device=device)[None, :]).abs().to(dtype)
+        return -self._slopes(heads, device=device, dtype=dtype)[:, None, None] * dist
+
+    def modify(self, scores: torch.Tensor, len_q: int, len_k: int, *,
+               rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The scores the softmax sees, from the scaled scores ``[..., Hq, r1 - r0, Nk]`` of rows ``r0 ..
+        r1 - 1`` (default all): softcap, then ALiBi, in ``scores``' dtype. Unmodified: ``scores`` itself."""
+        if self.softcap is not None:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
+        if self.alibi_slopes is not None:
+            scores = scores + self.alibi_bias(len_q, len_k, heads=scores.shape[-3], device=scores.device,
+                                              dtype=scores.dtype, rows=rows)
+        return scores
+
+    def modify_grad(self, scores: torch.Tensor) -> torch.Tensor | None:
+        """``ds'/ds`` at the scaled scores ``scores`` (softcap's ``1 - tanh(s / c)^2``), or None where it is
+        1 everywhere (no softcap: ALiBi adds a constant)."""
+        if self.softcap is None:
+            return None
+        return 1.0 - torch.tanh(scores / self.softcap) ** 2
 
     @property
     def windowed(self) -> bool:
@@ -113,4 +178,8 @@ class AttentionSpec:
             words += f" window ({self.window_left}, {self.window_right})"
             if not self.causal and self.alignment != "bottom_right":
                 words += f" {self.alignment}"
+        if self.softcap is not None:
+            words += f" softcap={self.softcap:g}"
+        if self.alibi_slopes is not None:
+            words += " alibi=(" + ", ".join(f"{x:g}" for x in self.alibi_slopes) + ")"
         return words

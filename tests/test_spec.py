@@ -1,10 +1,13 @@
 """references/spec.py: the one definition of which keys a query sees; its three views agree; a spec is a value."""
 
+import dataclasses
 import itertools
+import math
 
 import pytest
 import torch
 
+from references import attention as reference
 from references.spec import ALIGNMENTS, AttentionSpec
 from strategies.cases import AttentionCase, CaseError
 
@@ -68,8 +71,8 @@ def test_a_spec_is_a_value():
     assert len({AttentionSpec(True), AttentionSpec(True), AttentionSpec(False)}) == 2
     spec = AttentionSpec(True, "top_left")
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=2, len_k=3, head_dim=4, dtype="float32", spec=spec)
-    assert AttentionCase.from_json(case.to_json()) == case and '"spec":{"causal":true,"alignment":"top_left","window_left":-1,"window_right":-1}' \
-        in case.to_json()
+    assert AttentionCase.from_json(case.to_json()) == case and ('"spec":{"causal":true,"alignment":"top_left","window_left":-1,"window_right":-1,"softcap":null,'
+        '"alibi_slopes":null}' in case.to_json())
     # A case written before cases carried a spec: its causal flag, bottom-right.
     old = {k: v for k, v in case.to_dict().items() if k != "spec"}
     assert AttentionCase.from_dict({**old, "causal": True}).spec == AttentionSpec(True)
@@ -81,3 +84,68 @@ def test_a_spec_is_a_value():
         AttentionCase.from_dict({**old, "spec": {"causal": True, "alignment": "middle"}})
     assert [AttentionSpec(False).describe(), AttentionSpec(True).describe(), spec.describe()] == [
         "non-causal", "causal", "causal top_left"]
+
+
+# ---------------------------------------------------------------- score modifications: softcap, ALiBi
+def test_score_modifications_are_validated_and_read_back_from_json():
+    spec = AttentionSpec(causal=True, softcap=30.0, alibi_slopes=[0.5, 0.25])
+    assert spec.alibi_slopes == (0.5, 0.25) and spec.modified and hash(spec)
+    case = AttentionCase(batch=1, heads_q=2, heads_kv=1, len_q=2, len_k=3, head_dim=4, dtype="float32", spec=spec)
+    assert AttentionCase.from_json(case.to_json()) == case
+    assert '"softcap":30.0,"alibi_slopes":[0.5,0.25]' in case.to_json()
+    assert spec.describe() == "causal softcap=30 alibi=(0.5, 0.25)"
+    for bad in (0, -1.0, math.inf, math.nan, True, "3"):
+        with pytest.raises(ValueError, match="softcap=.*should be a finite number > 0"):
+            AttentionSpec(softcap=bad)
+    for bad in ((), (math.nan,), ("a",), 0.5, (True,)):
+        with pytest.raises(ValueError, match="alibi_slopes=.*one per query head"):
+            AttentionSpec(alibi_slopes=bad)
+    with pytest.raises(ValueError, match="alibi_slopes has 2 slopes, but the attention has 3 query heads"):
+        spec.modify(torch.zeros(1, 3, 2, 3, dtype=torch.float64), 2, 3)
+
+
+def test_modify_is_softcap_then_alibi_around_the_alignments_diagonal():
+    s = torch.tensor([[[[1.0, -2.0, 40.0], [0.5, 0.0, -3.0]]]], dtype=torch.float64)  # [1, 1, 2, 3]
+    cap = AttentionSpec(softcap=2.0)
+    assert torch.equal(cap.modify(s, 2, 3), 2.0 * torch.tanh(s / 2.0))
+    assert torch.equal(cap.modify_grad(s), 1 - torch.tanh(s / 2.0) ** 2) and AttentionSpec().modify_grad(s) is None
+    # bottom-right: row i's diagonal is key i + 1; top-left: key i
+    br = AttentionSpec(alibi_slopes=(0.5,)).modify(torch.zeros_like(s), 2, 3)
+    tl = AttentionSpec(alibi_slopes=(0.5,), alignment="top_left").modify(torch.zeros_like(s), 2, 3)
+    assert br.tolist() == [[[[-0.5, -0.0, -0.5], [-1.0, -0.5, -0.0]]]]
+    assert tl.tolist() == [[[[-0.0, -0.5, -1.0], [-0.5, -0.0, -0.5]]]]
+    both = AttentionSpec(softcap=2.0, alibi_slopes=(0.5,)).modify(s[:, :, 1:], 2, 3, rows=(1, 2))
+    assert torch.equal(both, 2.0 * torch.tanh(s[:, :, 1:] / 2.0) + br[:, :, 1:])
+    assert AttentionSpec().modify(s, 2, 3) is s
+
+
+@pytest.mark.parametrize("spec", [
+    AttentionSpec(causal=True, softcap=1.5),
+    AttentionSpec(alibi_slopes=(0.5, 0.125, 1.0, 0.0), window_left=2),
+    AttentionSpec(causal=True, softcap=0.75, alibi_slopes=(0.25, 1.0, 2.0, 0.5), alignment="top_left"),
+], ids=["softcap", "alibi_window", "both_top_left"])
+def test_modified_float64_reference_equals_mpmath_and_autograd(spec):
+    from references import mp
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 5, 3, generator=g, dtype=torch.float64) * 3
+    k = torch.randn(1, 2, 6, 3, generator=g, dtype=torch.float64) * 3
+    v = torch.randn(1, 2, 6, 3, generator=g, dtype=torch.float64)
+    dout = torch.randn(1, 4, 5, 3, generator=g, dtype=torch.float64)
+    ref = reference.attention(q, k, v, spec=spec, dout=dout)
+    exact = mp.attention(q, k, v, spec=spec, dout=dout)
+    for name in ("out", "lse", "delta", "dq", "dk", "dv"):
+        a, b = getattr(ref, name), getattr(exact, name)
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), name
+    # and the gradients equal autograd through a dense float64 forward built from the spec
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ke, ve = (reference.expand_kv(t, 4) for t in leaves[1:])
+    s = spec.modify(leaves[0] @ ke.transpose(-1, -2) / math.sqrt(3), 5, 6)
+    p = torch.softmax(torch.where(spec.rows(5, 6), s, -math.inf), dim=-1).nan_to_num()
+    ((p @ ve) * dout).sum().backward()
+    for leaf, mine in zip(leaves, (ref.dq, ref.dk, ref.dv)):
+        assert torch.allclose(leaf.grad, mine, rtol=1e-12, atol=1e-12)
+    # the softcap's chain rule matters here: without it dQ is visibly different
+    if spec.softcap is not None:
+        plain = reference.attention(q, k, v, spec=dataclasses.replace(spec, softcap=None), dout=dout)
+        assert not torch.allclose(plain.dq, ref.dq, atol=1e-3)
