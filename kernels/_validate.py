@@ -27,6 +27,38 @@ def check_window(window_size, *, kernel: str) -> tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
+def check_softcap(softcap, *, kernel: str) -> float:
+    """``softcap`` as a float: a finite number >= 0 (flash_attn's convention: 0.0 means no softcap)."""
+    if (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap)
+            or softcap < 0):
+        raise ValueError(f"{kernel}: softcap={softcap!r}, but should be a finite number >= 0 (0.0: no softcap; "
+                         "c > 0: scores s become c * tanh(s / c))")
+    return float(softcap)
+
+
+def check_alibi_slopes(alibi_slopes, q: torch.Tensor, *, kernel: str) -> torch.Tensor | None:
+    """``alibi_slopes`` (flash_attn's convention): None, or a float32 tensor of finite slopes on ``q``'s
+    device, shaped ``[Hq]`` (one slope per query head) or ``[B, Hq]`` (per batch and head). Call it after
+    :func:`check_attention_inputs` (``q`` is a valid 4-D tensor)."""
+    if alibi_slopes is None:
+        return None
+    b, hq = q.shape[0], q.shape[1]
+    allowed = (f"a float32 torch.Tensor of shape [Hq]=[{hq}] or [B, Hq]=[{b}, {hq}] on q's device {q.device}, "
+               "or None (no ALiBi)")
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise ValueError(f"{kernel}: alibi_slopes is a {type(alibi_slopes).__name__}, but should be {allowed}")
+    if alibi_slopes.dtype != torch.float32:
+        raise ValueError(f"{kernel}: alibi_slopes.dtype={dtype_name(alibi_slopes.dtype)}, but should be {allowed}")
+    if tuple(alibi_slopes.shape) not in ((hq,), (b, hq)):
+        raise ValueError(f"{kernel}: alibi_slopes.shape={tuple(alibi_slopes.shape)}, but should be {allowed}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"{kernel}: alibi_slopes is on {alibi_slopes.device}, but should be {allowed}")
+    if not bool(torch.isfinite(alibi_slopes).all()):
+        raise ValueError(f"{kernel}: alibi_slopes holds non-finite values {alibi_slopes.tolist()}, but should be "
+                         f"finite: {allowed}")
+    return alibi_slopes
+
+
 def check_block(name: str, value, *, kernel: str, allowed: Iterable[int] | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{kernel}: {name}={value!r}, but should be a positive int")

@@ -27,6 +27,16 @@ Backward (KV blocks outer, Q blocks inner) recomputes ``P = exp(s - lse)`` from 
     Delta = rowsum(dO * O);  dV += P^T dO;  dP = dO V^T;  dS = P * (dP - Delta)
     dK += scale * dS^T Q;    dQ += scale * dS K
 
+Score modifications (flash_attn's keywords and order) act on every tile's scaled scores, in the
+accumulator dtype, before the masks: ``softcap=c`` (0.0: none) gives ``s = c * tanh(s / c)``;
+``alibi_slopes`` (float32, ``[Hq]`` or ``[B, Hq]``: the query head's slope, also under GQA) then adds
+``-slope_h * |i + Nk - Nq - j|`` (the distance is exact, the slope is held in the accumulator dtype). The
+LSE is that of the modified scores. The backward recomputes the same modified scores for ``P``; ALiBi's
+bias is a constant, and a softcap multiplies ``dS`` by its derivative ``1 - tanh(s_raw / c)^2`` (in the
+accumulator dtype, before ``dS`` is cast to the input dtype for dQ and dK)::
+
+    dS = P * (dP - Delta) * (1 - tanh(s_raw / c)^2)
+
 Causal masking is bottom-right aligned: key ``j`` is visible to query ``i`` iff ``j <= i + Nk - Nq``.
 A sliding window ``window_size=(left, right)`` (flash_attn's convention, -1 unbounded) also hides the
 keys outside ``i + Nk - Nq - left .. i + Nk - Nq + right``; it only masks, the tile loops are unchanged.
@@ -110,6 +120,27 @@ def _in_window(m0: int, m1: int, n0: int, n1: int, len_q: int, len_k: int, windo
     return inside
 
 
+def _slope_view(alibi_slopes, acc_dtype):
+    """The validated ``[Hq]`` or ``[B, Hq]`` slopes as ``[1 or B, Hq, 1, 1]`` in the accumulator dtype (or None)."""
+    if alibi_slopes is None:
+        return None
+    slopes = alibi_slopes.to(acc_dtype)
+    return (slopes[None] if slopes.dim() == 1 else slopes)[:, :, None, None]
+
+
+def _modify(s, m0, m1, n0, n1, len_q, len_k, softcap=0.0, slopes=None):
+    """The scores the softmax sees, from the scaled scores of queries m0:m1 and keys n0:n1: softcap
+    ``c * tanh(s / c)``, then ALiBi's ``-slope_h * |i + Nk - Nq - j|`` (``slopes``: :func:`_slope_view`),
+    in ``s``'s dtype. Unmodified: ``s`` itself."""
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if slopes is not None:
+        rows = torch.arange(m0, m1, device=s.device)[:, None] + (len_k - len_q)
+        cols = torch.arange(n0, n1, device=s.device)[None, :]
+        s = s + -slopes * (rows - cols).abs().to(s.dtype)
+    return s
+
+
 def _mask(s, causal, m0, m1, n0, n1, len_q, len_k, window=NO_WINDOW):
     if causal:
         visible = _visible(m0, m1, n0, n1, len_q, len_k, s.device)
@@ -127,6 +158,13 @@ def _check(q, k, v, *, kernel, scale, block_m, block_n):
     return _default_scale(q.shape[-1]) if scale is None else float(scale)
 
 
+def _check_mods(q, softcap, alibi_slopes, *, kernel, acc_dtype):
+    """Validate the score modifications: ``(softcap, slopes)``, slopes as :func:`_slope_view` gives them."""
+    softcap = _validate.check_softcap(softcap, kernel=kernel)
+    slopes = _validate.check_alibi_slopes(alibi_slopes, q, kernel=kernel)
+    return softcap, _slope_view(slopes, acc_dtype)
+
+
 def _outputs(q, k, v, out, lse, *, kernel):
     """The ``(out, lse)`` tensors to write: the caller's buffers where given (validated), else new ones."""
     _validate.check_out_buffers(q, k, v, out, lse, kernel=kernel, lse_dtypes=(_acc_dtype(q.dtype),))
@@ -139,7 +177,8 @@ def _outputs(q, k, v, out, lse, *, kernel):
 
 
 def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,
-                    block_m: int = 64, block_n: int = 64, out=None, lse=None, window_size=NO_WINDOW):
+                    block_m: int = 64, block_n: int = 64, out=None, lse=None, window_size=NO_WINDOW,
+                    softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None):
     """FA2 forward without autograd: returns ``(out, lse)``. ``out``/``lse`` given: the results are
     written into them (any strides) and they are returned."""
     scale = _check(q, k, v, kernel="fa2_blocked", scale=scale, block_m=block_m, block_n=block_n)
@@ -148,6 +187,7 @@ def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
     b, hq, len_q, d = q.shape
     len_k = k.shape[2]
     acc_dtype = _acc_dtype(q.dtype)
+    softcap, slopes = _check_mods(q, softcap, alibi_slopes, kernel="fa2_blocked", acc_dtype=acc_dtype)
     k_all, v_all = _expand_kv(k, hq), _expand_kv(v, hq)
     for m0 in range(0, len_q, block_m):
         m1 = min(m0 + block_m, len_q)
@@ -159,6 +199,7 @@ def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
         for n0 in range(0, kv_end, block_n):
             n1 = min(n0 + block_n, len_k)
             s = _scores(q_tile, k_all[:, :, n0:n1], scale, acc_dtype)
+            s = _modify(s, m0, m1, n0, n1, len_q, len_k, softcap, slopes)
             s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k, window)
             m_new = torch.maximum(m_i, s.amax(dim=-1))
             # Rows that have seen no visible key yet keep m = -inf; subtract 0 there instead.
@@ -176,7 +217,8 @@ def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
 
 
 def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,
-                    block_m: int = 64, block_n: int = 64, out=None, lse=None, window_size=NO_WINDOW):
+                    block_m: int = 64, block_n: int = 64, out=None, lse=None, window_size=NO_WINDOW,
+                    softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None):
     """FA1 forward without autograd: returns ``(out, lse)``; the output is renormalised every step.
     ``out``/``lse`` given: the results are written into them (any strides) and they are returned."""
     scale = _check(q, k, v, kernel="fa1_blocked", scale=scale, block_m=block_m, block_n=block_n)
@@ -185,6 +227,7 @@ def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
     b, hq, len_q, d = q.shape
     len_k = k.shape[2]
     acc_dtype = _acc_dtype(q.dtype)
+    softcap, slopes = _check_mods(q, softcap, alibi_slopes, kernel="fa1_blocked", acc_dtype=acc_dtype)
     k_all, v_all = _expand_kv(k, hq), _expand_kv(v, hq)
     o = torch.zeros((b, hq, len_q, d), dtype=acc_dtype, device=q.device)
     m = torch.full((b, hq, len_q), NEG_INF, dtype=acc_dtype, device=q.device)
@@ -195,6 +238,7 @@ def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
         for m0 in range(_q_start(n0, len_q, len_k, block_m, causal), len_q, block_m):
             m1 = min(m0 + block_m, len_q)
             s = _scores(q[:, :, m0:m1], k_tile, scale, acc_dtype)
+            s = _modify(s, m0, m1, n0, n1, len_q, len_k, softcap, slopes)
             s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k, window)
             m_old, l_old = m[:, :, m0:m1], l[:, :, m0:m1]
             m_new = torch.maximum(m_old, s.amax(dim=-1))
@@ -212,7 +256,8 @@ def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
 
 
 def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
-                 block_m: int = 64, block_n: int = 64, window_size=NO_WINDOW):
+                 block_m: int = 64, block_n: int = 64, window_size=NO_WINDOW,
+                 softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None):
     """Blocked FA2 backward: returns ``(dq, dk, dv, delta)`` with ``delta = rowsum(dO * O)``."""
     scale = _check(q, k, v, kernel="fa2_blocked backward", scale=scale, block_m=block_m, block_n=block_n)
     window = _validate.check_window(window_size, kernel="fa2_blocked backward")
@@ -220,6 +265,7 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     b, hq, len_q, d = q.shape
     hkv, len_k = k.shape[1], k.shape[2]
     acc_dtype = _acc_dtype(q.dtype)
+    softcap, slopes = _check_mods(q, softcap, alibi_slopes, kernel="fa2_blocked backward", acc_dtype=acc_dtype)
     k_all, v_all = _expand_kv(k, hq), _expand_kv(v, hq)
     do = dout.to(acc_dtype)
     delta = (do * out.to(acc_dtype)).sum(dim=-1)
@@ -236,12 +282,15 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
         for m0 in range(_q_start(n0, len_q, len_k, block_m, causal), len_q, block_m):
             m1 = min(m0 + block_m, len_q)
             q_tile, do_tile = q[:, :, m0:m1], do[:, :, m0:m1]
-            s = _scores(q_tile, k_tile, scale, acc_dtype)
+            raw = _scores(q_tile, k_tile, scale, acc_dtype)
+            s = _modify(raw, m0, m1, n0, n1, len_q, len_k, softcap, slopes)
             s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k, window)
             p = torch.exp(s - lse_ref[:, :, m0:m1, None])
             dv_acc += p.to(q.dtype).to(acc_dtype).transpose(-1, -2) @ do_tile
             dp = do_tile @ v_tile.transpose(-1, -2)
             ds = p * (dp - delta[:, :, m0:m1, None])
+            if softcap:  # the chain rule through c * tanh(s / c); ALiBi's bias has derivative 1
+                ds = ds * (1.0 - torch.tanh(raw / softcap) ** 2)
             ds_low = ds.to(q.dtype).to(acc_dtype)
             dk_acc += ds_low.transpose(-1, -2) @ q_tile.to(acc_dtype)
             dq[:, :, m0:m1] += (ds_low @ k_tile.to(acc_dtype)) * scale
@@ -251,33 +300,48 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), delta
 
 
-def _apply(q, k, v, causal, scale, block_m, block_n, forward_raw, out, lse, kernel, window_size):
+def _apply(q, k, v, causal, scale, block_m, block_n, forward_raw, out, lse, kernel, window_size,
+           softcap, alibi_slopes):
     buffers = None
     window = _validate.check_window(window_size, kernel=kernel)
-    if out is not None or lse is not None:
+    softcap = _validate.check_softcap(softcap, kernel=kernel)
+    if out is not None or lse is not None or alibi_slopes is not None:
         _check(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
+        _validate.check_alibi_slopes(alibi_slopes, q, kernel=kernel)
+    if out is not None or lse is not None:
         buffers = _outputs(q, k, v, out, lse, kernel=kernel)
-    backward = fa2_backward
+    keywords = {}  # the forward's and the backward's own keywords beyond the contract's
     if window != NO_WINDOW:
-        forward_raw = functools.partial(forward_raw, window_size=window)
-        backward = functools.partial(fa2_backward, window_size=window)
+        keywords["window_size"] = window
+    if softcap:
+        keywords["softcap"] = softcap
+    if alibi_slopes is not None:
+        keywords["alibi_slopes"] = alibi_slopes
+    backward = fa2_backward
+    if keywords:
+        forward_raw = functools.partial(forward_raw, **keywords)
+        backward = functools.partial(fa2_backward, **keywords)
     return _autograd.apply(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
                            forward=forward_raw, backward=backward, buffers=buffers)
 
 
 def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                block_m: int = 64, block_n: int = 64, out=None, lse=None, window_size=NO_WINDOW):
+                block_m: int = 64, block_n: int = 64, out=None, lse=None, window_size=NO_WINDOW,
+                softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None):
     """FA2 forward with autograd: ``(out, lse)``; gradients flow through ``out``.
 
     ``out=`` (q's shape and dtype) and ``lse=`` (``[B, Hq, Nq]``, float32; float64 for float64 inputs),
     views with any strides, receive the results, and are what is returned (see ``out_buffers`` in
     :class:`kernels.registry.Implementation`); gradients still flow to q, k, v through the returned out.
     """
-    return _apply(q, k, v, causal, scale, block_m, block_n, fa2_forward_raw, out, lse, "fa2_blocked", window_size)
+    return _apply(q, k, v, causal, scale, block_m, block_n, fa2_forward_raw, out, lse, "fa2_blocked", window_size,
+                  softcap, alibi_slopes)
 
 
 def fa1_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                block_m: int = 64, block_n: int = 64, out=None, lse=None, window_size=NO_WINDOW):
+                block_m: int = 64, block_n: int = 64, out=None, lse=None, window_size=NO_WINDOW,
+                softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None):
     """FA1 forward with autograd (the backward is the blocked FA2 backward, which needs only O and LSE);
     ``out=``/``lse=`` as for :func:`fa2_forward`."""
-    return _apply(q, k, v, causal, scale, block_m, block_n, fa1_forward_raw, out, lse, "fa1_blocked", window_size)
+    return _apply(q, k, v, causal, scale, block_m, block_n, fa1_forward_raw, out, lse, "fa1_blocked", window_size,
+                  softcap, alibi_slopes)
