@@ -43,12 +43,22 @@ class _Eager(torch.autograd.Function):
 
 
 def eager_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                  window_size: tuple[int, int] = (-1, -1)):
+                  window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                  alibi_slopes: torch.Tensor | None = None):
     """Eager attention at the inputs' precision, with the baseline's own backward; ``window_size``:
-    a sliding window ``(left, right)`` in flash_attn's convention (-1 unbounded)."""
+    a sliding window ``(left, right)`` in flash_attn's convention (-1 unbounded); ``softcap`` (0.0: none)
+    and ``alibi_slopes`` (float32 ``[Hq]``, one slope per query head) modify the scores as flash_attn's
+    keywords do (the baseline applies them: references/spec.py)."""
     _validate.check_attention_inputs(q, k, v, kernel="eager", dtypes=ALL_DTYPES, scale=scale)
     left, right = _validate.check_window(window_size, kernel="eager")
-    return _Eager.apply(q, k, v, AttentionSpec(causal=causal, window_left=left, window_right=right), scale)
+    softcap = _validate.check_softcap(softcap, kernel="eager")
+    slopes = _validate.check_alibi_slopes(alibi_slopes, q, kernel="eager")
+    if slopes is not None and slopes.dim() != 1:
+        raise ValueError(f"eager: alibi_slopes.shape={tuple(slopes.shape)}, but eager takes per-head slopes only: "
+                         f"a float32 torch.Tensor of shape [Hq]=[{q.shape[1]}] (no per-batch [B, Hq] slopes)")
+    spec = AttentionSpec(causal=causal, window_left=left, window_right=right, softcap=softcap or None,
+                         alibi_slopes=None if slopes is None else tuple(float(x) for x in slopes.tolist()))
+    return _Eager.apply(q, k, v, spec, scale)
 
 
 def sdpa_math_forward(q, k, v, *, causal: bool = False, scale: float | None = None):
