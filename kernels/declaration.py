@@ -35,8 +35,12 @@ class Implementation:
     """One kernel under test and what it declares it supports.
 
     Attention kernels (``kind="attention"``):
-      forward(q, k, v, *, causal, scale[, window_size][, block_m, block_n][, out, lse]) -> (out, lse) or out
-      backward(q, k, v, out, lse, dout, *, causal, scale[, block_m, block_n]) -> (dq, dk, dv, delta)
+      forward(q, k, v, *, causal, scale[, window_size][, softcap][, alibi_slopes][, block_m, block_n][, out, lse])
+          -> (out, lse) or out
+      backward(q, k, v, out, lse, dout, *, causal, scale[, window_size][, softcap][, alibi_slopes]
+               [, block_m, block_n]) -> (dq, dk, dv, delta)
+    ``window_size``, ``softcap`` and ``alibi_slopes`` are passed only when the case has them (and the
+    declaration has ``windows``, ``softcap``, ``alibi``).
     Softmax kernels (``kind="softmax"``):
       forward(x[, block_n=...]) -> (y, lse) over the last dimension of a 2-D float tensor.
     """
@@ -53,6 +57,10 @@ class Implementation:
     causal_alignment: str = "bottom_right"
     # Sliding windows (flash_attn's convention): the forward takes window_size=(left, right), -1 unbounded.
     windows: bool = False
+    # Logit softcap (flash_attn's convention): the forward takes softcap=c > 0, scores s -> c * tanh(s / c).
+    softcap: bool = False
+    # ALiBi (flash_attn's convention): the forward takes alibi_slopes, a float32 tensor [Hq] on q's device.
+    alibi: bool = False
     # Tunable tiles: the block sizes the suite may draw (None: not tunable).
     block_m: Sequence[int] | None = None
     block_n: Sequence[int] | None = None
@@ -132,7 +140,8 @@ class Implementation:
         for field in ("len_q_multiple", "len_k_multiple"):
             positive_int(field, getattr(self, field))
         positive_int("min_len", self.min_len, zero=True)
-        for field in ("equal_lengths", "non_causal", "contiguous_only", "causal", "windows"):
+        for field in ("equal_lengths", "non_causal", "contiguous_only", "causal", "windows", "softcap",
+                      "alibi"):
             if not isinstance(getattr(self, field), bool):
                 raise ImplementationError(f"{self.name}: {field}={getattr(self, field)!r}, but should be a bool")
         if not self.causal and not self.non_causal:
@@ -232,6 +241,10 @@ class Implementation:
             out.append(f"grouped-query attention (Hkv < Hq): {why}")
         if not self.windows:
             out.append(f"sliding windows: {why}")
+        if not self.softcap:
+            out.append(f"logit softcap: {why}")
+        if not self.alibi:
+            out.append(f"ALiBi: {why}")
         return out
 
     @property
@@ -272,13 +285,18 @@ class Implementation:
             return f"{self.name} declares causal attention only"
         if spec.windowed and not self.windows:
             return f"{self.name} declares no sliding window"
+        if spec.softcap is not None and not self.softcap:
+            return f"{self.name} declares no logit softcap"
+        if spec.alibi_slopes is not None and not self.alibi:
+            return f"{self.name} declares no ALiBi"
         if spec.causal and spec.alignment != self.causal_alignment:
             return (f"{self.name} aligns causal masks {self.causal_alignment}; the case asks for "
                     f"{spec.alignment}")
         return None
 
-    def kernel_keywords(self, spec: AttentionSpec, scale, block_m, block_n) -> dict[str, Any]:
-        """The kernel's own keywords for ``spec`` (refused when the declaration does not support it)."""
+    def kernel_keywords(self, spec: AttentionSpec, scale, block_m, block_n, *, device=None) -> dict[str, Any]:
+        """The kernel's own keywords for ``spec`` (refused when the declaration does not support it);
+        ``device``: where the inputs are (the ALiBi slopes tensor is made there)."""
         require_spec(spec)
         why = self.unsupported_spec(spec)
         if why is not None:
@@ -286,6 +304,10 @@ class Implementation:
         kwargs: dict[str, Any] = {"causal": spec.causal, "scale": scale}
         if spec.windowed:
             kwargs["window_size"] = (spec.window_left, spec.window_right)
+        if spec.softcap is not None:
+            kwargs["softcap"] = spec.softcap
+        if spec.alibi_slopes is not None:
+            kwargs["alibi_slopes"] = _alibi_tensor(self.name, spec.alibi_slopes, device)
         if self.tunable and block_m is not None:
             kwargs["block_m"] = block_m
         if self.tunable and block_n is not None:
@@ -297,7 +319,8 @@ class Implementation:
         """Run the declared backward on ``spec``'s attention: ``(dq, dk, dv, delta)``."""
         if self.backward is None:
             raise ImplementationError(f"{self.name} declares no backward")
-        return self.backward(q, k, v, out, lse, dout, **self.kernel_keywords(spec, scale, block_m, block_n))
+        return self.backward(q, k, v, out, lse, dout,
+                             **self.kernel_keywords(spec, scale, block_m, block_n, device=q.device))
 
     def call(self, q, k, v, *, spec: AttentionSpec, scale: float | None = None,
              block_m: int | None = None, block_n: int | None = None,
@@ -306,7 +329,7 @@ class Implementation:
         ``(out, lse_or_None)``. The spec becomes the kernel's own keywords (``causal``); a spec the
         declaration does not support is refused. ``out``/``lse`` are passed on as the forward's
         ``out=``/``lse=`` buffers; only for a declaration with ``out_buffers``."""
-        kwargs = self.kernel_keywords(spec, scale, block_m, block_n)
+        kwargs = self.kernel_keywords(spec, scale, block_m, block_n, device=q.device)
         if out is not None or lse is not None:
             if not self.out_buffers:
                 raise ImplementationError(f"{self.name} declares no out_buffers: its forward takes no "
@@ -327,6 +350,19 @@ class Implementation:
             f"{f' of length {len(result)}' if isinstance(result, (tuple, list)) else ''}, "
             "but should return out or (out, lse)"
         )
+
+
+def _alibi_tensor(name: str, slopes: tuple[float, ...], device) -> torch.Tensor:
+    """The spec's slopes as the float32 tensor flash_attn's ``alibi_slopes`` is, on ``device``; refused when
+    float32 cannot hold a slope exactly (the reference would then use a different slope than the kernel)."""
+    exact = torch.tensor(slopes, dtype=torch.float64)
+    held = exact.to(torch.float32)
+    inexact = [x for x, y in zip(slopes, held.tolist()) if x != y]
+    if inexact:
+        raise ImplementationError(f"{name}: alibi_slopes={tuple(slopes)!r} holds {inexact!r}, which float32 cannot "
+                                  "hold exactly: the kernel would run a different slope than the reference; "
+                                  "use slopes that are float32 values (e.g. powers of two)")
+    return held.to(device) if device is not None else held
 
 
 def declare(**fields: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -86,18 +86,19 @@ _MAX_TILES = 1024
 
 FA2_BLOCKED = Implementation(
     name="fa2_blocked", forward=blocked.fa2_forward, backward=blocked.fa2_backward, gqa=True, windows=True,
-    block_m=_BLOCKS, block_n=_BLOCKS, sibling="fa1_blocked", out_buffers=True, max_tiles=_MAX_TILES,
+    softcap=True, alibi=True, block_m=_BLOCKS, block_n=_BLOCKS, sibling="fa1_blocked", out_buffers=True,
+    max_tiles=_MAX_TILES,
     description="blocked PyTorch FlashAttention-2: outer-scaled forward, blocked backward",
 )
 FA1_BLOCKED = Implementation(
     name="fa1_blocked", forward=blocked.fa1_forward, backward=blocked.fa2_backward, gqa=True, windows=True,
-    block_m=_BLOCKS, block_n=_BLOCKS, out_buffers=True, max_tiles=_MAX_TILES,
+    softcap=True, alibi=True, block_m=_BLOCKS, block_n=_BLOCKS, out_buffers=True, max_tiles=_MAX_TILES,
     description="blocked PyTorch FlashAttention-1: inner-scaled forward",
 )
 
 # ------------------------------------------------------------------------------------------ adapters
 EAGER = Implementation(
-    name="eager", forward=adapters.eager_forward, gqa=True, windows=True,
+    name="eager", forward=adapters.eager_forward, gqa=True, windows=True, softcap=True, alibi=True,
     description="same-precision eager attention (the criterion-1 baseline)",
 )
 SDPA_MATH = Implementation(
