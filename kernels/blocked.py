@@ -290,7 +290,8 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
             dp = do_tile @ v_tile.transpose(-1, -2)
             ds = p * (dp - delta[:, :, m0:m1, None])
             if softcap:  # the chain rule through c * tanh(s / c); ALiBi's bias has derivative 1
-                ds = ds * (1.0 - torch.tanh(raw / softcap) ** 2)
+                # only where P > 0: a hidden key may hold NaN, and its dS (0) must stay 0
+                ds = torch.where(p > 0, ds * (1.0 - torch.tanh(raw / softcap) ** 2), 0.0)
             ds_low = ds.to(q.dtype).to(acc_dtype)
             dk_acc += ds_low.transpose(-1, -2) @ q_tile.to(acc_dtype)
             dq[:, :, m0:m1] += (ds_low @ k_tile.to(acc_dtype)) * scale

@@ -241,8 +241,9 @@ them (sections 3-8) reads the modified scores ``s'`` and their error ``E'``, whi
 in the accumulator from its own rounded ``s^`` (error ``E``, section 2):
 
 * softcap ``c``: ``x = fl(s^ / c)``, ``t = tanh(x)`` within ``C_TANH`` roundings, ``s' = fl(c t)``.
-  ``tanh`` is 1-Lipschitz and ``|t| <= 1``, so ``E' = E + u (|s| + E) + (C_TANH + 2) u c + 3 eta``
-  (``|s|`` bounded by ``sigma |q| . |k|``).
+  ``tanh`` is 1-Lipschitz, so ``E' = E + u (|s| + E) + (C_TANH + 2) u (|c t| + E + u |s|) + 3 eta``
+  (``|s|`` bounded by ``sigma |q| . |k|``; relative to the capped score, not the cap: a cap far above
+  the scores costs a few roundings of ``|s|``, as plain attention does).
 * ALiBi: ``b = fl(-slope |i + offset - j|)`` (the distance is an exact integer) and ``fl(s' + b)``:
   ``+ u (|b| + |s' + b|) + 2 eta``.
 
@@ -431,7 +432,8 @@ def _score_error(c: _Case, model: Model) -> torch.Tensor:
     err = _raw_score_error(c, model)
     u, eta = model.u_acc, model.eta_acc
     if c.cap is not None:
-        err = err + u * (c.qk + err) + (C_TANH + 2) * u * c.cap + 3 * eta
+        capped = c.cap * c.tanh.abs()  # |c t| of the reference; the kernel's is within err + u |s| of it
+        err = err + u * (c.qk + err) + (C_TANH + 2) * u * (capped + err + u * c.qk) + 3 * eta
     if c.bias_abs is not None:
         err = err + u * (c.bias_abs + c.s.abs()) + 2 * eta
     return err

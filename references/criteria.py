@@ -187,15 +187,15 @@ def max_finite_lse(ref) -> float:
 def score_magnitude(ref) -> float:
     """``max scale * sum_d |q_id| |k_jd|`` over the pairs with ``P_ij > 0``: the size of the terms
     summed into the scores that matter; with the spec's score modifications, plus what they round:
-    the softcap (``c tanh``, at most ``c``) and ALiBi's ``|bias|``."""
+    the capped score (``|c tanh(s / c)| <= min(|s|, c)``) and ALiBi's ``|bias|``."""
     ak_t = ref.k_expanded.abs().transpose(-1, -2)
     aq = ref.q64.abs()
     spec = ref.spec
 
     def top(c) -> torch.Tensor:
         size = abs(ref.scale) * (aq[:, :, c.r0:c.r1] @ ak_t)
-        if spec.softcap is not None:
-            size = size + spec.softcap
+        if spec.softcap is not None:  # the capped score |c tanh(s / c)| <= min(|s|, c) is rounded too
+            size = size + size.clamp(max=spec.softcap)
         if spec.alibi_slopes is not None:
             size = size + spec.alibi_bias(ref.len_q, ref.len_k, heads=aq.shape[1], device=aq.device,
                                           rows=(c.r0, c.r1)).abs()

@@ -35,6 +35,10 @@ REQUIRED: dict[str, str | None] = {
     "window_zero": None,  # drawn for the kernels that declare sliding windows (eager among the shipped)
     "window_narrow": None,
     "window_at_least_n": None,
+    "softcap": None,  # drawn for the kernels that declare a softcap / ALiBi (eager and the blocked kernels)
+    "softcap_below_one": None,
+    "alibi": None,
+    "alibi_causal_gqa": None,
 }
 
 

@@ -147,7 +147,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                     min_len_k: int = 0, min_len_q: int = 1, min_group: int = 1, longer: str | None = None,
                     max_extra: int = 8, equal_lengths: bool = False, len_q_multiple: int = 1,
                     len_k_multiple: int = 1, scale_choices: Sequence[float | None] | None = None,
-                    max_batch_heads: int | None = None, windows: bool = False):
+                    max_batch_heads: int | None = None, windows: bool = False, softcap: bool = False,
+                    alibi: bool = False):
     """Return a strategy for :class:`AttentionCase` values.
 
     dtype          the dtype name (``"float16"`` ...), fixed by the test's parametrisation
@@ -177,6 +178,10 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     windows           also draw sliding windows (each side unbounded, -1, first: failures shrink to no
                       window, then to window 0; else a narrow 0 .. 4 or any 0 .. max(Nq, Nk) + 1, so widths
                       0, 1, a few and >= N all occur)
+    softcap           also draw a logit softcap (none first; else one of 30, 1, 5, 50 or any float32 in
+                      [0.25, 64]: small caps saturate the drawn magnitudes, large ones barely change them)
+    alibi             also draw ALiBi slopes, one per query head (none first; else all 0, the geometric
+                      2^(-8 (h + 1) / Hq) of the ALiBi paper rounded to float32, or any float32 in [0, 2])
     The classes a limit contradicts are left out (``no_keys`` with equal lengths or a minimum key count,
     ``decode`` with a query multiple above 1, the tile classes with any length limit).
 
@@ -304,13 +309,32 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     if windows:
         side = st.one_of(st.just(-1), st.integers(0, 4), st.integers(0, max(len_q, len_k) + 1))
         window = (draw(side, label="window_left"), draw(side, label="window_right"))
+    cap = draw(_softcaps(), label="softcap") if softcap else None
+    slopes = draw(_alibi_slopes(heads_kv * group), label="alibi_slopes") if alibi else None
     seed = draw(st.integers(0, 2 ** 16), label="seed")
     return AttentionCase(batch=batch, heads_q=heads_kv * group, heads_kv=heads_kv, len_q=len_q,
                          len_k=len_k, head_dim=head_dim, dtype=dtype,
                          spec=AttentionSpec(causal=is_causal, alignment=alignment, window_left=window[0],
-                                            window_right=window[1]),
+                                            window_right=window[1], softcap=cap, alibi_slopes=slopes),
                          magnitude=magnitude, seed=seed, layout=layout, scale=scale,
                          block_m=bm, block_n=bn)
+
+
+def _float32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _softcaps():
+    """None first (what failures shrink to), then the caps of real models and any float32 cap."""
+    return st.one_of(st.none(), st.sampled_from((30.0, 1.0, 5.0, 50.0)), st.floats(0.25, 64.0, width=32))
+
+
+def _alibi_slopes(heads: int):
+    """None first, then per-head slopes: all 0 (plain attention), the ALiBi paper's geometric sequence
+    rounded to float32 (a kernel takes float32 slopes: the case holds exactly what it gets), or any."""
+    geometric = tuple(_float32(2.0 ** (-8.0 * (h + 1) / heads)) for h in range(heads))
+    return st.one_of(st.none(), st.just((0.0,) * heads), st.just(geometric),
+                     st.tuples(*[st.floats(0.0, 2.0, width=32)] * heads))
 
 
 def conform_length(length: int, multiple: int, *, low: int, cap: int) -> int:
@@ -368,6 +392,11 @@ def boundary_classes(case: AttentionCase) -> list[str]:
         "window_zero": case.spec.window_left == 0 or case.spec.window_right == 0,
         "window_narrow": any(0 < w < max(nq, nk) for w in (case.spec.window_left, case.spec.window_right)),
         "window_at_least_n": any(w >= max(nq, nk) for w in (case.spec.window_left, case.spec.window_right)),
+        "softcap": case.spec.softcap is not None,
+        "softcap_below_one": case.spec.softcap is not None and case.spec.softcap < 1,
+        "alibi": case.spec.alibi_slopes is not None and any(case.spec.alibi_slopes),
+        "alibi_causal_gqa": case.spec.alibi_slopes is not None and any(case.spec.alibi_slopes) and causal
+                            and case.group > 1,
     }
     return [name for name, hit in checks.items() if hit]
 
@@ -381,4 +410,5 @@ BOUNDARY_CLASSES = ("decode", "decode_causal_gqa", "no_keys", "gqa", "len_over_6
                     "len_at_power_of_two_edge", "head_dim_over_64", "head_dim_over_128",
                     "head_dim_not_power_of_two", "kv_tiles_wider", "k_aligned_q_ragged", "masked_q_tiles",
                     "fully_masked_rows", "storage_offset", "scale_zero", "scale_negative", "scale_above_one",
-                    "scale_tiny", "scale_not_float16", "window_zero", "window_narrow", "window_at_least_n")
+                    "scale_tiny", "scale_not_float16", "window_zero", "window_narrow", "window_at_least_n",
+                    "softcap", "softcap_below_one", "alibi", "alibi_causal_gqa")

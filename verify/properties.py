@@ -425,6 +425,49 @@ def wide_window_equals_no_window(ctx: Context, case: AttentionCase) -> None:
         _same(ctx, what=f"lse with window ({wide}, {wide}) vs none", a=lse1, b=lse0, tol=2 * bound["lse"])
 
 
+def _modified_equals_plain(ctx: Context, case: AttentionCase, *, modified: AttentionCase, words: str) -> None:
+    """The kernel's ``modified`` attention against its plain one (the case's spec without softcap and
+    ALiBi) on the same inputs: each is within its own bound of its own reference, and the references
+    differ by what they compute differently, so out and lse agree within the sum."""
+    t = case.build(ctx.device)
+    plain = case.replace(spec=dataclasses.replace(case.spec, softcap=None, alibi_slopes=None))
+    out0, lse0 = run_forward(ctx, plain, t.q, t.k, t.v)
+    out1, lse1 = run_forward(ctx, modified, t.q, t.k, t.v)
+    truth0, truth1 = _truth(ctx, plain, t.q, t.k, t.v), _truth(ctx, modified, t.q, t.k, t.v)
+    b0, b1 = truth0.forward_bounds, truth1.forward_bounds
+    gap_out = (truth1.ref.out - truth0.ref.out).abs()
+    _same(ctx, what=f"out with {words} vs without", a=out1, b=out0, tol=b0["out"] + b1["out"] + gap_out)
+    if lse0 is not None:
+        gap_lse = torch.where(torch.isinf(truth0.ref.lse), 0.0, (truth1.ref.lse - truth0.ref.lse).abs())
+        _same(ctx, what=f"lse with {words} vs without", a=lse1, b=lse0, tol=b0["lse"] + b1["lse"] + gap_lse)
+
+
+@prop
+def huge_softcap_equals_no_softcap(ctx: Context, case: AttentionCase) -> None:
+    """A softcap ``c`` far above every score (a power of two at least ``2^20 max |s|``) changes each score
+    by ``|s|^3 / (3 c^2)`` at most: the kernel's softcapped path gives the out and lse of its plain path
+    (within both bounds and the references' own difference)."""
+    if not ctx.impl.softcap:
+        raise NotForThisKernel(f"{ctx.impl.name} declares no logit softcap")
+    t = case.build(ctx.device)
+    scale = case.scale if case.scale is not None else 1.0 / math.sqrt(case.head_dim)
+    norms = lambda x: x.to(torch.float64).norm(dim=-1).max() if x.numel() else torch.tensor(0.0)  # noqa: E731
+    top = abs(scale) * float(norms(t.q)) * float(norms(t.k))  # >= every |s| (Cauchy-Schwarz)
+    cap = 2.0 ** math.ceil(math.log2(max(top, 1.0) * 2 ** 20))
+    _modified_equals_plain(ctx, case, modified=case.replace(spec=dataclasses.replace(case.spec, softcap=cap)),
+                           words=f"softcap {cap:g}")
+
+
+@prop
+def zero_alibi_equals_no_alibi(ctx: Context, case: AttentionCase) -> None:
+    """ALiBi with every slope 0 adds ``-0 |i - j|``: the kernel's ALiBi path gives the out and lse of its
+    plain path (within both bounds)."""
+    if not ctx.impl.alibi:
+        raise NotForThisKernel(f"{ctx.impl.name} declares no ALiBi")
+    zero = dataclasses.replace(case.spec, alibi_slopes=(0.0,) * case.heads_q)
+    _modified_equals_plain(ctx, case, modified=case.replace(spec=zero), words="ALiBi slopes 0")
+
+
 # ------------------------------------------------------------------------------------ backward
 @prop
 def gradients_match_reference(ctx: Context, case: AttentionCase) -> None:

@@ -109,6 +109,8 @@ REQUIREMENTS = {
                     "declares no out_buffers (its forward takes no out=/lse= buffers to write into)"),
     "strided": (lambda impl: not impl.contiguous_only, "declares contiguous inputs only"),
     "windows": (lambda impl: impl.windows, "declares no sliding window"),
+    "softcap": (lambda impl: impl.softcap, "declares no logit softcap"),
+    "alibi": (lambda impl: impl.alibi, "declares no ALiBi"),
 }
 
 
@@ -177,7 +179,8 @@ def declared_draws(impl: Implementation, causal: bool | None, draw: dict[str, An
     declared = {"gqa": impl.gqa, "block_m": impl.block_m, "block_n": impl.block_n,
                 "alignment": impl.causal_alignment, "equal_lengths": impl.equal_lengths,
                 "len_q_multiple": mq, "len_k_multiple": mk, "scale_choices": impl.scale_choices,
-                "max_batch_heads": impl.max_batch_heads, "windows": impl.windows, "head_dims": impl.head_dims}
+                "max_batch_heads": impl.max_batch_heads, "windows": impl.windows, "head_dims": impl.head_dims,
+                "softcap": impl.softcap, "alibi": impl.alibi}
     if causal is None and not (impl.causal and impl.non_causal):
         causal = impl.causal  # the one mask the kernel runs
     declared["causal"] = causal if impl.causal else False
