@@ -5,6 +5,7 @@ spec's modifications to a kernel (``softcap``, ``alibi``, :meth:`Implementation.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -96,14 +97,22 @@ def test_fa2_backward_matches_the_reference_in_float64(label, causal, window, so
         _close(got, want, 1e-10, name)
 
 
+AUTOGRAD_FORWARDS = {
+    "fa2": functools.partial(blocked.fa2_forward, block_m=2, block_n=4),
+    "fa1": functools.partial(blocked.fa1_forward, block_m=2, block_n=4),
+    "eager": adapters.eager_forward,
+}
+
+
 @pytest.mark.parametrize("label,causal,window,softcap,alibi", MODS, ids=[m[0] for m in MODS])
-@pytest.mark.parametrize("forward", [blocked.fa2_forward, blocked.fa1_forward], ids=["fa2", "fa1"])
-def test_autograd_through_the_blocked_forward_matches_the_reference(forward, label, causal, window, softcap,
-                                                                    alibi):
-    q, k, v, dout = _inputs(F64, 5, 7)
+@pytest.mark.parametrize("lengths", [(5, 7), (7, 5)], ids=["Nq<Nk", "Nq>Nk"])
+@pytest.mark.parametrize("forward", list(AUTOGRAD_FORWARDS))
+def test_autograd_through_the_forward_matches_the_reference(forward, lengths, label, causal, window, softcap,
+                                                            alibi):
+    q, k, v, dout = _inputs(F64, *lengths)
     ref = attention(q, k, v, spec=_spec(causal, window, softcap, alibi), dout=dout)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = forward(*leaves, block_m=2, block_n=4, **_keywords(causal, window, softcap, alibi))
+    out, lse = AUTOGRAD_FORWARDS[forward](*leaves, **_keywords(causal, window, softcap, alibi))
     out.backward(dout)
     _close(out, ref.out, 1e-10, "out")
     _close(lse, ref.lse, 1e-10, "lse")
@@ -187,19 +196,6 @@ def test_float32_inputs_agree_with_the_float64_reference(kernel, label, causal, 
 
 
 # --------------------------------------------------------------------------- eager adapter
-@pytest.mark.parametrize("label,causal,window,softcap,alibi", MODS, ids=[m[0] for m in MODS])
-def test_eager_forward_and_autograd_match_the_reference(label, causal, window, softcap, alibi):
-    q, k, v, dout = _inputs(F64, 7, 5)
-    ref = attention(q, k, v, spec=_spec(causal, window, softcap, alibi), dout=dout)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = adapters.eager_forward(*leaves, **_keywords(causal, window, softcap, alibi))
-    out.backward(dout)
-    _close(out, ref.out, 1e-10, "out")
-    _close(lse, ref.lse, 1e-10, "lse")
-    for name, t, want in zip(("dq", "dk", "dv"), leaves, (ref.dq, ref.dk, ref.dv)):
-        _close(t.grad, want, 1e-10, name)
-
-
 def test_eager_takes_per_head_slopes_only():
     q, k, v, _ = _inputs(F64, 3, 3)
     with pytest.raises(ValueError, match=r"eager: alibi_slopes\.shape=\(2, 4\).*per-head slopes only"):
