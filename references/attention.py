@@ -12,9 +12,10 @@ key/value head ``h // (Hq // Hkv)``; which keys a query sees is the answer of th
 :class:`~references.spec.AttentionSpec` (causal masks bottom-right aligned, key ``j`` visible to query
 ``i`` iff ``j <= i + Nk - Nq``, unless the spec's ``alignment`` is ``"top_left"``, ``j <= i``), and
 the scores are the spec's modified ones (softcap, ALiBi: :meth:`AttentionSpec.modify`); a row
-with no visible key has ``P = 0``, ``out = 0`` and ``lse = -inf``; the LSE is the natural-log logsumexp of the scaled scores
-over the visible keys. The visible keys of every row are a prefix of the keys, so per-row and per-key
-counts (:meth:`AttentionSpec.counts`) replace the mask wherever a whole-problem answer is needed.
+with no visible key has ``P = 0``, ``out = 0`` and ``lse = -inf``; the LSE is the natural-log
+logsumexp of the (modified) scaled scores over the visible keys. The visible keys of every row are one
+range of the keys (:meth:`AttentionSpec.key_range`), so per-row and per-key counts
+(:meth:`AttentionSpec.counts`) replace the mask wherever a whole-problem answer is needed.
 
 Memory model
 ------------

@@ -407,39 +407,40 @@ def gqa_equals_repeated_heads(ctx: Context, case: AttentionCase) -> None:
         _same(ctx, what="lse with GQA vs repeated K/V heads", a=lse_g, b=lse_f, tol=2 * bound["lse"])
 
 
-@prop
-def wide_window_equals_no_window(ctx: Context, case: AttentionCase) -> None:
-    """A sliding window at least ``Nq + Nk`` wide on both sides sees every key the unwindowed mask sees:
-    out and lse equal those without a window (the kernel's windowed and plain paths agree)."""
-    if not ctx.impl.windows:
-        raise NotForThisKernel(f"{ctx.impl.name} declares no sliding window")
-    t = case.build(ctx.device)
-    wide = case.len_q + case.len_k
-    plain = case.replace(spec=dataclasses.replace(case.spec, window_left=-1, window_right=-1))
-    windowed = case.replace(spec=dataclasses.replace(case.spec, window_left=wide, window_right=wide))
+def _variant_equals_plain(ctx: Context, t, *, plain: AttentionCase, variant: AttentionCase, words: str) -> None:
+    """The kernel's ``variant`` path against its ``plain`` one on the same tensors ``t``: each is within its
+    own bound of its own reference, and the references differ by what they compute differently (0 where
+    they compute the same attention), so out and lse agree within the sum."""
     out0, lse0 = run_forward(ctx, plain, t.q, t.k, t.v)
-    out1, lse1 = run_forward(ctx, windowed, t.q, t.k, t.v)
-    bound = _truth(ctx, plain, t.q, t.k, t.v).forward_bounds
-    _same(ctx, what=f"out with window ({wide}, {wide}) vs none", a=out1, b=out0, tol=2 * bound["out"])
-    if lse0 is not None:
-        _same(ctx, what=f"lse with window ({wide}, {wide}) vs none", a=lse1, b=lse0, tol=2 * bound["lse"])
-
-
-def _modified_equals_plain(ctx: Context, case: AttentionCase, *, modified: AttentionCase, words: str) -> None:
-    """The kernel's ``modified`` attention against its plain one (the case's spec without softcap and
-    ALiBi) on the same inputs: each is within its own bound of its own reference, and the references
-    differ by what they compute differently, so out and lse agree within the sum."""
-    t = case.build(ctx.device)
-    plain = case.replace(spec=dataclasses.replace(case.spec, softcap=None, alibi_slopes=None))
-    out0, lse0 = run_forward(ctx, plain, t.q, t.k, t.v)
-    out1, lse1 = run_forward(ctx, modified, t.q, t.k, t.v)
-    truth0, truth1 = _truth(ctx, plain, t.q, t.k, t.v), _truth(ctx, modified, t.q, t.k, t.v)
+    out1, lse1 = run_forward(ctx, variant, t.q, t.k, t.v)
+    truth0, truth1 = _truth(ctx, plain, t.q, t.k, t.v), _truth(ctx, variant, t.q, t.k, t.v)
     b0, b1 = truth0.forward_bounds, truth1.forward_bounds
     gap_out = (truth1.ref.out - truth0.ref.out).abs()
     _same(ctx, what=f"out with {words} vs without", a=out1, b=out0, tol=b0["out"] + b1["out"] + gap_out)
     if lse0 is not None:
         gap_lse = torch.where(torch.isinf(truth0.ref.lse), 0.0, (truth1.ref.lse - truth0.ref.lse).abs())
         _same(ctx, what=f"lse with {words} vs without", a=lse1, b=lse0, tol=b0["lse"] + b1["lse"] + gap_lse)
+
+
+@prop
+def wide_window_equals_no_window(ctx: Context, case: AttentionCase) -> None:
+    """A sliding window at least ``Nq + Nk`` wide on both sides sees every key the unwindowed mask sees:
+    out and lse equal those without a window (the kernel's windowed and plain paths agree)."""
+    if not ctx.impl.windows:
+        raise NotForThisKernel(f"{ctx.impl.name} declares no sliding window")
+    wide = case.len_q + case.len_k
+    _variant_equals_plain(ctx, case.build(ctx.device), words=f"window ({wide}, {wide})",
+                          plain=case.replace(spec=dataclasses.replace(case.spec, window_left=-1, window_right=-1)),
+                          variant=case.replace(spec=dataclasses.replace(case.spec, window_left=wide,
+                                                                        window_right=wide)))
+
+
+def _without_modifications(case: AttentionCase) -> AttentionCase:
+    return case.replace(spec=dataclasses.replace(case.spec, softcap=None, alibi_slopes=None))
+
+
+def _largest_row_norm(x: torch.Tensor) -> float:
+    return float(x.to(torch.float64).norm(dim=-1).max()) if x.numel() else 0.0
 
 
 @prop
@@ -451,11 +452,10 @@ def huge_softcap_equals_no_softcap(ctx: Context, case: AttentionCase) -> None:
         raise NotForThisKernel(f"{ctx.impl.name} declares no logit softcap")
     t = case.build(ctx.device)
     scale = case.scale if case.scale is not None else 1.0 / math.sqrt(case.head_dim)
-    norms = lambda x: x.to(torch.float64).norm(dim=-1).max() if x.numel() else torch.tensor(0.0)  # noqa: E731
-    top = abs(scale) * float(norms(t.q)) * float(norms(t.k))  # >= every |s| (Cauchy-Schwarz)
+    top = abs(scale) * _largest_row_norm(t.q) * _largest_row_norm(t.k)  # >= every |s| (Cauchy-Schwarz)
     cap = 2.0 ** math.ceil(math.log2(max(top, 1.0) * 2 ** 20))
-    _modified_equals_plain(ctx, case, modified=case.replace(spec=dataclasses.replace(case.spec, softcap=cap)),
-                           words=f"softcap {cap:g}")
+    _variant_equals_plain(ctx, t, plain=_without_modifications(case), words=f"softcap {cap:g}",
+                          variant=case.replace(spec=dataclasses.replace(case.spec, softcap=cap)))
 
 
 @prop
@@ -465,7 +465,8 @@ def zero_alibi_equals_no_alibi(ctx: Context, case: AttentionCase) -> None:
     if not ctx.impl.alibi:
         raise NotForThisKernel(f"{ctx.impl.name} declares no ALiBi")
     zero = dataclasses.replace(case.spec, alibi_slopes=(0.0,) * case.heads_q)
-    _modified_equals_plain(ctx, case, modified=case.replace(spec=zero), words="ALiBi slopes 0")
+    _variant_equals_plain(ctx, case.build(ctx.device), plain=_without_modifications(case),
+                          variant=case.replace(spec=zero), words="ALiBi slopes 0")
 
 
 # ------------------------------------------------------------------------------------ backward
