@@ -23,8 +23,9 @@ IMPLS = ("eager", "sdpa_math", "fa2_blocked", "tests/fixtures/outside_kernels.py
 SWEEPS = {
     "ordinary": accuracy.Sweep(lengths=(16,), head_dims=(8,), dtypes=("float16", "float32"),
                                magnitudes=("normal", "outliers"), causal=(False, True)),
-    # sdpa_math's dQ here (autograd's eager backward) is above the default gradient bound alone and far
-    # inside the autograd-eager one: a sweep with only the default model would fail it.
+    # sdpa_math's dQ here (autograd's eager backward) is near the default gradient bound alone (0.7x to 1.4x
+    # over seeds, depending on the CPU's summation order) and far inside the autograd-eager one: a sweep that
+    # used the default model alone would record a different err/bound (and at times fail it).
     "gradient_model": accuracy.Sweep(lengths=(128,), head_dims=(1,), dtypes=("float32",), magnitudes=("v_offset",),
                                      causal=(True,), seeds=(4,)),
 }
@@ -103,8 +104,10 @@ def test_accuracy_report_decides_as_pytest_verify(name, tmp_path):
 
 
 def test_the_gradient_model_case_needs_the_wider_bound():
-    """The ``gradient_model`` sweep's case keeps the verdict test sharp: sdpa_math's dQ there is beyond the
-    default model's bound and within the bound ``pytest verify`` holds it to."""
+    """The ``gradient_model`` sweep's case keeps the records comparison sharp: sdpa_math's dQ there has an
+    err/bound under the default model many times that under the bound ``pytest verify`` holds it to, so a
+    sweep that used the default model alone would write records that differ from pytest verify's. (Whether
+    it is also beyond the default bound depends on the CPU's summation order: 0.7x to 1.4x over seeds.)"""
     (case,) = SWEEPS["gradient_model"].cases()
     impl = accuracy.select_implementations(["sdpa_math"], device="cpu")[0]
     case = case.replace(spec=AttentionSpec(causal=case.causal, alignment=impl.causal_alignment))
@@ -114,8 +117,10 @@ def test_the_gradient_model_case_needs_the_wider_bound():
     truth = measure.Truth(case, t.q, t.k, t.v, dout=t.dout)
     default_dq, *_ = bounds.backward_bounds(truth.ref, t.q, t.k, t.v, dtype=t.q.dtype, out=got["out"])
     err = abs_error(got["dq"], truth.ref.dq)
-    assert max_ratio(err, default_dq)[0] > 1
-    assert max_ratio(err, truth.gradient_bounds(impl, got["out"])["dq"])[0] < 0.1
+    within_default = max_ratio(err, default_dq)[0]
+    within_verify = max_ratio(err, truth.gradient_bounds(impl, got["out"])["dq"])[0]
+    assert within_verify < 0.1
+    assert within_default > 0.3 and within_default > 10 * within_verify
 
 
 def test_check_names_the_ops_it_measures():
