@@ -22,7 +22,7 @@ presets (explicit --len/--head-dim override them):
 
 the GPU report in docs/ is made with:
   python -m reports accuracy --device cuda --preset gpu --out docs/accuracy
-which measures float16 and bfloat16 x {normal, outliers, large_logits} x causal {no, yes}, B=1, H=2, for
+which measures float16 and bfloat16 x {normal, sparse_outliers, large_logits} x causal {no, yes}, B=1, H=2, for
 every shipped kernel that runs on the GPU: fa2_blocked, fa1_blocked, triton_fa2, triton_fa1, eager and
 the SDPA backends sdpa_flash, sdpa_efficient, sdpa_cudnn, sdpa_math and flex_attention. A backend the
 GPU or the torch build lacks is listed under "Not measured" with torch's reason. Choose others with
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--dtype", nargs="+", metavar="DTYPE",
                    help="float16 bfloat16 float32 float64 (default: float16 bfloat16)")
     a.add_argument("--magnitude", nargs="+", metavar="CLASS",
-                   help="magnitude classes of strategies/cases.py (default: normal outliers large_logits)")
+                   help="magnitude classes of strategies/cases.py (default: normal sparse_outliers large_logits)")
     a.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="causal masking (default: both)")
     a.add_argument("--batch", type=_positive_ints, default=1, help="batch size (default 1)")
     a.add_argument("--heads", type=_positive_ints, default=2, help="heads (default 2)")

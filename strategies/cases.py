@@ -10,7 +10,9 @@ Magnitude classes (DESIGN.md, "Adversarial inputs"), applied to float64 draws be
 
 ``normal``         q, k, v ~ N(0, 1)
 ``large_logits``   q, k x 100: |scale q.k| ~ 1e4 (q.k itself beyond float16's range)
-``outliers``       FA3-style: 0.1% of entries (at least one per tensor) get an extra N(0, 30^2)
+``sparse_outliers`` exactly 0.1% of the entries of q, k, v (at least one per tensor) get an extra N(0, 30^2)
+``fa3_outliers``   the FlashAttention-3 paper's accuracy protocol: every entry of q, k, v is
+                   N(0, 1) + N(0, 100) x Bernoulli(0.001) (an extra std-10 term with probability 0.001)
 ``all_negative``   q >= 0, k <= -1 element-wise, x8: every score is large and negative (exp underflows)
 ``ties``           keys drawn from two distinct rows: exact ties within each query row
 ``dominant_key``   q >= 0 and one key is 8 in every coordinate: it takes almost all the weight
@@ -41,8 +43,10 @@ import torch
 
 from references.spec import AttentionSpec
 
-MAGNITUDES = ("normal", "large_logits", "outliers", "all_negative", "ties", "dominant_key",
-              "row_shift", "v_offset", "v_wide_range", "near_subnormal")
+MAGNITUDES = ("normal", "large_logits", "sparse_outliers", "all_negative", "ties", "dominant_key",
+              "row_shift", "v_offset", "v_wide_range", "near_subnormal", "fa3_outliers")
+# Names a case file written before may hold, and what they are called now.
+RENAMED_MAGNITUDES = {"outliers": "sparse_outliers"}
 LAYOUTS = ("contiguous", "bnhd", "padded", "packed")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
           "float64": torch.float64}
@@ -156,9 +160,12 @@ class AttentionCase:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "AttentionCase":
         """From parsed JSON; ``spec`` is an object (a case written before the spec existed has a bare
-        ``causal`` flag instead: bottom-right, as then)."""
+        ``causal`` flag instead: bottom-right, as then); a magnitude class renamed since
+        (:data:`RENAMED_MAGNITUDES`) reads under its new name."""
         if isinstance(data, dict) and "causal" in data and "spec" not in data:
             data = {**{k: v for k, v in data.items() if k != "causal"}, "spec": {"causal": data["causal"]}}
+        if isinstance(data, dict) and data.get("magnitude") in RENAMED_MAGNITUDES:
+            data = {**data, "magnitude": RENAMED_MAGNITUDES[data["magnitude"]]}
         if isinstance(data, dict) and "spec" in data:
             data = {**data, "spec": case_from_dict(AttentionSpec, data["spec"], what="attention spec")}
         return case_from_dict(cls, data)
@@ -200,7 +207,7 @@ def _large_logits(q, k, v, do, gen, dtype):
     return q * 100.0, k * 100.0, v, do
 
 
-def _outliers(q, k, v, do, gen, dtype):
+def _sparse_outliers(q, k, v, do, gen, dtype):
     def add(t):
         n = t.numel()
         if n == 0:
@@ -210,6 +217,16 @@ def _outliers(q, k, v, do, gen, dtype):
         flat = t.reshape(-1).clone()
         flat[idx] += 30.0 * torch.randn(count, generator=gen, dtype=torch.float64)
         return flat.view_as(t)
+
+    return add(q), add(k), add(v), do
+
+
+def _fa3_outliers(q, k, v, do, gen, dtype):
+    """N(0, 1) + N(0, 100) x Bernoulli(0.001), entry by entry (the FlashAttention-3 paper's protocol)."""
+    def add(t):
+        extra = 10.0 * torch.randn(t.shape, generator=gen, dtype=torch.float64)
+        hit = torch.rand(t.shape, generator=gen, dtype=torch.float64) < 0.001
+        return t + torch.where(hit, extra, 0.0)
 
     return add(q), add(k), add(v), do
 
@@ -253,10 +270,10 @@ def _near_subnormal(q, k, v, do, gen, dtype):
 
 
 _MAGNITUDE_BUILDERS = {
-    "normal": _normal, "large_logits": _large_logits, "outliers": _outliers,
+    "normal": _normal, "large_logits": _large_logits, "sparse_outliers": _sparse_outliers,
     "all_negative": _all_negative, "ties": _ties, "dominant_key": _dominant_key,
     "row_shift": _row_shift, "v_offset": _v_offset, "v_wide_range": _v_wide_range,
-    "near_subnormal": _near_subnormal,
+    "near_subnormal": _near_subnormal, "fa3_outliers": _fa3_outliers,
 }
 assert set(_MAGNITUDE_BUILDERS) == set(MAGNITUDES)
 

@@ -236,7 +236,7 @@ def test_xdist_workers_write_their_own_streams_and_one_merged_report(tmp_path):
 def test_accuracy_sweep_writes_all_three_outputs_and_resumes(tmp_path, capsys):
     out = tmp_path / "acc"
     args = ["accuracy", "--device", "cpu", "--len", "16", "--head-dim", "8", "--dtype", "float16",
-            "--magnitude", "normal", "outliers", "--causal", "yes", "--impl", "fa2_blocked", "--out", str(out)]
+            "--magnitude", "normal", "sparse_outliers", "--causal", "yes", "--impl", "fa2_blocked", "--out", str(out)]
     assert cli.main([*args, "--time-limit", "0"]) == 2  # nothing measured yet
     partial = json.loads((out / "accuracy.json").read_text())
     assert partial["status"] == "partial" and partial["missing"] == 2 * 2
@@ -247,7 +247,7 @@ def test_accuracy_sweep_writes_all_three_outputs_and_resumes(tmp_path, capsys):
     ops = result["results"][0]["ops"]
     assert set(ops) == {"out", "lse", "dq", "dk", "dv"}
     assert all(ops[op]["rmse"] > 0 and ops[op]["error_over_bound"] >= 0 for op in ops)
-    assert set(result["rmse"]["out"]["fa2_blocked"]) == {"float16 normal", "float16 outliers"}
+    assert set(result["rmse"]["out"]["fa2_blocked"]) == {"float16 normal", "float16 sparse_outliers"}
     assert "fa2_blocked" in (out / "accuracy.md").read_text()
     assert "data:image/png;base64," in (out / "accuracy.html").read_text()
     assert len(result["meta"]["commands"]) == 2

@@ -224,8 +224,25 @@ def test_magnitude_classes_do_what_they_say():
     v = _case(magnitude="v_wide_range", len_k=30).build().v.float().abs()
     assert float(v.max() / v[v > 0].min()) > 1e3
     assert float(_case(magnitude="near_subnormal").build().v.float().abs().max()) < 64 * torch.finfo(torch.float16).tiny
-    o = _case(magnitude="outliers").build()
+    o = _case(magnitude="sparse_outliers").build()
     assert float(o.q.float().abs().max()) > 10
+
+
+def test_fa3_outliers_follow_the_papers_protocol():
+    """N(0, 1) + N(0, 100) x Bernoulli(0.001) per entry of q, k, v (dout stays N(0, 1)): about 0.1% of the
+    entries carry the std-10 term; N(0, 1) alone passes 6 about twice in a billion, the extra term about
+    55% of the time, so ~55 of 10^5 entries pass 6, and the variance is 1 + 100 * 0.001 = 1.1."""
+    t = _case(magnitude="fa3_outliers", dtype="float32", heads_q=1, len_q=1000, len_k=1000, head_dim=100).build()
+    for name in ("q", "k", "v"):
+        x = getattr(t, name).to(torch.float64)
+        assert 25 <= int((x.abs() > 6).sum()) <= 95, name
+        assert 1.0 < float(x.var()) < 1.25, name
+    assert int((t.dout.abs() > 6).sum()) == 0
+
+
+def test_cases_written_with_the_old_outliers_name_still_read():
+    data = {**_case().to_dict(), "magnitude": "outliers"}
+    assert AttentionCase.from_dict(data).magnitude == "sparse_outliers"
 
 
 @pytest.mark.parametrize("bad, words", [

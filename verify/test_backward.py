@@ -46,5 +46,5 @@ def test_gradcheck_float64(impl, dtype, env):
         pytest.skip("finite-difference gradcheck runs in float64 only")
     small = Limits(max_len=5, max_head_dim=4, max_batch=1, max_heads_kv=1, max_group=2)
     check_attention("gradcheck_float64", impl, dtype, env, requires=["autograd"], limits=small,
-                    magnitudes=["normal", "ties", "dominant_key", "outliers", "all_negative"],
+                    magnitudes=["normal", "ties", "dominant_key", "sparse_outliers", "all_negative"],
                     layouts=["contiguous"])
