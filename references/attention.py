@@ -13,8 +13,11 @@ key/value head ``h // (Hq // Hkv)``; which keys a query sees is the answer of th
 ``i`` iff ``j <= i + Nk - Nq``, unless the spec's ``alignment`` is ``"top_left"``, ``j <= i``), and
 the scores are the spec's modified ones (softcap, ALiBi: :meth:`AttentionSpec.modify`); a row
 with no visible key has ``P = 0``, ``out = 0`` and ``lse = -inf``; the LSE is the natural-log
-logsumexp of the (modified) scaled scores over the visible keys. The visible keys of every row are one
-range of the keys (:meth:`AttentionSpec.key_range`), so per-row and per-key counts
+logsumexp of the (modified) scaled scores over the visible keys. With the spec's ``sinks`` each row's
+LSE also holds its head's sink logit ``t_h`` (``lse = log(exp(t_h) + sum_j exp(s_j))``), so the keys' ``P``
+sum to ``1 - P_sink`` with ``P_sink = exp(t_h - lse)``, a row that sees no key has ``lse = t_h``, and the
+sink's gradient is ``dt_h = -sum_{b, i} P_sink Delta`` (its ``dS``: the sink's value is 0). The visible
+keys of every row are one range of the keys (:meth:`AttentionSpec.key_range`), so per-row and per-key counts
 (:meth:`AttentionSpec.counts`) replace the mask wherever a whole-problem answer is needed.
 
 Memory model
@@ -200,12 +203,16 @@ class Reference:
     q64: torch.Tensor
     k_expanded: torch.Tensor  # [B, Hq, Nk, D]
     v_expanded: torch.Tensor
+    # With sinks: each query head's sink logit [Hq] and each row's sink probability exp(t_h - lse) [B, Hq, Nq].
+    sink: torch.Tensor | None = None
+    p_sink: torch.Tensor | None = None
     # Backward (present when dout was given); dk and dv are in key/value-head layout [B, Hkv, Nk, D].
     dout: torch.Tensor | None = None
     delta: torch.Tensor | None = None  # rowsum(dO * O)           [B, Hq, Nq]
     dq: torch.Tensor | None = None
     dk: torch.Tensor | None = None
     dv: torch.Tensor | None = None
+    dsinks: torch.Tensor | None = None  # [Hq], with sinks
     _single: Chunk | None = dataclasses.field(default=None, repr=False)  # the only chunk, when it is one
 
     @property
@@ -295,12 +302,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
     q64, k64, v64 = q.to(F64), k.to(F64), v.to(F64)
     b, hq, len_q, d = q.shape
     hkv, len_k = k.shape[1], k.shape[2]
+    spec.check_lengths(len_q, len_k)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    sink = spec.sink_logits(hq, device=q.device)
     ke, ve = expand_kv(k64, hq), expand_kv(v64, hq)
     lse = torch.full(q.shape[:3], -math.inf, dtype=F64, device=q.device)
     row_max, out = lse.clone(), torch.zeros(q.shape, dtype=F64, device=q.device)
     ref = Reference(scale=scale, spec=spec, row_max=row_max, out=out, lse=lse,
-                    q64=q64, k_expanded=ke, v_expanded=ve)
+                    q64=q64, k_expanded=ke, v_expanded=ve, sink=sink)
     seen = spec.counts(len_q, len_k, device=q.device)[1][:, None] > 0
     if dout is not None:
         ref.dout = dout.to(F64)
@@ -317,6 +326,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
         if len_k:
             lse[:, :, rows] = torch.logsumexp(s, dim=-1)
             row_max[:, :, rows] = s.amax(dim=-1)
+        if sink is not None:  # the sink joins every row's denominator
+            lse[:, :, rows] = torch.logaddexp(lse[:, :, rows], sink[:, None].expand_as(lse[:, :, rows]))
         scores, p = _scores_and_p(modified, visible, lse[:, :, rows])
         out[:, :, rows] = p @ torch.where(seen, ve, 0.0)
         c = Chunk(r0=r0, r1=r1, visible=visible, scores=scores, p=p)
@@ -334,8 +345,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
                 dv_heads += p.transpose(-1, -2) @ ref.dout[:, :, rows]
         if len(spans) == 1:
             ref._single = c  # it fits the budget: keep it for the bounds and criteria
+    if sink is not None:
+        ref.p_sink = torch.exp(sink[:, None] - lse)
     if dout is not None:
         ref.dk, ref.dv = reduce_group(dk_heads, hkv), reduce_group(dv_heads, hkv)
+        if sink is not None:  # dS of the sink: P_sink (dP_sink - Delta), and its value is 0
+            ref.dsinks = -(ref.p_sink * ref.delta).sum(dim=(0, 2))
     return ref
 
 
@@ -346,7 +361,8 @@ def forward(q, k, v, *, spec: AttentionSpec = AttentionSpec(), scale: float | No
 
 
 def backward(q, k, v, dout, *, spec: AttentionSpec = AttentionSpec(), scale: float | None = None):
-    """Float64 ``(dq, dk, dv, delta)`` of ``out`` against the upstream gradient ``dout``."""
+    """Float64 ``(dq, dk, dv, delta)`` of ``out`` against the upstream gradient ``dout`` (the sinks'
+    gradient, with sinks: :attr:`Reference.dsinks` of :func:`attention`)."""
     ref = attention(q, k, v, spec=spec, scale=scale, dout=dout)
     return ref.dq, ref.dk, ref.dv, ref.delta
 

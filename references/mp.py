@@ -18,9 +18,10 @@ Functions
     ``dk_j``, ``dv_j`` of this row (summing them over the rows that see key ``j`` gives ``dK_j``, ``dV_j``).
 ``attention(q, k, v, *, spec, scale, dout, probabilities=False)``
     Whole tiny tensors in the ``[B, H, N, D]`` layout with grouped-query attention and the masking
-    conventions of :mod:`references.attention` (the keys a query sees and the score modifications,
-    softcap and ALiBi: the ``AttentionSpec``,
-    a row with no visible key gives ``out = 0``, ``lse = -inf``, zero gradients). Only values that a
+    conventions of :mod:`references.attention` (the keys a query sees, variable-length sequences packed,
+    the score modifications, softcap and ALiBi, and the sinks: the ``AttentionSpec``;
+    a row with no visible key gives ``out = 0``, ``lse = -inf`` (the sink's logit with sinks), zero
+    gradients). Only values that a
     visible (row, key) pair reads are converted, so inf or NaN elsewhere is allowed. Cost grows as
     ``B * Hq * Nq * Nk * D`` mpf operations: keep it to a few thousand. It works one query row at a
     time and holds ``O((Nq + Nk) D)`` values per head; the ``Nq x Nk`` probabilities are returned only
@@ -90,6 +91,7 @@ class RowResult:
     lse: mpmath.mpf
     p: list  # probability of each visible key, in the order given
     delta: mpmath.mpf | None = None  # dout_i . out_i
+    p_sink: mpmath.mpf | None = None  # the sink's probability (with a sink)
     dq: list | None = None  # d<dout_i, out_i>/d q_i
     dk: list | None = None  # per visible key j: this row's contribution to dK_j
     dv: list | None = None  # per visible key j: this row's contribution to dV_j
@@ -100,7 +102,7 @@ def _dot(a: list, b: list) -> mpmath.mpf:
 
 
 def _row(q: list, keys: list, values: list, scale: mpmath.mpf, dout: list | None, *, cap=None,
-         biases: list | None = None) -> RowResult:
+         biases: list | None = None, sink: mpmath.mpf | None = None) -> RowResult:
     d = len(q)
     n = len(keys)
     scores = [scale * _dot(q, kj) for kj in keys]
@@ -110,15 +112,17 @@ def _row(q: list, keys: list, values: list, scale: mpmath.mpf, dout: list | None
         scores, chain = [cap * t for t in tanh], [1 - t * t for t in tanh]
     if biases is not None:  # ALiBi: a constant per key
         scores = [x + b for x, b in zip(scores, biases)]
-    lse = _lse(scores)
+    lse = _lse(scores + ([] if sink is None else [sink]))  # a sink joins the denominator only
+    p_sink = None if sink is None else mpmath.exp(sink - lse)
     if n == 0:
         zeros = [mpmath.mpf(0)] * d
         if dout is None:
-            return RowResult(out=list(zeros), lse=lse, p=[])
-        return RowResult(out=list(zeros), lse=lse, p=[], delta=mpmath.mpf(0), dq=list(zeros), dk=[], dv=[])
+            return RowResult(out=list(zeros), lse=lse, p=[], p_sink=p_sink)
+        return RowResult(out=list(zeros), lse=lse, p=[], delta=mpmath.mpf(0), dq=list(zeros), dk=[], dv=[],
+                         p_sink=p_sink)
     p = [mpmath.exp(s - lse) for s in scores]
     out = [mpmath.fsum(p[j] * values[j][t] for j in range(n)) for t in range(d)]
-    res = RowResult(out=out, lse=lse, p=p)
+    res = RowResult(out=out, lse=lse, p=p, p_sink=p_sink)
     if dout is None:
         return res
     # <dout, out> with out = sum_j P_j v_j and P = softmax(s'_j), s'_j the modified scale q.k_j:
@@ -172,6 +176,7 @@ class MpAttention:
     dq: torch.Tensor | None = None  # [B, Hq, Nq, D]
     dk: torch.Tensor | None = None  # [B, Hkv, Nk, D], summed over the query heads of each group
     dv: torch.Tensor | None = None  # [B, Hkv, Nk, D]
+    dsinks: torch.Tensor | None = None  # [Hq], with sinks: -sum over batch and rows of P_sink * Delta
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: AttentionSpec = AttentionSpec(),
@@ -189,6 +194,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
     if dout is not None and dout.shape != q.shape:
         raise ValueError(f"dout.shape={tuple(dout.shape)}, but should equal q.shape={tuple(q.shape)}")
     group = hq // hkv
+    spec.check_lengths(len_q, len_k)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     f64 = dict(dtype=torch.float64)
     out = torch.zeros(b, hq, len_q, d, **f64)
@@ -213,24 +219,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
         s = _mpf(scale)
         zero = mpmath.mpf(0)
         cap = None if spec.softcap is None else _mpf(spec.softcap)
-        if spec.alibi_slopes is not None and len(spec.alibi_slopes) != hq:
-            raise ValueError(f"alibi_slopes has {len(spec.alibi_slopes)} slopes, but q has {hq} heads: one slope "
-                             "per query head")
-        offset = spec.offset(len_q, len_k)
+        for name in ("alibi_slopes", "sinks"):
+            values = getattr(spec, name)
+            if values is not None and len(values) != hq:
+                raise ValueError(f"{name} has {len(values)} values, but q has {hq} heads: one per query head")
+        first, end = (x.tolist() for x in spec.key_range(len_q, len_k))  # the one definition of the mask
+        diag = spec.diagonal(len_q, len_k).tolist()
+        dsinks = [zero] * hq
         dk_acc = [[[[zero] * d for _ in range(len_k)] for _ in range(hkv)] for _ in range(b)]
         dv_acc = [[[[zero] * d for _ in range(len_k)] for _ in range(hkv)] for _ in range(b)]
         for bi in range(b):
             for h in range(hq):
                 g = h // group
+                sink = None if spec.sinks is None else _mpf(spec.sinks[h])
                 for i in range(len_q):
-                    cols = [j for j in range(len_k) if spec.visible(i, j, len_q, len_k)]
-                    if not cols:  # out = 0, lse = -inf, zero gradients: already in place
+                    cols = list(range(first[i], end[i]))
+                    if not cols and sink is None:  # out = 0, lse = -inf, zero gradients: already in place
                         continue
                     biases = None if spec.alibi_slopes is None else [
-                        -_mpf(spec.alibi_slopes[h]) * abs(i + offset - j) for j in cols]
+                        -_mpf(spec.alibi_slopes[h]) * abs(diag[i] - j) for j in cols]
                     r = _row(row_of("q", qt, bi, h, i), [row_of("k", kt, bi, g, j) for j in cols],
                              [row_of("v", vt, bi, g, j) for j in cols], s,
-                             row_of("dout", dt, bi, h, i) if grads else None, cap=cap, biases=biases)
+                             row_of("dout", dt, bi, h, i) if grads else None, cap=cap, biases=biases, sink=sink)
                     out[bi, h, i] = torch.tensor([float(x) for x in r.out], **f64)
                     lse[bi, h, i] = float(r.lse)
                     if probabilities:
@@ -238,6 +248,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
                             p[bi, h, i, j] = float(pj)
                     if grads:
                         delta[bi, h, i] = float(r.delta)
+                        if sink is not None:  # the sink's dS: P_sink (0 - Delta)
+                            dsinks[h] -= r.p_sink * r.delta
                         dq[bi, h, i] = torch.tensor([float(x) for x in r.dq], **f64)
                         for n, j in enumerate(cols):
                             dk_acc[bi][g][j] = [a + c for a, c in zip(dk_acc[bi][g][j], r.dk[n])]
@@ -249,4 +261,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
                                   **f64).reshape(b, hkv, len_k, d)
             res.dv = torch.tensor([[[[float(x) for x in row] for row in hd] for hd in bd] for bd in dv_acc],
                                   **f64).reshape(b, hkv, len_k, d)
+            if spec.sinks is not None:
+                res.dsinks = torch.tensor([float(x) for x in dsinks], **f64)
     return res

@@ -1,8 +1,10 @@
 """Attention cases: plain data that describe one input, and the tensors they build.
 
-A case holds shapes, dtype, the attention spec (:class:`references.spec.AttentionSpec`: causal and its
-alignment), block sizes, a magnitude class, a memory layout and a seed,
-nothing else. Tensors are generated from the seed by :meth:`AttentionCase.build`, so a case is small,
+A case holds shapes, dtype, the attention spec (:class:`references.spec.AttentionSpec`: the mask, score
+modifications, sinks, sequences, splits), block sizes, a magnitude class, a memory layout and a seed,
+nothing else. A case of variable-length sequences is the references' packed problem: ``batch = 1``,
+``len_q`` and ``len_k`` the sums of the spec's ``seqlens_q`` and ``seqlens_k``; its tensors are built as
+one ``[1, H, N, D]`` batch, and :mod:`kernels.conventions` lays them out as the kernel takes them. Tensors are generated from the seed by :meth:`AttentionCase.build`, so a case is small,
 JSON-serialisable, replayable with one command, and shrinks the way Hypothesis shrinks its parts:
 to small shapes, seed 0, the ``normal`` magnitude class and the contiguous layout.
 
@@ -119,6 +121,14 @@ class AttentionCase:
             raise CaseError(f"dtype={self.dtype!r}, but should be one of {tuple(DTYPES)}")
         if not isinstance(self.spec, AttentionSpec):
             raise CaseError(f"spec={self.spec!r}, but should be a references.spec.AttentionSpec")
+        if self.spec.varlen:  # the references' frame: the sequences packed one after another in one batch
+            if self.batch != 1:
+                raise CaseError(f"batch={self.batch}, but a case of {self.spec.sequences} sequences is one packed "
+                                "batch (batch=1; the sequences are the spec's seqlens_q and seqlens_k)")
+            try:
+                self.spec.check_lengths(self.len_q, self.len_k)
+            except ValueError as exc:
+                raise CaseError(str(exc)) from None
         if self.magnitude not in MAGNITUDES:
             raise CaseError(f"magnitude={self.magnitude!r}, but should be one of {MAGNITUDES}")
         if self.layout not in LAYOUTS:
@@ -147,12 +157,14 @@ class AttentionCase:
     def describe(self) -> str:
         blocks = f" blocks={self.block_m}x{self.block_n}" if self.block_m is not None else ""
         scale = "" if self.scale is None else f" scale={self.scale}"
-        return (f"B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} Nq={self.len_q} Nk={self.len_k} "
+        batch = f"{self.spec.num_sequences} sequences" if self.spec.varlen else f"B={self.batch}"
+        return (f"{batch} Hq={self.heads_q} Hkv={self.heads_kv} Nq={self.len_q} Nk={self.len_k} "
                 f"D={self.head_dim} {self.dtype} {self.spec.describe()}{blocks}{scale} "
                 f"magnitude={self.magnitude} layout={self.layout} seed={self.seed}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain JSON; the spec holds only its fields that differ from their defaults (and causal, alignment)."""
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "spec": self.spec.to_dict()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
