@@ -16,6 +16,11 @@ measure with (reference, baseline, bounds and criteria), so a case passes or fai
 The reference follows each implementation's declared causal alignment (SDPA and FlexAttention align
 top-left); with ``Nq = Nk``, as in this sweep, both alignments give the same mask.
 
+The FlashAttention-3 paper's accuracy protocol (``--preset fa3``; :data:`FA3_PAPER_SETUP`): a sweep whose
+cases include the ``fa3_outliers`` magnitude class gets a section "FlashAttention-3 accuracy protocol"
+(:func:`fa3_protocol`), the RMSE of O per implementation and dtype from the same records as every other
+table, beside the paper's Table 3 figures.
+
 Fault tolerance: measurements stream to ``accuracy-measurements.jsonl`` as they are taken, with a
 ``done`` line after each (implementation, case); ``--resume`` skips what is done, ``--time-limit``
 stops starting new cases and writes a partial report, and ``python -m reports summarise DIR``
@@ -42,12 +47,64 @@ from strategies.cases import dtype_name
 SWEEP_MAGNITUDES = ("normal", "sparse_outliers", "large_logits")
 OPS = ("out", "lse", "dq", "dk", "dv")
 METRICS = tuple(RECORD_COLUMNS)
+# Adapters to peers measured by default next to the shipped kernels, where they run on the device.
+PEERS = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex_attention")
+
+# ------------------------------------------------------------------ the FlashAttention-3 paper's protocol
+FA3_TITLE = "FlashAttention-3 accuracy protocol"
+FA3_MAGNITUDE = "fa3_outliers"
+FA3_SOURCE = ("the FlashAttention-3 paper (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao; arXiv 2407.08608), "
+              "section 4.3 \"Numerical error validation\", Table 3")
+# Table 3's FP16 RMSE of O, by the method the paper names. (Its FP8 rows have no counterpart here: the
+# suite has no FP8 kernel.)
+FA3_PAPER_FP16 = {"standard attention": 3.2e-4, "FlashAttention-2": 1.9e-4, "FlashAttention-3": 1.9e-4}
+# The paper's method each implementation here computes: the same algorithm and precision, not the same code.
+FA3_PAPER_METHOD = {"standard": "standard attention", "fa2_blocked": "FlashAttention-2",
+                    "triton_fa2": "FlashAttention-2", "sdpa_flash": "FlashAttention-2"}
+# What the paper states of its setup, and what it leaves out.
+FA3_PAPER_SETUP = ("The paper states the input distribution (every entry of Q, K, V is N(0, 1) + N(0, 100) x "
+                   "Bernoulli(0.001)), the float64 reference and the measure (RMSE of O). It does not state the "
+                   "sequence length, head dim, batch size, number of heads or causal masking of Table 3. The "
+                   "shapes here are a choice: the configuration of the paper's speed benchmarks (section 4.1: "
+                   "hidden dimension 2048, i.e. 16 heads of dim 128, and 16k tokens per batch), without a "
+                   "causal mask.")
+# The implementations of the protocol's table: the paper's baseline (kernels/standard.py), criterion 1's
+# eager attention, the suite's FlashAttention-2 and, where they run, the Triton FA2 and the peers.
+FA3_IMPLEMENTATIONS = ("kernels.standard:STANDARD", "eager", "fa2_blocked")
+FA3_IMPLEMENTATIONS_CUDA = (*FA3_IMPLEMENTATIONS, "triton_fa2", *PEERS)
+
 PRESETS = {
     # Small enough for a CPU in about a minute (the Triton kernels too, in the interpreter).
     "quick": {"lengths": (64, 128), "head_dims": (32,)},
     # The GPU report in docs/: the sequence lengths and head dims of the FlashAttention papers' plots.
     "gpu": {"lengths": (512, 1024, 2048, 4096), "head_dims": (64, 128)},
+    # The FlashAttention-3 paper's accuracy protocol (FA3_PAPER_SETUP): its magnitude class, no causal
+    # mask, float16 (the paper's) and bfloat16, the forward only (Table 3 measures O), three draws of the
+    # inputs, 16 heads of dim 128. On a GPU B=4 x N=4096 (16k tokens); on a CPU one sequence of 1024, to
+    # run in a minute. ``baselines``: selected to be compared with, not judged: their failed criteria are
+    # reported, but do not set the exit status.
+    "fa3": {"magnitudes": (FA3_MAGNITUDE,), "causal": (False,), "dtypes": ("float16", "bfloat16"),
+            "head_dims": (128,), "heads": 16, "seeds": (0, 1, 2), "backward": False,
+            "lengths": (1024,), "batch": 1, "implementations": FA3_IMPLEMENTATIONS, "baselines": ("standard",),
+            "cuda": {"lengths": (4096,), "batch": 4, "implementations": FA3_IMPLEMENTATIONS_CUDA}},
 }
+
+
+def preset(name: str, *, device: str) -> dict:
+    """The fields of preset ``name`` on ``device`` (a preset may set other values on a GPU)."""
+    fields = dict(PRESETS[name])
+    on_device = fields.pop("cuda", {})
+    if torch_device_type(device) == "cuda":
+        fields.update(on_device)
+    return fields
+
+
+def torch_device_type(device: str) -> str:
+    import torch
+
+    return torch.device(device).type
+
+
 STREAM = "accuracy-measurements.jsonl"
 RUN_FILE = "accuracy-run.json"
 OUTPUTS = ("accuracy.json", "accuracy.md", "accuracy.html")
@@ -81,22 +138,20 @@ class Sweep:
         return dataclasses.asdict(self)
 
 
-# Adapters to peers measured by default next to the shipped kernels, where they run on the device.
-PEERS = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex_attention")
-
-
-def select_implementations(specs: list[str], *, device: str) -> list:
-    """``--impl`` values plus ``eager`` (the criterion-1 baseline, for comparison); by default every shipped
+def select_implementations(specs: list[str], *, device: str, defaults: tuple[str, ...] | None = None) -> list:
+    """``--impl`` values plus ``eager`` (the criterion-1 baseline, for comparison). Without ``specs``: the
+    ``defaults`` (``--impl`` values, a preset's) that exist and run on ``device``, or else every shipped
     attention kernel that runs on ``device``, ``eager`` and the peers of :data:`PEERS` that run there."""
-    import torch
-
     from kernels import registry
 
     shipped = registry.registry()
+    dev = torch_device_type(device)
     if specs:
         impls = [registry.load(spec, device=device) for spec in specs]
+    elif defaults is not None:
+        impls = [registry.load(spec, device=device) for spec in defaults if spec in shipped or ":" in spec]
+        impls = [i for i in impls if dev in i.devices]
     else:
-        dev = torch.device(device).type
         impls = [i for i in registry.default_selection(device=device) if i.kind == "attention"]
         impls += [shipped[p] for p in PEERS if p in shipped and dev in shipped[p].devices]
     if not any(i.name == "eager" for i in impls):
@@ -357,6 +412,7 @@ def aggregate(header: dict, lines: list[dict], bad_lines: int = 0) -> dict:
                    for _, r, op, o in worst[:15]]
 
     missing = len(planned - done) if planned is not None else 0
+    protocol = fa3_protocol(rows, device=device)
     return {
         "status": "complete" if not missing else "partial",
         "missing": missing,
@@ -369,8 +425,62 @@ def aggregate(header: dict, lines: list[dict], bad_lines: int = 0) -> dict:
         "unreadable_lines": bad_lines,
         "rmse": rmse, "rmse_columns": [f"{d} {m}" for d, m in columns],
         "criteria": criteria, "worst_cases": worst_cases,
+        **({"fa3_protocol": protocol} if protocol else {}),
         "results": [{k: v for k, v in r.items() if k != "case"} for r in rows],
     }
+
+
+def _shape_words(case: dict) -> str:
+    return (f"B={case.get('batch')} H={case.get('heads_q')} N={case.get('len_k')} D={case.get('head_dim')}"
+            + (" causal" if (case.get("spec") or {}).get("causal") else ""))
+
+
+def fa3_protocol(rows: list[dict], *, device: str) -> dict | None:
+    """The FlashAttention-3 paper's accuracy table, from the sweep's own records: the measurements of O on
+    the cases of the ``fa3_outliers`` class (the paper's input distribution), one row per implementation,
+    dtype and causal flag, next to the paper's FP16 figure for the method the implementation computes.
+    None when the sweep measured no such case.
+
+    The RMSE of a row is that of every element of O over its cases (each case's RMSE weighted by its
+    number of elements: the paper's RMSE over more than one draw of the inputs)."""
+    mine = [r for r in rows if r["magnitude"] == FA3_MAGNITUDE and "out" in r["ops"]]
+    if not mine:
+        return None
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in mine:
+        groups[(r["implementation"], r["dtype"], bool(r["causal"]))].append(r)
+    table = []
+    for (name, dtype, causal), group in groups.items():
+        sizes = [r["case"]["batch"] * r["case"]["heads_q"] * r["case"]["len_q"] * r["case"]["head_dim"]
+                 for r in group]
+        errors = [r["ops"]["out"]["rmse"] for r in group]
+        pooled = math.sqrt(sum(n * e * e for n, e in zip(sizes, errors)) / sum(sizes)) if sum(sizes) else None
+        method = FA3_PAPER_METHOD.get(str(name))
+        paper = FA3_PAPER_FP16.get(method) if method and dtype == "float16" else None
+        table.append({"implementation": name, "dtype": dtype, "causal": causal, "cases": len(group),
+                      "failed_cases": sum(1 for r in group if not r["pass"]), "rmse": pooled,
+                      "rmse_min": min(errors), "rmse_max": max(errors),
+                      "paper_method": method, "paper_rmse": paper,
+                      "ratio_to_paper": pooled / paper if paper and pooled is not None else None,
+                      "seeds": sorted({r["seed"] for r in group}),
+                      "shapes": sorted({_shape_words(r["case"]) for r in group})})
+    for row in table:  # each RMSE over that of the suite's FlashAttention-2 on the same dtype and mask
+        fa2 = next((t["rmse"] for t in table if t["implementation"] == "fa2_blocked" and t["dtype"] == row["dtype"]
+                    and t["causal"] == row["causal"]), None)
+        row["ratio_to_fa2_blocked"] = row["rmse"] / fa2 if fa2 and row["rmse"] is not None else None
+    from reports.plots import DTYPE_ORDER
+
+    table.sort(key=lambda t: (t["causal"], DTYPE_ORDER.index(t["dtype"]) if t["dtype"] in DTYPE_ORDER else 9))
+    shapes = sorted({_shape_words(r["case"]) for r in mine})
+    gpu = preset("fa3", device="cuda")
+    gpu_shape = f"B={gpu['batch']} H={gpu['heads']} N={gpu['lengths'][0]} D={gpu['head_dims'][0]}"
+    protocol = {
+        "title": FA3_TITLE, "source": FA3_SOURCE, "magnitude": FA3_MAGNITUDE, "inputs": MAGNITUDE_WORDS[FA3_MAGNITUDE],
+        "paper_fp16_rmse": FA3_PAPER_FP16, "paper_setup": FA3_PAPER_SETUP,
+        "shapes": shapes, "seeds": sorted({r["seed"] for r in mine}), "rows": table,
+        "device": device, "gpu_preset_shape": gpu_shape,
+    }
+    return {**protocol, "text": fa3_words(protocol)}
 
 
 def _planned_keys(header: dict) -> set[str] | None:
@@ -438,6 +548,66 @@ def criteria_table(result: dict) -> Table:
                  [[c["implementation"], c["dtype"], c["cases"], c["failed_cases"],
                    *(c.get(f"{o}_{k}") for k in keys for o in ops)] for c in crit],
                  [bool(c["failed_cases"]) for c in crit])
+
+
+def fa3_table(result: dict) -> Table:
+    """The FlashAttention-3 protocol's table (:func:`fa3_protocol`); no rows when the sweep had no such case."""
+    rows = (result.get("fa3_protocol") or {}).get("rows") or []
+    return Table(["implementation", "dtype", "causal", "cases", "RMSE of O", "lowest..highest case",
+                  "paper's method", "paper's FP16 RMSE", "RMSE / paper's", "RMSE / fa2_blocked's",
+                  "cases failing a criterion"],
+                 [[r["implementation"], r["dtype"], "yes" if r["causal"] else "no", r["cases"], r["rmse"],
+                   f"{fmt(r['rmse_min'])}..{fmt(r['rmse_max'])}", r["paper_method"] or "-",
+                   paper_figure(r["paper_rmse"]), r["ratio_to_paper"], r["ratio_to_fa2_blocked"],
+                   r["failed_cases"]] for r in rows],
+                 [bool(r["failed_cases"]) for r in rows])
+
+
+def paper_figure(x: float | None) -> str | None:
+    """A figure of the paper as the paper prints it (``3.2e-4``)."""
+    if x is None:
+        return None
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def fa3_words(protocol: dict) -> list[str]:
+    """The paragraphs around the protocol's table (each page formats them)."""
+    paper = protocol.get("paper_fp16_rmse") or FA3_PAPER_FP16
+    ratio = paper["standard attention"] / paper["FlashAttention-2"]
+    shapes = "; ".join(protocol.get("shapes") or [])
+    seeds = ", ".join(map(str, protocol.get("seeds") or []))
+    gpu = protocol.get("gpu_preset_shape")
+    on_gpu = str(protocol.get("device") or "").startswith("cuda")
+    if protocol.get("shapes") == [gpu]:
+        size = "the GPU preset's shape."
+    elif on_gpu:
+        size = f"not the GPU preset's shape ({gpu})."
+    else:
+        size = f"smaller than the GPU preset's shape ({gpu}), to run in minutes on a CPU."
+    return [
+        f"Source of the figures: {protocol.get('source') or FA3_SOURCE}. Its FP16 RMSE of O: standard attention "
+        f"{paper_figure(paper['standard attention'])}, FlashAttention-2 {paper_figure(paper['FlashAttention-2'])}, "
+        f"FlashAttention-3 {paper_figure(paper['FlashAttention-3'])} (no FlashAttention-3 kernel here: it is "
+        "Hopper CUDA code). Table 3's FP8 rows are not reproduced: the suite has no FP8 kernel.",
+        f"Inputs: magnitude class `{protocol.get('magnitude')}`: {protocol.get('inputs')}. The float64 reference "
+        "is computed from the inputs as rounded to the dtype (the suite's convention: the RMSE is the kernel's own "
+        "error, not that of rounding the inputs; the paper does not say which inputs its reference used). The "
+        "RMSE of a row is over every element of O of all its cases.",
+        f"Setup: {protocol.get('paper_setup') or FA3_PAPER_SETUP}",
+        f"Shapes measured: {shapes} (seeds: {seeds}), {size}",
+        f"How to read it: the absolute RMSE depends on the shapes, which the paper does not give, so the ratio "
+        f"is the comparable number: the paper's standard attention is {ratio:.2f}x its FlashAttention-2 "
+        f"({paper_figure(paper['standard attention'])} / {paper_figure(paper['FlashAttention-2'])}); the column "
+        "RMSE / fa2_blocked's divides each RMSE by that of fa2_blocked (the suite's FlashAttention-2) on the "
+        "same dtype. The paper attributes the gap to where the intermediates live: the standard implementation "
+        "holds the softmax in FP16, FlashAttention in FP32. `standard` (kernels/standard.py) holds the scores "
+        "and the softmax in the input dtype; `eager` (criterion 1's baseline) holds both in float32 and rounds "
+        "only P, as FlashAttention rounds P before P V. (PyTorch's softmax of a float16 tensor computes in "
+        "float32 and rounds its result once, so what `standard` adds to eager's error is the rounding of the "
+        "scores.) The last column counts the cases that fail criterion 1 or 2 (see the criteria table): the "
+        "paper's baseline is expected to.",
+    ]
 
 
 def worst_table(result: dict) -> Table:
@@ -526,6 +696,11 @@ def markdown(result: dict) -> str:
              "the max error divided by that of the same-precision eager attention, or by criterion 1's absolute "
              "floor where eager's error is below it (criterion 1: at most 2 for O and LSE, 3 for gradients, plus "
              "the floor). SDPA and FlexAttention return no LSE.", ""]
+    protocol = result.get("fa3_protocol")
+    if protocol:
+        *before, after = fa3_words(protocol)
+        lines += [f"## {FA3_TITLE}", "", *(x for w in before for x in (w, "")),
+                  *_md_table(fa3_table(result)), "", after, ""]
     for op, rmse in rmse_tables(result).items():
         lines += [f"## RMSE of {OP_WORDS.get(op, op)} (geometric mean over N, D, causal and seeds)", "",
                   *_md_table(rmse), ""]

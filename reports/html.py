@@ -338,6 +338,11 @@ def accuracy_html(result: dict) -> str:
                   ([i.get("name"), code(i.get("spec")), i.get("causal_alignment"), i.get("returns_lse"),
                     ", ".join(map(str, i.get("dtypes") or [])), i.get("description")]
                    for i in result.get("implementations") or []))]
+    protocol = result.get("fa3_protocol")
+    if protocol:
+        *before, after = accuracy.fa3_words(protocol)
+        body += [f"<h2>{esc(accuracy.FA3_TITLE)}</h2>", *(f"<p>{esc(w)}</p>" for w in before),
+                 _shown(accuracy.fa3_table(result)), f'<p class="muted">{esc(after)}</p>']
     body += _accuracy_plots(result)
     for op, rmse in accuracy.rmse_tables(result).items():
         body += [f"<h2>RMSE of {esc(accuracy.OP_WORDS.get(op, op))}</h2>",

@@ -1,0 +1,182 @@
+"""The FlashAttention-3 paper's accuracy protocol in the accuracy report: the standard attention with its
+intermediates in the input dtype (kernels/standard.py), the ``fa3`` preset, and the "FlashAttention-3
+accuracy protocol" section, written from the records the sweep streams."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kernels.standard import STANDARD, standard_forward
+from references import attention as reference
+from references.spec import AttentionSpec
+from reports import accuracy, cli
+from strategies.cases import AttentionCase
+
+# The fa3 preset, at a shape a test can afford (seconds on a CPU): its magnitude class, mask, dtypes, head
+# dim, forward-only and implementations are the preset's.
+SMALL = ["--len", "128", "--heads", "2", "--seed", "0"]
+
+
+@pytest.fixture(scope="module")
+def fa3_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fa3")
+    status = cli.main(["accuracy", "--device", "cpu", "--preset", "fa3", *SMALL, "--out", str(out)])
+    return status, out, json.loads((out / "accuracy.json").read_text())
+
+
+def _rows(result: dict) -> dict[tuple[str, str], dict]:
+    return {(r["implementation"], r["dtype"]): r for r in result["fa3_protocol"]["rows"]}
+
+
+# ------------------------------------------------------------------------------------ the standard attention
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("len_q, len_k", [(5, 7), (7, 5), (6, 0)])
+def test_standard_attention_in_float64_is_attention(causal, len_q, len_k):
+    """The semantics of the contract (bottom-right causal mask, grouped-query heads, a row without keys gives
+    0): in float64 nothing is rounded that matters, so it equals the float64 reference."""
+    case = AttentionCase(batch=2, heads_q=4, heads_kv=2, len_q=len_q, len_k=len_k, head_dim=8, dtype="float64",
+                         spec=AttentionSpec(causal=causal), layout="bnhd", seed=3)
+    t = case.build()
+    ref = reference.attention(t.q, t.k, t.v, spec=case.spec, scale=0.3)
+    out = standard_forward(t.q, t.k, t.v, causal=causal, scale=0.3)
+    assert out.dtype == torch.float64 and out.shape == t.q.shape and not out.isnan().any()
+    torch.testing.assert_close(out, ref.out, rtol=1e-12, atol=1e-12)
+
+
+def test_hidden_keys_never_reach_a_row():
+    case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=4, len_k=6, head_dim=8, dtype="float16",
+                         spec=AttentionSpec(causal=True))
+    t = case.build()
+    k = t.k.clone()
+    k[:, :, -1] = float("nan")  # the last key: hidden from every row but the last
+    out = standard_forward(t.q, k, t.v, causal=True)
+    assert not out[:, :, :-1].isnan().any()
+    torch.testing.assert_close(out[:, :, :-1], standard_forward(t.q, t.k, t.v, causal=True)[:, :, :-1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda q: standard_forward(q, q, q[..., :3]), ValueError, "k.shape=(1, 2, 5, 4) and v.shape=(1, 2, 5, 3)"),
+    (lambda q: standard_forward(q, q.float(), q), ValueError, "dtypes are float16, float32, float16"),
+    (lambda q: standard_forward(q[0], q[0], q[0]), ValueError, "should be 4-D"),
+    (lambda q: standard_forward(q, q, q, scale=float("nan")), ValueError, "scale=nan"),
+    (lambda q: standard_forward(q, q, q, causal=1), TypeError, "causal=1, but should be a bool"),
+    (lambda q: standard_forward(q.tolist(), q, q), TypeError, "q is a list"),
+])
+def test_bad_input_is_refused_in_words(call, error, words):
+    q = torch.zeros(1, 2, 5, 4, dtype=torch.float16)
+    with pytest.raises(error, match="^standard: .*" + words.replace("(", r"\(").replace(")", r"\)")):
+        call(q)
+
+
+def test_the_declaration_loads_by_path_and_by_module():
+    by_path = accuracy.select_implementations(["kernels/standard.py:STANDARD"], device="cpu")
+    assert [i.name for i in by_path] == ["standard", "eager"]
+    assert by_path[0].cli_name == "kernels/standard.py:STANDARD"
+    assert by_path[0].forward.__qualname__ == "standard_forward"  # the file's own copy of the module
+    assert STANDARD.cli_name == "kernels.standard:STANDARD" and not STANDARD.returns_lse and STANDARD.gqa
+
+
+# ------------------------------------------------------------------------------------ the preset
+def test_the_preset_is_the_protocol_on_each_device():
+    cpu, gpu = accuracy.preset("fa3", device="cpu"), accuracy.preset("fa3", device="cuda")
+    for p in (cpu, gpu):
+        assert p["magnitudes"] == ("fa3_outliers",) and p["causal"] == (False,) and p["backward"] is False
+        assert p["dtypes"] == ("float16", "bfloat16") and p["head_dims"] == (128,) and p["heads"] == 16
+    assert (cpu["batch"], cpu["lengths"]) == (1, (1024,)) and (gpu["batch"], gpu["lengths"]) == (4, (4096,))
+    names = [i.name for i in accuracy.select_implementations([], device="cpu", defaults=cpu["implementations"])]
+    assert names == ["standard", "eager", "fa2_blocked"]
+    assert {"triton_fa2", *accuracy.PEERS} <= set(gpu["implementations"])
+
+
+def test_fa3_preset_runs_the_protocol_and_its_baseline_does_not_set_the_exit_status(fa3_run):
+    status, out, result = fa3_run
+    sweep = json.loads((out / accuracy.RUN_FILE).read_text())["sweep"]
+    assert sweep["magnitudes"] == ["fa3_outliers"] and sweep["causal"] == [False] and sweep["backward"] is False
+    assert (sweep["lengths"], sweep["heads"], sweep["seeds"]) == ([128], 2, [0])  # the options given win
+    assert {r["magnitude"] for r in result["results"]} == {"fa3_outliers"}
+    assert {op for r in result["results"] for op in r["ops"]} == {"out", "lse"}  # forward only
+    failing = {c["implementation"] for c in result["criteria"] if c["failed_cases"]}
+    assert failing == {"standard"} and status == 0
+
+
+def test_standard_fp16_attention_has_the_larger_rmse_as_in_the_paper(fa3_run):
+    """The paper's finding: standard attention, its softmax in FP16, has a larger RMSE than FlashAttention-2
+    (3.2e-4 against 1.9e-4). Measured here at this shape (seed 0): standard 1.11e-4, eager 4.86e-5,
+    fa2_blocked 4.34e-5 in float16 (2.6x); in bfloat16 9.15e-4 against 3.95e-4 and 3.48e-4."""
+    rows = _rows(fa3_run[2])
+    for dtype in ("float16", "bfloat16"):
+        standard = rows[("standard", dtype)]["rmse"]
+        for other in ("eager", "fa2_blocked"):
+            assert standard > 1.5 * rows[(other, dtype)]["rmse"], (dtype, other, rows)
+    assert rows[("standard", "float16")]["ratio_to_fa2_blocked"] > 1.5
+
+
+def test_the_table_names_the_papers_figures_in_every_output(fa3_run):
+    _, out, result = fa3_run
+    rows = _rows(result)
+    assert rows[("standard", "float16")]["paper_rmse"] == 3.2e-4
+    assert rows[("fa2_blocked", "float16")]["paper_rmse"] == 1.9e-4
+    assert rows[("eager", "float16")]["paper_rmse"] is None and rows[("standard", "bfloat16")]["paper_rmse"] is None
+    ratio = rows[("standard", "float16")]["rmse"] / 3.2e-4
+    assert rows[("standard", "float16")]["ratio_to_paper"] == pytest.approx(ratio)
+    for name in accuracy.OUTPUTS:
+        text = (out / name).read_text()
+        assert "FlashAttention-3 accuracy protocol" in text and "2407.08608" in text and "Table 3" in text
+        for figure in ("3.2e-4", "1.9e-4"):
+            assert figure in text, (name, figure)
+        assert "B=1 H=2 N=128 D=128" in text and "does not state the sequence length" in text
+        assert "no FP8 kernel" in text
+
+
+# ------------------------------------------------------------------------------------ written from the records
+def _pooled(records: list[dict]) -> float:
+    sizes = [r["case"]["batch"] * r["case"]["heads_q"] * r["case"]["len_q"] * r["case"]["head_dim"] for r in records]
+    return math.sqrt(sum(n * float(r["rmse"]) ** 2 for n, r in zip(sizes, records)) / sum(sizes))
+
+
+def test_the_section_is_written_from_the_streamed_records(tmp_path):
+    """Edit the RMSE of two streamed records and re-render: the table's RMSE is the one over every element
+    of both cases (equal sizes: sqrt((3^2 + 4^2) / 2) e-3), nothing measured anew."""
+    sweep = accuracy.Sweep(lengths=(16,), head_dims=(8,), dtypes=("float16",), magnitudes=("fa3_outliers",),
+                           causal=(False,), seeds=(0, 1), backward=False)
+    impls = accuracy.select_implementations(["fa2_blocked"], device="cpu")
+    accuracy.run(sweep, impls, device="cpu", out_dir=tmp_path, command="test", progress=False)
+    stream = tmp_path / accuracy.STREAM
+    lines = [json.loads(line) for line in stream.read_text().splitlines()]
+    for item in lines:
+        if item.get("kind") == "measurement" and item["implementation"] == "fa2_blocked" and item["op"] == "out":
+            item["rmse"] = {0: 3e-3, 1: 4e-3}[item["case"]["seed"]]
+    stream.write_text("".join(json.dumps(item) + "\n" for item in lines))
+    result = accuracy.write_report(tmp_path)
+    row = _rows(result)[("fa2_blocked", "float16")]
+    assert row["rmse"] == pytest.approx(math.sqrt((9 + 16) / 2) * 1e-3)
+    assert (row["rmse_min"], row["rmse_max"], row["cases"], row["seeds"]) == (3e-3, 4e-3, 2, [0, 1])
+    assert "0.00354" in (tmp_path / "accuracy.md").read_text()
+
+
+def test_the_table_holds_the_fa3_outliers_cases_and_no_other_class(tmp_path):
+    """A sweep over two classes: the table's RMSE is that of the fa3_outliers records alone (the normal
+    ones differ); a sweep without the class has no such section."""
+    sweep = accuracy.Sweep(lengths=(16,), head_dims=(8,), dtypes=("float16",), heads=1,
+                           magnitudes=("normal", "fa3_outliers"), causal=(False,), seeds=(0, 1), backward=False)
+    impls = accuracy.select_implementations(["fa2_blocked"], device="cpu")
+    result = accuracy.run(sweep, impls, device="cpu", out_dir=tmp_path, command="test", progress=False)
+    records = [item for item in accuracy.read_stream(tmp_path)[0]
+               if item.get("kind") == "measurement" and item["op"] == "out"]
+    assert result["fa3_protocol"]["magnitude"] == "fa3_outliers"
+    for (name, dtype), row in _rows(result).items():
+        mine = [r for r in records if r["implementation"] == name and r["case"]["dtype"] == dtype]
+        by_class = {m: _pooled([r for r in mine if r["case"]["magnitude"] == m]) for m in ("normal", "fa3_outliers")}
+        assert row["rmse"] == pytest.approx(by_class["fa3_outliers"], rel=1e-12), (name, by_class)
+        assert row["rmse"] != pytest.approx(by_class["normal"], rel=1e-3), (name, by_class)
+        assert row["cases"] == 2
+
+    plain = accuracy.Sweep(lengths=(16,), head_dims=(8,), dtypes=("float16",), heads=1, magnitudes=("normal",),
+                           causal=(False,), backward=False)
+    result = accuracy.run(plain, impls, device="cpu", out_dir=tmp_path / "plain", command="test", progress=False)
+    assert "fa3_protocol" not in result
+    assert "FlashAttention-3 accuracy protocol" not in (tmp_path / "plain" / "accuracy.md").read_text()
