@@ -196,3 +196,107 @@ def check_out_buffers(q, k, v, out, lse, *, kernel: str, lse_dtypes: Iterable[to
                                  f"{other_label} while it writes {label}: pass a separate buffer")
     if out is not None and lse is not None and _overlaps(out, lse):
         raise ValueError(f"{kernel}: out and lse overlap in memory: pass separate buffers")
+
+
+# --- variants: chunks, sinks, split-KV and the sequences of variable-length and paged attention --------------
+def check_attention_chunk(chunk, *, kernel: str) -> int:
+    """``attention_chunk`` (FlashAttention-3's convention): an int >= 0, 0 meaning no chunks."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise ValueError(f"{kernel}: attention_chunk={chunk!r}, but should be an int >= 0 (0: no chunks; C > 0: a "
+                         "query sees only the keys of its own chunk of C positions)")
+    return chunk
+
+
+def check_sinks(sinks, q: torch.Tensor, *, kernel: str) -> torch.Tensor | None:
+    """``sinks``: None, or a tensor ``[Hq]`` of finite logits on ``q``'s device, float32 (float64 for float64
+    inputs), one per query head. Call it after :func:`check_attention_inputs` (``q`` is valid)."""
+    if sinks is None:
+        return None
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    hq = q.shape[-2] if q.dim() == 3 else q.shape[1]
+    allowed = f"a {dtype_name(dtype)} torch.Tensor of shape [Hq]=[{hq}] on q's device {q.device}, or None (no sinks)"
+    if not isinstance(sinks, torch.Tensor):
+        raise ValueError(f"{kernel}: sinks is a {type(sinks).__name__}, but should be {allowed}")
+    if sinks.dtype != dtype or tuple(sinks.shape) != (hq,) or sinks.device != q.device:
+        raise ValueError(f"{kernel}: sinks is a {dtype_name(sinks.dtype)} tensor of shape {tuple(sinks.shape)} on "
+                         f"{sinks.device}, but should be {allowed}")
+    if not bool(torch.isfinite(sinks.detach()).all()):
+        raise ValueError(f"{kernel}: sinks holds non-finite values {sinks.tolist()}, but should be finite: {allowed}")
+    return sinks
+
+
+def check_num_splits(num_splits, *, kernel: str) -> int:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"{kernel}: num_splits={num_splits!r}, but should be an int >= 1 (1: no split-KV)")
+    return num_splits
+
+
+def _int32_vector(name: str, t, *, device, kernel: str, length: int | None = None) -> list[int]:
+    words = f"an int32 torch.Tensor{'' if length is None else f' of shape [{length}]'} on {device}"
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{kernel}: {name} is a {type(t).__name__}, but should be {words}")
+    if t.dtype != torch.int32 or t.dim() != 1 or t.device != device or (length is not None and t.numel() != length):
+        raise ValueError(f"{kernel}: {name} is a {dtype_name(t.dtype)} tensor of shape {tuple(t.shape)} on {t.device}, "
+                         f"but should be {words}")
+    return [int(x) for x in t.tolist()]
+
+
+def check_cu_seqlens(name: str, cu, *, total: int, device, kernel: str) -> list[int]:
+    """``cu_seqlens_q`` / ``cu_seqlens_k`` (flash_attn's convention): int32 ``[S + 1]`` on the inputs'
+    device, starting at 0, non-decreasing (empty sequences allowed), ending at the packed length."""
+    values = _int32_vector(name, cu, device=device, kernel=kernel)
+    if len(values) < 2:
+        raise ValueError(f"{kernel}: {name} has {len(values)} entries, but should have S + 1 >= 2 (0, then where each "
+                         "of the S sequences ends)")
+    if values[0] != 0:
+        raise ValueError(f"{kernel}: {name}={values}, but should start at 0")
+    bad = [i for i in range(1, len(values)) if values[i] < values[i - 1]]
+    if bad:
+        raise ValueError(f"{kernel}: {name}={values} decreases at entry {bad[0]} ({values[bad[0] - 1]} -> "
+                         f"{values[bad[0]]}), but should be non-decreasing (a sequence's length is the difference)")
+    if values[-1] != total:
+        raise ValueError(f"{kernel}: {name}={values} ends at {values[-1]}, but the packed tensor holds {total} rows: "
+                         "the last entry should be the total length")
+    return values
+
+
+def check_max_seqlen(name: str, value, lengths: list[int], *, kernel: str) -> int:
+    """``max_seqlen_q`` / ``max_seqlen_k``: an int at least the longest sequence."""
+    longest = max(lengths, default=0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < longest:
+        raise ValueError(f"{kernel}: {name}={value!r}, but should be an int >= the longest sequence, {longest}")
+    return value
+
+
+def check_seqlens(name: str, t, *, batch: int, most: int, device, kernel: str) -> list[int]:
+    """``seqlens_q`` / ``seqlens_k`` of padded sequences or a KV cache: int32 ``[S]``, each in ``0 .. most``
+    (the padded length, or the keys the cache's pages hold)."""
+    values = _int32_vector(name, t, device=device, kernel=kernel, length=batch)
+    bad = [(i, n) for i, n in enumerate(values) if not 0 <= n <= most]
+    if bad:
+        i, n = bad[0]
+        raise ValueError(f"{kernel}: {name}[{i}]={n}, but every length should be in 0..{most} (what the tensor holds)")
+    return values
+
+
+def check_block_table(table, *, batch: int, num_pages: int, page_size: int, seqlens_k: list[int], device,
+                      kernel: str) -> list[list[int]]:
+    """``block_table`` of a paged KV cache: int32 ``[S, max pages]`` on the inputs' device; sequence ``s``'s
+    first ``ceil(seqlens_k[s] / page_size)`` entries are pages in ``0 .. num_pages - 1``."""
+    words = f"an int32 torch.Tensor [S={batch}, max pages] on {device}"
+    if not isinstance(table, torch.Tensor):
+        raise ValueError(f"{kernel}: block_table is a {type(table).__name__}, but should be {words}")
+    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != batch or table.device != device:
+        raise ValueError(f"{kernel}: block_table is a {dtype_name(table.dtype)} tensor of shape {tuple(table.shape)} "
+                         f"on {table.device}, but should be {words}")
+    rows = table.tolist()
+    for s, (row, n) in enumerate(zip(rows, seqlens_k)):
+        used = -(-n // page_size)
+        if used > len(row):
+            raise ValueError(f"{kernel}: seqlens_k[{s}]={n} needs {used} pages of {page_size}, but block_table has "
+                             f"{len(row)} entries per sequence")
+        bad = [(i, p) for i, p in enumerate(row[:used]) if not 0 <= p < num_pages]
+        if bad:
+            i, p = bad[0]
+            raise ValueError(f"{kernel}: block_table[{s}, {i}]={p} points past the cache: pages are 0..{num_pages - 1}")
+    return rows

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _validate
+from kernels.blocked import _Sequences
 from kernels.declaration import ALL_DTYPES
 from references import baseline
 from references.spec import AttentionSpec
@@ -27,38 +28,61 @@ class _Eager(torch.autograd.Function):
     so that the kernel checked here is the baseline the other kernels are measured against."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec, scale):
+    def forward(ctx, q, k, v, sinks, spec, scale):
         out, lse = baseline.forward(q, k, v, spec=spec, scale=scale)
         ctx.save_for_backward(q, k, v, out)
-        ctx.settings = (spec, scale)
+        ctx.settings = (spec, scale, None if sinks is None else sinks.dtype)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out = ctx.saved_tensors
-        spec, scale = ctx.settings
-        dq, dk, dv, _ = baseline.backward(q, k, v, dout, spec=spec, scale=scale, out=out)
-        return dq, dk, dv, None, None
+        spec, scale, sinks_dtype = ctx.settings
+        grads = baseline.backward(q, k, v, dout, spec=spec, scale=scale, out=out)
+        dsinks = grads[4].to(sinks_dtype) if sinks_dtype is not None else None
+        return grads[0], grads[1], grads[2], dsinks, None, None
 
 
 def eager_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
                   window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                  alibi_slopes: torch.Tensor | None = None):
+                  alibi_slopes: torch.Tensor | None = None, attention_chunk: int = 0,
+                  sinks: torch.Tensor | None = None, num_splits: int = 1, cu_seqlens_q=None, cu_seqlens_k=None,
+                  max_seqlen_q=None, max_seqlen_k=None, seqlens_q=None, seqlens_k=None, block_table=None):
     """Eager attention at the inputs' precision, with the baseline's own backward; ``window_size``:
-    a sliding window ``(left, right)`` in flash_attn's convention (-1 unbounded); ``softcap`` (0.0: none)
-    and ``alibi_slopes`` (float32 ``[Hq]``, one slope per query head) modify the scores as flash_attn's
-    keywords do (the baseline applies them: references/spec.py)."""
-    _validate.check_attention_inputs(q, k, v, kernel="eager", dtypes=ALL_DTYPES, scale=scale)
+    a sliding window ``(left, right)`` in flash_attn's convention (-1 unbounded); ``attention_chunk``
+    (0: none) local attention in chunks; ``softcap`` (0.0: none) and ``alibi_slopes`` (float32 ``[Hq]``,
+    one slope per query head) modify the scores as flash_attn's keywords do; ``sinks`` (``[Hq]`` logits,
+    float32 or float64 for float64 inputs) join the denominators; ``num_splits`` merges that many
+    per-split eager attentions (the baseline applies all of these: references/spec.py). Variable-length
+    sequences take the keywords of :func:`kernels.blocked.fa2_forward` (packed, padded, paged): they are
+    gathered into the baseline's one packed batch and its results laid back out."""
+    sequences = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                     max_seqlen_k=max_seqlen_k, seqlens_q=seqlens_q, seqlens_k=seqlens_k, block_table=block_table)
+    seqs = _Sequences(q, k, v, kernel="eager", **sequences) if any(x is not None for x in sequences.values()) else None
+    qr, kr, vr = (q, k, v) if seqs is None else (
+        torch.cat(seqs.queries(q), dim=2), torch.cat(seqs.keys(k), dim=2), torch.cat(seqs.keys(v), dim=2))
+    _validate.check_attention_inputs(qr, kr, vr, kernel="eager", dtypes=ALL_DTYPES, scale=scale)
     left, right = _validate.check_window(window_size, kernel="eager")
     softcap = _validate.check_softcap(softcap, kernel="eager")
-    slopes = _validate.check_alibi_slopes(alibi_slopes, q, kernel="eager")
+    slopes = _validate.check_alibi_slopes(alibi_slopes, qr, kernel="eager")
     if slopes is not None and slopes.dim() != 1:
         raise ValueError(f"eager: alibi_slopes.shape={tuple(slopes.shape)}, but eager takes per-head slopes only: "
                          f"a float32 torch.Tensor of shape [Hq]=[{q.shape[1]}] (no per-batch [B, Hq] slopes)")
-    spec = AttentionSpec(causal=causal, window_left=left, window_right=right, softcap=softcap or None,
-                         alibi_slopes=None if slopes is None else tuple(float(x) for x in slopes.tolist()))
-    return _Eager.apply(q, k, v, spec, scale)
+    sinks = _validate.check_sinks(sinks, qr, kernel="eager")
+    packed = {} if seqs is None else dict(sequences="packed", seqlens_q=tuple(seqs.lens_q),
+                                          seqlens_k=tuple(seqs.lens_k))
+    spec = AttentionSpec(causal=causal, window_left=left, window_right=right,
+                         attention_chunk=_validate.check_attention_chunk(attention_chunk, kernel="eager"),
+                         softcap=softcap or None,
+                         alibi_slopes=None if slopes is None else tuple(float(x) for x in slopes.tolist()),
+                         sinks=None if sinks is None else tuple(float(x) for x in sinks.tolist()),
+                         num_splits=_validate.check_num_splits(num_splits, kernel="eager"), **packed)
+    out, lse = _Eager.apply(qr, kr, vr, sinks, spec, scale)
+    if seqs is None:
+        return out, lse
+    return (seqs.join_queries(list(out.split(seqs.lens_q, dim=2)), q),
+            seqs.join_rows(list(lse.split(seqs.lens_q, dim=2))))
 
 
 def sdpa_math_forward(q, k, v, *, causal: bool = False, scale: float | None = None):

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from kernels import conventions
 from kernels._validate import dtype_name, dtype_names
-from references.spec import ALIGNMENTS, AttentionSpec, require_spec
+from references.spec import ALIGNMENTS, SEQUENCES, AttentionSpec, require_spec
 
 ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KINDS = ("attention", "softmax")
@@ -35,12 +36,14 @@ class Implementation:
     """One kernel under test and what it declares it supports.
 
     Attention kernels (``kind="attention"``):
-      forward(q, k, v, *, causal, scale[, window_size][, softcap][, alibi_slopes][, block_m, block_n][, out, lse])
-          -> (out, lse) or out
-      backward(q, k, v, out, lse, dout, *, causal, scale[, window_size][, softcap][, alibi_slopes]
-               [, block_m, block_n]) -> (dq, dk, dv, delta)
-    ``window_size``, ``softcap`` and ``alibi_slopes`` are passed only when the case has them (and the
-    declaration has ``windows``, ``softcap``, ``alibi``).
+      forward(q, k, v, *, causal, scale[, window_size][, attention_chunk][, softcap][, alibi_slopes][, sinks]
+              [, num_splits][, <the sequences' keywords>][, block_m, block_n][, out, lse]) -> (out, lse) or out
+      backward(q, k, v, out, lse, dout, *, <the forward's keywords but out, lse>) -> (dq, dk, dv, delta), and
+               dsinks fifth with sinks
+    ``window_size``, ``attention_chunk``, ``softcap``, ``alibi_slopes``, ``sinks`` and ``num_splits`` are
+    passed only when the case has them (and the declaration has ``windows``, ``chunks``, ``softcap``,
+    ``alibi``, ``sinks``, ``splits``); the tensors and keywords of variable-length sequences (``packed``,
+    ``padded``, ``paged``: :mod:`kernels.conventions`) only for a convention listed in ``sequences``.
     Softmax kernels (``kind="softmax"``):
       forward(x[, block_n=...]) -> (y, lse) over the last dimension of a 2-D float tensor.
     """
@@ -61,6 +64,17 @@ class Implementation:
     softcap: bool = False
     # ALiBi (flash_attn's convention): the forward takes alibi_slopes, a float32 tensor [Hq] on q's device.
     alibi: bool = False
+    # Local attention in chunks (FlashAttention-3's attention_chunk=C > 0): a query sees only its own chunk.
+    chunks: bool = False
+    # Attention sinks: the forward takes sinks, a tensor [Hq] (float32; float64 for float64 inputs) of logits
+    # that join every row's softmax denominator; its gradient flows back to that tensor.
+    sinks: bool = False
+    # Split-KV: the forward takes num_splits=S > 1 and merges the S splits of the keys by their LSEs.
+    splits: bool = False
+    # The conventions of the sequences it takes (kernels/conventions.py): "dense", and variable-length
+    # "packed", "padded", "paged"; page_sizes: the page sizes of a paged cache it takes (None: any).
+    sequences: tuple[str, ...] = ("dense",)
+    page_sizes: tuple[int, ...] | None = None
     # Tunable tiles: the block sizes the suite may draw (None: not tunable).
     block_m: Sequence[int] | None = None
     block_n: Sequence[int] | None = None
@@ -141,9 +155,17 @@ class Implementation:
             positive_int(field, getattr(self, field))
         positive_int("min_len", self.min_len, zero=True)
         for field in ("equal_lengths", "non_causal", "contiguous_only", "causal", "windows", "softcap",
-                      "alibi"):
+                      "alibi", "chunks", "sinks", "splits"):
             if not isinstance(getattr(self, field), bool):
                 raise ImplementationError(f"{self.name}: {field}={getattr(self, field)!r}, but should be a bool")
+        bad = [s for s in self.sequences if s not in SEQUENCES] if isinstance(self.sequences, tuple) else None
+        if bad is None or bad or not self.sequences:
+            raise ImplementationError(f"{self.name}: sequences={self.sequences!r}, but should be a non-empty tuple of "
+                                      f"{SEQUENCES} (the conventions of the sequences it takes)")
+        if self.page_sizes is not None and (not isinstance(self.page_sizes, tuple) or not self.page_sizes or any(
+                isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in self.page_sizes)):
+            raise ImplementationError(f"{self.name}: page_sizes={self.page_sizes!r}, but should be None (any) or a "
+                                      "non-empty tuple of ints >= 1")
         if not self.causal and not self.non_causal:
             raise ImplementationError(f"{self.name}: causal=False and non_causal=False leave no mask to run: a "
                                       "kernel runs causal attention (causal=True), non-causal (non_causal=True) "
@@ -245,6 +267,18 @@ class Implementation:
             out.append(f"logit softcap: {why}")
         if not self.alibi:
             out.append(f"ALiBi: {why}")
+        if not self.chunks:
+            out.append(f"chunked local attention: {why}")
+        if not self.sinks:
+            out.append(f"attention sinks: {why}")
+        if not self.splits:
+            out.append(f"split-KV (num_splits): {why}")
+        for convention, words in (("dense", "a dense batch"), ("packed", "variable-length sequences, packed"),
+                                  ("padded", "variable-length sequences, padded"), ("paged", "a paged KV cache")):
+            if convention not in self.sequences:
+                out.append(f"{words}: {why}")
+        if "paged" in self.sequences and self.page_sizes is not None:
+            out.append(f"pages of other sizes than {', '.join(map(str, self.page_sizes))}: {why}")
         return out
 
     @property
@@ -289,14 +323,27 @@ class Implementation:
             return f"{self.name} declares no logit softcap"
         if spec.alibi_slopes is not None and not self.alibi:
             return f"{self.name} declares no ALiBi"
+        if spec.attention_chunk and not self.chunks:
+            return f"{self.name} declares no chunked local attention"
+        if spec.sinks is not None and not self.sinks:
+            return f"{self.name} declares no attention sinks"
+        if spec.num_splits > 1 and not self.splits:
+            return f"{self.name} declares no split-KV"
+        if spec.sequences not in self.sequences:
+            return f"{self.name} declares sequences {self.sequences}; the case's are {spec.sequences}"
+        if spec.sequences == "paged" and self.page_sizes is not None and spec.page_size not in self.page_sizes:
+            return f"{self.name} declares pages of {self.page_sizes} keys; the case's hold {spec.page_size}"
         if spec.causal and spec.alignment != self.causal_alignment:
             return (f"{self.name} aligns causal masks {self.causal_alignment}; the case asks for "
                     f"{spec.alignment}")
         return None
 
-    def kernel_keywords(self, spec: AttentionSpec, scale, block_m, block_n, *, device=None) -> dict[str, Any]:
+    def kernel_keywords(self, spec: AttentionSpec, scale, block_m, block_n, *, device=None,
+                        dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """The kernel's own keywords for ``spec`` (refused when the declaration does not support it);
-        ``device``: where the inputs are (the ALiBi slopes tensor is made there)."""
+        ``device``, ``dtype``: where the inputs are and their dtype (the ALiBi slopes and sinks tensors are
+        made there; the sinks in float32, float64 for float64 inputs). Not the sequences' keywords: those
+        come with the tensors (:func:`kernels.conventions.layout`)."""
         require_spec(spec)
         why = self.unsupported_spec(spec)
         if why is not None:
@@ -304,10 +351,16 @@ class Implementation:
         kwargs: dict[str, Any] = {"causal": spec.causal, "scale": scale}
         if spec.windowed:
             kwargs["window_size"] = (spec.window_left, spec.window_right)
+        if spec.attention_chunk:
+            kwargs["attention_chunk"] = spec.attention_chunk
         if spec.softcap is not None:
             kwargs["softcap"] = spec.softcap
         if spec.alibi_slopes is not None:
             kwargs["alibi_slopes"] = _alibi_tensor(self.name, spec.alibi_slopes, device)
+        if spec.sinks is not None:
+            kwargs["sinks"] = sinks_tensor(self.name, spec, device=device, dtype=dtype)
+        if spec.num_splits > 1:
+            kwargs["num_splits"] = spec.num_splits
         if self.tunable and block_m is not None:
             kwargs["block_m"] = block_m
         if self.tunable and block_n is not None:
@@ -316,21 +369,43 @@ class Implementation:
 
     def call_backward(self, q, k, v, out, lse, dout, *, spec: AttentionSpec, scale: float | None = None,
                       block_m: int | None = None, block_n: int | None = None):
-        """Run the declared backward on ``spec``'s attention: ``(dq, dk, dv, delta)``."""
+        """Run the declared backward on ``spec``'s attention, the tensors in the references' frame (as
+        :meth:`call` takes them): ``(dq, dk, dv, delta)`` in that frame, and ``dsinks`` fifth with sinks."""
         if self.backward is None:
             raise ImplementationError(f"{self.name} declares no backward")
-        return self.backward(q, k, v, out, lse, dout,
-                             **self.kernel_keywords(spec, scale, block_m, block_n, device=q.device))
+        kwargs = self.kernel_keywords(spec, scale, block_m, block_n, device=q.device, dtype=q.dtype)
+        lay = conventions.layout(spec)
+        qk, kk, vk, sequences = lay.inputs(q, k, v)
+        grads = self.backward(qk, kk, vk, lay.queries_in(out), lay.rows_in(lse), lay.queries_in(dout),
+                              **kwargs, **sequences)
+        wanted = 5 if spec.sinks is not None else 4
+        if not isinstance(grads, (tuple, list)) or len(grads) != wanted:
+            raise conventions.ContractError(
+                f"{self.name}'s backward returned {type(grads).__name__}"
+                f"{f' of length {len(grads)}' if isinstance(grads, (tuple, list)) else ''}, but should return "
+                f"(dq, dk, dv, delta{', dsinks' if wanted == 5 else ''})")
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[3]
+        dq = lay.queries_out(grads[0], what="dq", heads=hq, head_dim=d)
+        dk, dv = (lay.keys_out(g, what=name, heads=hkv, head_dim=d) for g, name in zip(grads[1:3], ("dk", "dv")))
+        return (dq, dk, dv, lay.rows_out(grads[3], what="delta", heads=hq), *grads[4:])
 
     def call(self, q, k, v, *, spec: AttentionSpec, scale: float | None = None,
              block_m: int | None = None, block_n: int | None = None,
-             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
         """Run the forward on the attention ``spec`` describes and normalise the result to
-        ``(out, lse_or_None)``. The spec becomes the kernel's own keywords (``causal``); a spec the
-        declaration does not support is refused. ``out``/``lse`` are passed on as the forward's
-        ``out=``/``lse=`` buffers; only for a declaration with ``out_buffers``."""
-        kwargs = self.kernel_keywords(spec, scale, block_m, block_n, device=q.device)
+        ``(out, lse_or_None)``. ``q, k, v`` are in the references' frame (``[B, H, N, D]``; variable-length
+        sequences packed into one batch) and so are the results: the spec's convention
+        (:mod:`kernels.conventions`) lays the tensors out for the kernel and its results back. The spec
+        becomes the kernel's own keywords (``causal``, ...); a spec the declaration does not support is
+        refused. ``out``/``lse`` are passed on as the forward's ``out=``/``lse=`` buffers; only for a
+        declaration with ``out_buffers`` and a dense batch. ``sinks``: the sinks tensor to pass (a leaf
+        whose gradient the caller reads), instead of one made from the spec's values."""
+        kwargs = self.kernel_keywords(spec, scale, block_m, block_n, device=q.device, dtype=q.dtype)
+        if sinks is not None:
+            kwargs["sinks"] = sinks
         if out is not None or lse is not None:
+            if spec.varlen:
+                raise ImplementationError(f"{self.name}: out=/lse= buffers are passed for a dense batch only")
             if not self.out_buffers:
                 raise ImplementationError(f"{self.name} declares no out_buffers: its forward takes no "
                                           "out=/lse= buffers")
@@ -338,18 +413,22 @@ class Implementation:
                 kwargs["out"] = out
             if lse is not None:
                 kwargs["lse"] = lse
-        result = self.forward(q, k, v, **kwargs)
+        lay = conventions.layout(spec)
+        qk, kk, vk, sequences = lay.inputs(q, k, v)
+        result = self.forward(qk, kk, vk, **kwargs, **sequences)
         if isinstance(result, torch.Tensor):
-            return result, None
-        if isinstance(result, (tuple, list)) and len(result) == 2:
-            return result[0], result[1]
-        if isinstance(result, (tuple, list)) and len(result) == 1:
-            return result[0], None
-        raise TypeError(
-            f"{self.name} returned {type(result).__name__}"
-            f"{f' of length {len(result)}' if isinstance(result, (tuple, list)) else ''}, "
-            "but should return out or (out, lse)"
-        )
+            out_k, lse_k = result, None
+        elif isinstance(result, (tuple, list)) and len(result) in (1, 2):
+            out_k, lse_k = result[0], (result[1] if len(result) == 2 else None)
+        else:
+            raise TypeError(
+                f"{self.name} returned {type(result).__name__}"
+                f"{f' of length {len(result)}' if isinstance(result, (tuple, list)) else ''}, "
+                "but should return out or (out, lse)"
+            )
+        hq, d = q.shape[1], q.shape[3]
+        out_r = lay.queries_out(out_k, what="out", heads=hq, head_dim=d)
+        return out_r, (None if lse_k is None else lay.rows_out(lse_k, what="lse", heads=hq))
 
 
 def _alibi_tensor(name: str, slopes: tuple[float, ...], device) -> torch.Tensor:
@@ -363,6 +442,18 @@ def _alibi_tensor(name: str, slopes: tuple[float, ...], device) -> torch.Tensor:
                                   "hold exactly: the kernel would run a different slope than the reference; "
                                   "use slopes that are float32 values (e.g. powers of two)")
     return held.to(device) if device is not None else held
+
+
+def sinks_tensor(name: str, spec: AttentionSpec, *, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The spec's sink logits as the tensor a kernel takes: ``[Hq]``, float32 (float64 for float64 inputs),
+    on ``device``; refused when float32 cannot hold a logit exactly (the reference would use another)."""
+    values = torch.tensor(spec.sinks, dtype=torch.float64)
+    if dtype != torch.float64:
+        inexact = [x for x, y in zip(spec.sinks, values.to(torch.float32).tolist()) if x != y]
+        if inexact:
+            raise ImplementationError(f"{name}: sinks={tuple(spec.sinks)!r} holds {inexact!r}, which float32 cannot "
+                                      "hold exactly: the kernel would use another logit than the reference")
+    return values.to(device=device, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
 
 
 def declare(**fields: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -84,21 +84,24 @@ _BLOCKS = (1, 2, 3, 4, 5, 7, 8, 13, 16, 32, 64)
 # 2048 with 64-wide tiles) keeps an example under a second or so on a GPU.
 _MAX_TILES = 1024
 
+# Every variant of the attention spec: windows, chunks, softcap, ALiBi, sinks, split-KV, and variable-length
+# sequences packed, padded or in a paged KV cache of any page size.
+_EVERY_VARIANT = dict(gqa=True, windows=True, chunks=True, softcap=True, alibi=True, sinks=True, splits=True,
+                      sequences=("dense", "packed", "padded", "paged"))
 FA2_BLOCKED = Implementation(
-    name="fa2_blocked", forward=blocked.fa2_forward, backward=blocked.fa2_backward, gqa=True, windows=True,
-    softcap=True, alibi=True, block_m=_BLOCKS, block_n=_BLOCKS, sibling="fa1_blocked", out_buffers=True,
-    max_tiles=_MAX_TILES,
+    name="fa2_blocked", forward=blocked.fa2_forward, backward=blocked.fa2_backward, **_EVERY_VARIANT,
+    block_m=_BLOCKS, block_n=_BLOCKS, sibling="fa1_blocked", out_buffers=True, max_tiles=_MAX_TILES,
     description="blocked PyTorch FlashAttention-2: outer-scaled forward, blocked backward",
 )
 FA1_BLOCKED = Implementation(
-    name="fa1_blocked", forward=blocked.fa1_forward, backward=blocked.fa2_backward, gqa=True, windows=True,
-    softcap=True, alibi=True, block_m=_BLOCKS, block_n=_BLOCKS, out_buffers=True, max_tiles=_MAX_TILES,
+    name="fa1_blocked", forward=blocked.fa1_forward, backward=blocked.fa2_backward, **_EVERY_VARIANT,
+    block_m=_BLOCKS, block_n=_BLOCKS, out_buffers=True, max_tiles=_MAX_TILES,
     description="blocked PyTorch FlashAttention-1: inner-scaled forward",
 )
 
 # ------------------------------------------------------------------------------------------ adapters
 EAGER = Implementation(
-    name="eager", forward=adapters.eager_forward, gqa=True, windows=True, softcap=True, alibi=True,
+    name="eager", forward=adapters.eager_forward, **_EVERY_VARIANT,
     description="same-precision eager attention (the criterion-1 baseline)",
 )
 SDPA_MATH = Implementation(

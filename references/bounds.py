@@ -286,7 +286,9 @@ class Model:
     or ``2 u_acc`` for truncating matrix units); ``score_roundings``: roundings of a score beyond the
     ``D - 1`` additions; ``u_cast``/``eta_cast``: the cast of ``p`` and ``dS`` (0 without a cast);
     ``u_out``/``eta_out``: the final rounding to the input dtype (0 when it is the accumulator);
-    ``autograd_eager``: the backward is PyTorch autograd through the eager forward (section 11).
+    ``autograd_eager``: the backward is PyTorch autograd through the eager forward (section 11);
+    ``splits``: the forward splits the keys and merges the splits (split-KV, section 14), set from the
+    spec by :func:`forward_bounds` and :func:`backward_bounds`.
     """
 
     name: str
@@ -299,6 +301,7 @@ class Model:
     u_out: float = 0.0
     eta_out: float = 0.0
     autograd_eager: bool = False
+    splits: int = 1
 
 
 def kernel_model(dtype: torch.dtype, *, truncating_dots: bool = False, autograd_eager: bool = False) -> Model:
@@ -382,6 +385,9 @@ class _Case:
     cap: float | None = None  # the spec's softcap
     tanh: torch.Tensor | None = None  # softcap: tanh(s_raw / cap) of the reference, 0 where hidden
     bias_abs: torch.Tensor | None = None  # ALiBi: |bias| [Hq, rows, Nk], 0 where hidden
+    # Sinks: the last column of every score-level tensor (and the last key of ak, av, v) is the sink, a key
+    # with score t_h, no product and value 0 (section 15); sink_abs is |t_h| in that column, 0 elsewhere.
+    sink_abs: torch.Tensor | None = None
 
 
 def _keys(ref: Reference, q, k, v) -> _Keys:
@@ -413,13 +419,42 @@ def _case(ref: Reference, q, kk: _Keys, chunk: Chunk) -> _Case:
                                                 rows=(chunk.r0, chunk.r1)), 0.0)
     if spec.softcap is not None:
         tanh = torch.where(vis, (scores - (0.0 if bias is None else bias)) / spec.softcap, 0.0)
-    return _Case(
+    c = _Case(
         vis=vis, rows=rows, keys=kk.keys, n_rows=n_rows, n_keys=kk.n_keys, len_q=kk.len_q,
         group=kk.group, heads_kv=kk.heads_kv, d=kk.d, scale=kk.scale, p=chunk.p, s=scores,
         m=torch.where(rows, ref.row_max[:, :, r], 0.0), lse=torch.where(rows, ref.lse[:, :, r], 0.0),
         qk=qk, aq=aq, ak=kk.ak, av=kk.av, v=kk.v, o=ref.out[:, :, r],
         cap=spec.softcap, tanh=tanh, bias_abs=None if bias is None else bias.abs(),
     )
+    return c if ref.sink is None else _with_sink(c, ref, r)
+
+
+def _column(t: torch.Tensor, value) -> torch.Tensor:
+    """``t`` with one more column (last dimension) holding ``value`` (a scalar, or a tensor that broadcasts
+    to ``t``'s shape with a last dimension of 1)."""
+    extra = torch.zeros(t.shape[:-1] + (1,), dtype=t.dtype, device=t.device)
+    return torch.cat([t, extra + value], dim=-1)
+
+
+def _key_row(t: torch.Tensor) -> torch.Tensor:
+    """``[B, Hq, Nk, D]`` with one more key of zeros."""
+    return torch.cat([t, torch.zeros_like(t[:, :, :1])], dim=2)
+
+
+def _with_sink(c: _Case, ref: Reference, r: slice) -> _Case:
+    """``c`` with the sink as one more key every row sees (section 15): score t_h, P_sink, no product
+    (``qk`` 0), value 0; the row max and the counts include it, so every row has a key."""
+    sink = ref.sink[:, None, None]  # [Hq, 1, 1]
+    vis = _column(c.vis, True)
+    keys, n_keys = torch.cat([c.keys, c.keys.new_ones(1)]), torch.cat([c.n_keys, c.n_keys.new_full((1,), c.len_q)])
+    m = torch.maximum(torch.where(c.rows, ref.row_max[:, :, r], -math.inf), ref.sink[:, None])
+    return dataclasses.replace(
+        c, vis=vis, rows=torch.ones_like(c.rows), keys=keys, n_rows=c.n_rows + 1, n_keys=n_keys,
+        p=_column(c.p, ref.p_sink[:, :, r, None]), s=_column(c.s, sink), m=m, lse=ref.lse[:, :, r],
+        qk=_column(c.qk, 0.0), ak=_key_row(c.ak), av=_key_row(c.av), v=_key_row(c.v),
+        tanh=None if c.tanh is None else _column(c.tanh, 0.0),
+        bias_abs=None if c.bias_abs is None else _column(c.bias_abs, 0.0),
+        sink_abs=_column(torch.zeros_like(c.s[0, :, :1, :]), sink.abs()))
 
 
 def _raw_score_error(c: _Case, model: Model) -> torch.Tensor:
@@ -436,6 +471,8 @@ def _score_error(c: _Case, model: Model) -> torch.Tensor:
         err = err + u * (c.qk + err) + (C_TANH + 2) * u * (capped + err + u * c.qk) + 3 * eta
     if c.bias_abs is not None:
         err = err + u * (c.bias_abs + c.s.abs()) + 2 * eta
+    if c.sink_abs is not None:  # a kernel may convert the sink to base 2: t log2(e), one rounding each way
+        err = err + 2 * u * c.sink_abs
     return err
 
 
@@ -483,10 +520,31 @@ def _ranks_for(c: _Case, model: Model) -> torch.Tensor:
 
 
 def _phi(c: _Case, model: Model, ranks: torch.Tensor) -> torch.Tensor:
-    """Phi_ij (section 3), 0 where hidden."""
+    """Phi_ij (section 3, and section 14's split-KV terms), 0 where hidden."""
     u = model.u_acc
     phi = _score_error(c, model) + C_ARG * u * (c.m[..., None] - c.s) + (C_EXP + 1) * u * ranks
+    if model.splits > 1:
+        phi = phi + _split_phi(c, u)
     return torch.where(c.vis, phi, 0.0)
+
+
+def _split_phi(c: _Case, u: float) -> torch.Tensor:
+    """Section 14: key j's split stores ``lse_t = m_t + log(l_t)`` (a log, an addition, a float32 store:
+    ``C_LOG u log(n + 1) + LOG_ABS u + 2 u |lse_t|``, ``|lse_t| <= max(|s_j|, |m| + log n)``) and the merge
+    weighs it by ``exp(fl(lse_t - lse))`` (``u (lse - s_j) + C_EXP u``)."""
+    log_n = torch.log(c.n_rows.clamp(min=1))[:, None]
+    lse_t = torch.maximum(c.s.abs(), c.m.abs()[..., None] + log_n)
+    return u * (C_LOG * torch.log1p(c.n_rows)[:, None] + LOG_ABS + 2 * lse_t
+                + (c.lse[..., None] - c.s).abs() + C_EXP)
+
+
+def _merge_error(c: _Case, model: Model) -> torch.Tensor:
+    """Section 14: the relative error ``delta`` of the merged ``lse = top + log(sum_t exp(lse_t - top))``,
+    common to every split's weight: ``u (|lse| + C_EXP + S + C_LOG log S + LOG_ABS)`` (0 without splits)."""
+    s = model.splits
+    if s == 1:
+        return torch.zeros_like(c.lse)
+    return model.u_acc * (c.lse.abs() + C_EXP + s + C_LOG * math.log(s) + LOG_ABS)
 
 
 def _p_times(c: _Case, fn, x: torch.Tensor) -> torch.Tensor:
@@ -510,7 +568,7 @@ def _lse_kernel(c: _Case, model: Model, phi: torch.Tensor, ranks: torch.Tensor) 
     down = -torch.log(torch.where(c.rows, (p * torch.exp(-phi_l)).sum(dim=-1), 1.0))
     dlog = torch.maximum(up, down) + c.n_rows * model.eta_acc
     log_err = C_LOG * u * (c.lse - c.m + dlog) + LOG_ABS * u
-    lse = dlog + log_err + 3 * u * (c.lse.abs() + dlog + log_err)
+    lse = dlog + log_err + 3 * u * (c.lse.abs() + dlog + log_err) + _merge_error(c, model)
     return torch.where(c.rows, lse, 0.0)
 
 
@@ -525,7 +583,12 @@ def _out_kernel(c: _Case, model: Model, phi: torch.Tensor) -> torch.Tensor:
     # the accumulator (products, additions, rescaling multiplies, FA1's steps).
     term_u = model.eta_acc * (vis @ c.av + c.n_rows[:, None] * c.o.abs() + (3 * c.n_rows + 4)[:, None])
     pre = term_a + term_b + term_u
-    pre = pre + gamma(3 * c.n_rows + 2, model.u_dot)[:, None] * (p_hat @ c.av + c.o.abs() + pre)
+    # With split-KV each term also passes the float32 partial output, the merge's multiply and its S-term
+    # sum (section 14).
+    steps = 3 * c.n_rows + 2 + (2 * model.splits + 2 if model.splits > 1 else 0)
+    pre = pre + gamma(steps, model.u_dot)[:, None] * (p_hat @ c.av + c.o.abs() + pre)
+    merge = _merge_error(c, model)[..., None]  # a common factor on every weight: the output is off by it
+    pre = pre + merge * (c.o.abs() + pre)
     x = c.o.abs() + pre
     div = rounding_error(x, 2 * model.u_acc, model.eta_acc)  # a division, or a reciprocal and a multiply
     out = pre + div + rounding_error(x + div, model.u_out, model.eta_out)
@@ -549,10 +612,10 @@ def _forward_reference(c: _Case, ranks: torch.Tensor):
 def forward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, model: Model | None = None):
     """Elementwise bounds on ``|out - ref.out|`` ``[B, Hq, Nq, D]`` and ``|lse - ref.lse|`` ``[B, Hq, Nq]``
     (float64) for a kernel that follows the contract with inputs of ``dtype``."""
-    if k.shape[2] == 0:  # no keys: every row is fully masked, out = 0 and lse = -inf exactly
+    if k.shape[2] == 0 and ref.sink is None:  # no keys: every row is fully masked, out = 0, lse = -inf exactly
         return torch.zeros(q.shape, dtype=F64, device=q.device), torch.zeros(q.shape[:3], dtype=F64, device=q.device)
     kk = _keys(ref, q, k, v)
-    model = kernel_model(dtype) if model is None else model
+    model = dataclasses.replace(kernel_model(dtype) if model is None else model, splits=ref.spec.num_splits)
     out_b = torch.zeros(q.shape, dtype=F64, device=q.device)
     lse_b = torch.zeros(q.shape[:3], dtype=F64, device=q.device)
     for chunk in ref.chunks():  # every term is row-wise: one chunk of rows at a time
@@ -606,6 +669,8 @@ def _backward_terms(c: _Case, model: Model, *, dout_abs, lse_err, delta_err, dp_
     p_cast = rounding_error(p_hat, model.u_cast, model.eta_cast)
     sums = (ds_err.transpose(-1, -2) @ c.aq, ds_abs.transpose(-1, -2) @ c.aq,
             (dp_err + p_cast).transpose(-1, -2) @ dout_abs, (p_hat + p_cast).transpose(-1, -2) @ dout_abs)
+    if c.sink_abs is not None:  # the sink's dS (the last column), per row: for dsinks (section 15)
+        sums = (*sums, (ds_err[..., -1], ds_abs[..., -1]))
     return dq, sums
 
 
@@ -643,18 +708,21 @@ def backward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, out: torch.T
                     model: Model | None = None):
     """Elementwise bounds on the errors of a contract-following backward against ``ref`` (computed with
     ``dout``): ``(dq [B, Hq, Nq, D], dk [B, Hkv, Nk, D], dv [B, Hkv, Nk, D], delta [B, Hq, Nq])``,
-    float64. ``out`` is the kernel's own rounded forward output, from which it computes Delta."""
+    float64, and with sinks ``dsinks [Hq]`` fifth. ``out`` is the kernel's own rounded forward output,
+    from which it computes Delta."""
     if ref.dout is None:
         raise ValueError("backward_bounds: ref has no backward; compute it with attention(..., dout=dout)")
     if tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"backward_bounds: out.shape={tuple(out.shape)}, but should equal q.shape={tuple(q.shape)}")
-    if k.shape[2] == 0:  # no keys: dq = 0 and Delta = rowsum(dO * 0) = 0 exactly; dk and dv are empty
+    if k.shape[2] == 0 and ref.sink is None:  # no keys: dq = 0, Delta = rowsum(dO * 0) = 0; dk, dv are empty
         zeros = torch.zeros(q.shape, dtype=F64, device=q.device)
         empty = torch.zeros(k.shape, dtype=F64, device=q.device)
         return zeros, empty, empty.clone(), torch.zeros(q.shape[:3], dtype=F64, device=q.device)
     kk = _keys(ref, q, k, v)
-    model = kernel_model(dtype) if model is None else model
+    model = dataclasses.replace(kernel_model(dtype) if model is None else model, splits=ref.spec.num_splits)
     ref_model = REFERENCE_MODEL
+    sinks = ref.sink is not None
+    sink_k = sink_r = (0.0, 0.0)  # with sinks: [Hq] sums over batch and rows of the sink's dS error and size
     d = kk.d
     dq = torch.zeros(q.shape, dtype=F64, device=q.device)
     delta = torch.zeros(q.shape[:3], dtype=F64, device=q.device)
@@ -675,8 +743,9 @@ def backward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, out: torch.T
         # Delta: D products and D - 1 additions, each with an absolute eta for underflow.
         kernel_sum = gamma(d, model.u_acc) * (do_abs * o_k.abs()).sum(-1) + 2 * d * model.eta_acc
         ref_sum = gamma(d, ref_model.u_acc) * (do_abs * c.o.abs()).sum(-1) + 2 * d * ref_model.eta_acc
-        g = torch.where(c.vis, (chunk.dp - ref.delta[:, :, r, None]).abs(), 0.0)
-        dp_abs = torch.where(c.vis, chunk.dp.abs(), 0.0)
+        dp = _column(chunk.dp, 0.0) if sinks else chunk.dp  # the sink's value is 0: dP_sink = 0
+        g = torch.where(c.vis, (dp - ref.delta[:, :, r, None]).abs(), 0.0)
+        dp_abs = torch.where(c.vis, dp.abs(), 0.0)
         err = _score_error(c, model)
         near_max = c.vis & (c.s >= (c.m - 2 * err.amax(dim=-1))[..., None])
         extra = dict(dp_minus_delta=g, dp_abs=dp_abs, near_max=near_max, ref_dq=ref.dq[:, :, r])
@@ -687,8 +756,12 @@ def backward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, out: torch.T
         dq[:, :, r] = torch.where(rows, SAFETY * (dq_k + dq_r), 0.0)
         # Against ref.delta (from the same reference output): the reference output's error cancels.
         delta[:, :, r] = torch.where(c.rows, SAFETY * (measured + kernel_sum + ref_sum), 0.0)
-        k_sums = sums_k if k_sums is None else tuple(a + b for a, b in zip(k_sums, sums_k))
-        r_sums = sums_r if r_sums is None else tuple(a + b for a, b in zip(r_sums, sums_r))
+        if sinks:  # the sink is the last key: its dS terms go to dsinks, not into dK and dV
+            sink_k = tuple(a + b.sum(dim=(0, 2)) for a, b in zip(sink_k, sums_k[4]))
+            sink_r = tuple(a + b.sum(dim=(0, 2)) for a, b in zip(sink_r, sums_r[4]))
+            sums_k, sums_r = (tuple(x[:, :, :-1] for x in sums[:4]) for sums in (sums_k, sums_r))
+        k_sums = sums_k[:4] if k_sums is None else tuple(a + b for a, b in zip(k_sums, sums_k))
+        r_sums = sums_r[:4] if r_sums is None else tuple(a + b for a, b in zip(r_sums, sums_r))
     if k_sums is None:  # no query rows: nothing sums into dK and dV
         k_sums = r_sums = (torch.zeros(kk.ak.shape, dtype=F64, device=q.device),) * 4
     dk_k, dv_k = _key_terms(kk, model, k_sums, ref_dk=ref.dk, ref_dv=ref.dv)
@@ -696,4 +769,16 @@ def backward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, out: torch.T
     keys = kk.keys[:, None]
     dk = torch.where(keys, SAFETY * (dk_k + dk_r), 0.0)
     dv = torch.where(keys, SAFETY * (dv_k + dv_r), 0.0)
-    return dq, dk, dv, delta
+    if not sinks:
+        return dq, dk, dv, delta
+    rows = ref.lse.numel() // ref.lse.shape[1]  # B * Nq terms per head
+    return dq, dk, dv, delta, SAFETY * (_sink_terms(sink_k, model, rows, ref.dsinks)
+                                        + _sink_terms(sink_r, ref_model, rows, ref.dsinks))
+
+
+def _sink_terms(sums, model: Model, terms: int, ref_dsinks: torch.Tensor) -> torch.Tensor:
+    """Section 15: ``dt_h = sum over batch and rows of the sink's dS``: the sum of their errors, ``gamma``
+    of the ``terms`` additions on their magnitudes, then the rounding of the float32 result."""
+    err, size = sums
+    total = err + gamma(terms + 1, model.u_acc) * size + (terms + 1) * model.eta_acc
+    return total + rounding_error(ref_dsinks.abs() + total, model.u_acc, model.eta_acc)

@@ -37,9 +37,10 @@ import torch
 
 from references.metrics import unit_roundoff
 
-FACTOR = {"out": 2.0, "lse": 2.0, "delta": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
+FACTOR = {"out": 2.0, "lse": 2.0, "delta": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0, "dsinks": 3.0}
 EXTRA_ROUNDINGS = 4
-GRADIENTS = ("dq", "dk", "dv")
+# dsinks: the gradient of the attention sinks' logits (one per query head), a sum over batch and rows.
+GRADIENTS = ("dq", "dk", "dv", "dsinks")
 # Ops computed from P, whose every entry inherits the scores' relative error.
 FROM_P = ("out",) + GRADIENTS
 
@@ -65,8 +66,9 @@ def magnitudes(op: str, ref) -> Magnitudes:
 
 
 def stored_dtype(op: str, input_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a kernel stores ``op`` in: LSE and Delta in float32 (float64 for float64 inputs)."""
-    if op in ("lse", "delta"):
+    """The dtype a kernel stores ``op`` in: LSE, Delta and the sinks' gradient (the sinks are float32) in
+    float32 (float64 for float64 inputs)."""
+    if op in ("lse", "delta", "dsinks"):
         return torch.float64 if input_dtype == torch.float64 else torch.float32
     return input_dtype
 
@@ -87,6 +89,10 @@ def summand_magnitude(op: str, ref) -> float:
             torch.isfinite(ref.lse), ref.lse.abs(), 0.0)
     elif op == "delta":
         mag = (ref.dout.abs() * ref.out.abs()).sum(dim=-1)
+    elif op == "dsinks":  # dt_h sums P_sink Delta over batch and rows (nothing without sinks)
+        if ref.p_sink is None:
+            return 0.0
+        mag = ref.p_sink * (ref.dout.abs() * ref.out.abs()).sum(dim=-1)
     elif op == "dv":  # a sum over rows: added chunk by chunk
         mag = _sum_over_rows(ref, lambda c: c.p.transpose(-1, -2) @ ref.dout[:, :, c.r0:c.r1].abs())
     elif op == "dq":

@@ -53,11 +53,10 @@ MUTATIONS = (
     Mutation("no_l_rescale", "the running sum l is not rescaled when the running max grows",
              "l_i = l_i * alpha + p.sum(dim=-1)", "l_i = l_i + p.sum(dim=-1)"),
     Mutation("lse_base2", "LSE written in base 2",
-             "lse[:, :, m0:m1] = torch.where(empty, NEG_INF, m_i + torch.log(l_i))",
-             "lse[:, :, m0:m1] = torch.where(empty, NEG_INF, (m_i + torch.log(l_i)) / math.log(2.0))"),
+             "torch.where(empty, NEG_INF, m_i + torch.log(l_i))",
+             "torch.where(empty, NEG_INF, (m_i + torch.log(l_i)) / math.log(2.0))"),
     Mutation("lse_without_max", "LSE = log(l), the running max left out",
-             "lse[:, :, m0:m1] = torch.where(empty, NEG_INF, m_i + torch.log(l_i))",
-             "lse[:, :, m0:m1] = torch.where(empty, NEG_INF, torch.log(l_i))"),
+             "torch.where(empty, NEG_INF, m_i + torch.log(l_i))", "torch.where(empty, NEG_INF, torch.log(l_i))"),
     Mutation("scale_from_padded_head_dim", "default scale 1/sqrt of the head dim padded to a power of two",
              "return 1.0 / math.sqrt(head_dim)", "return 1.0 / math.sqrt(1 << (head_dim - 1).bit_length())"),
     Mutation("no_max_subtraction", "scores exponentiated without subtracting the running max",
@@ -65,13 +64,12 @@ MUTATIONS = (
     Mutation("mask_by_multiplication", "masked scores multiplied by 0 instead of set to -inf",
              "s = s.masked_fill(~visible, NEG_INF)", "s = s * visible"),
     Mutation("partial_last_key_block_dropped", "keys of a partial last key block are ignored",
-             "for n0 in range(0, kv_end, block_n):",
-             "for n0 in range(0, min(kv_end, len_k - len_k % block_n), block_n):"),
+             "for n0 in range(k0, min(k1, kv_end), block_n):",
+             "for n0 in range(k0, min(k1, kv_end, len_k - len_k % block_n), block_n):"),
     Mutation("low_precision_accumulator", "the output accumulator rounded to the input dtype every step",
              "acc = acc * alpha[..., None] + pv", "acc = (acc * alpha[..., None] + pv).to(q.dtype).to(acc_dtype)"),
     Mutation("fully_masked_rows_nan", "rows with no visible key divide 0 by 0",
-             "out[:, :, m0:m1] = (acc / torch.where(empty, 1.0, l_i)[..., None]).to(q.dtype)",
-             "out[:, :, m0:m1] = (acc / l_i[..., None]).to(q.dtype)"),
+             "parts.append((acc / torch.where(empty, 1.0, l_i)[..., None],", "parts.append((acc / l_i[..., None],"),
     Mutation("gqa_wrong_head_mapping", "query head h reads K/V head h % Hkv instead of h // group",
              "return t.repeat_interleave(group, dim=1) if group > 1 else t",
              "return t.repeat(1, group, 1, 1) if group > 1 else t"),
@@ -96,34 +94,52 @@ MUTATIONS = (
              "k_all, v_all = ((k.repeat(1, hq // k.shape[1], 1, 1), v.repeat(1, hq // v.shape[1], 1, 1))\n"
              "                    if len_q == 1 else (_expand_kv(k, hq), _expand_kv(v, hq)))", occurrence=0),
     Mutation("masked_q_tiles_skipped", "a Q tile that sees no key is skipped: out and lse are never written",
-             "kv_end = _kv_end(m1, len_q, len_k, causal)\n        for n0 in range(0, kv_end, block_n):",
+             "kv_end = _kv_end(m1, len_q, len_k, causal)\n        parts = []",
              "kv_end = _kv_end(m1, len_q, len_k, causal)\n        if kv_end == 0:\n            continue\n"
-             "        for n0 in range(0, kv_end, block_n):", occurrence=0),
+             "        parts = []"),
     Mutation("negative_scale_as_positive", "the softmax scale's sign is dropped",
              "return _default_scale(q.shape[-1]) if scale is None else float(scale)",
              "return _default_scale(q.shape[-1]) if scale is None else abs(float(scale))"),
     Mutation("keys_beyond_64_dropped", "the KV loop stops at 64 keys (a fixed-size bound)",
-             "for n0 in range(0, kv_end, block_n):", "for n0 in range(0, min(kv_end, 64), block_n):",
-             occurrence=0),
+             "for n0 in range(k0, min(k1, kv_end), block_n):", "for n0 in range(k0, min(k1, kv_end, 64), block_n):"),
     Mutation("window_off_by_one", "the sliding window's left edge lets in one key too many",
              "inside &= cols >= rows - left", "inside &= cols >= rows - left - 1"),
     Mutation("window_top_left", "the sliding window placed around the top-left diagonal (i, not i + Nk - Nq)",
              "rows = torch.arange(m0, m1, device=device)[:, None] + (len_k - len_q)",
              "rows = torch.arange(m0, m1, device=device)[:, None]"),
     Mutation("softcap_after_masking", "the softcap applied after the masks: a hidden score -inf becomes -c",
-             "s = _modify(s, m0, m1, n0, n1, len_q, len_k, softcap, slopes)\n"
-             "            s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k, window)",
-             "s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k, window)\n"
-             "            s = _modify(s, m0, m1, n0, n1, len_q, len_k, softcap, slopes)", occurrence=0),
+             "s = _modify(s, m0, m1, n0, n1, len_q, len_k, var.softcap, var.slopes)\n"
+             "                s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k, var.window, var.chunk)",
+             "s = _mask(s, causal, m0, m1, n0, n1, len_q, len_k, var.window, var.chunk)\n"
+             "                s = _modify(s, m0, m1, n0, n1, len_q, len_k, var.softcap, var.slopes)", occurrence=0),
     Mutation("softcap_wrong_sign", "the softcap's tanh taken of -s / c: every capped score changes sign",
              "s = softcap * torch.tanh(s / softcap)", "s = softcap * torch.tanh(-s / softcap)"),
     Mutation("softcap_backward_no_chain_rule", "the backward leaves out softcap's 1 - tanh^2",
-             "ds = torch.where(p > 0, ds * (1.0 - torch.tanh(raw / softcap) ** 2), 0.0)", "ds = ds"),
+             "ds = torch.where(p > 0, ds * (1.0 - torch.tanh(raw / var.softcap) ** 2), 0.0)", "ds = ds"),
     Mutation("alibi_slope_of_wrong_head", "ALiBi slopes read in reverse head order (head h gets Hq - 1 - h's)",
              "slopes = alibi_slopes.to(acc_dtype)", "slopes = alibi_slopes.to(acc_dtype).flip(-1)"),
     Mutation("alibi_top_left", "ALiBi distances around the top-left diagonal (|i - j|, not |i + Nk - Nq - j|)",
              "rows = torch.arange(m0, m1, device=s.device)[:, None] + (len_k - len_q)",
              "rows = torch.arange(m0, m1, device=s.device)[:, None]"),
+    # Bugs of the variants real kernels compute (varlen, paged KV, split-KV, sinks, chunks): each lives in
+    # what that variant adds, so only a case that has the variant can show it.
+    Mutation("varlen_keys_from_cu_seqlens_q", "packed sequences: each sequence's keys start at its cu_seqlens_q "
+             "entry instead of its cu_seqlens_k entry",
+             "return [t[a:b].transpose(0, 1)[None] for a, b in zip(self.ck, self.ck[1:])]",
+             "return [t[a:a + (d - c)].transpose(0, 1)[None] for a, c, d in zip(self.cq, self.ck, self.ck[1:])]"),
+    Mutation("paged_logical_pages", "paged KV: a sequence's logical page index used as the physical page (the "
+             "block table is not read)",
+             "pages = torch.tensor(self.table[s][:used], dtype=torch.long, device=t.device)",
+             "pages = torch.arange(used, device=t.device)"),
+    Mutation("split_merge_log2", "split-KV: the merge weighs the splits by exp2 of natural-log LSE differences",
+             "out = sum(torch.exp(lse_t - lse_ref)[..., None] * out_t for out_t, lse_t in parts)",
+             "out = sum(torch.exp2(lse_t - lse_ref)[..., None] * out_t for out_t, lse_t in parts)"),
+    Mutation("sink_missing_from_denominator", "sinks: the running sum starts at 0, not at the sink's exp(0) = 1",
+             "return sink[None, :, None].expand(shape).clone(), torch.ones(shape, dtype=acc_dtype, device=device)",
+             "return sink[None, :, None].expand(shape).clone(), torch.zeros(shape, dtype=acc_dtype, device=device)"),
+    Mutation("chunks_top_left", "chunked attention: chunks placed around the top-left diagonal (i, not i + Nk - Nq)",
+             "position = torch.arange(m0, m1, device=device)[:, None] + len_k - len_q",
+             "position = torch.arange(m0, m1, device=device)[:, None]"),
     Mutation("second_head_dim_half_not_rescaled", "for D > 64 the accumulator's second half is not rescaled",
              "acc = acc * alpha[..., None] + pv",
              "acc = torch.cat([acc[..., :64] * alpha[..., None], acc[..., 64:]], dim=-1) + pv"),
@@ -147,6 +163,7 @@ def _load(name: str, source: str):
     spec = importlib.util.spec_from_loader(f"flashverify_mutant_{name}", loader=None)
     module = importlib.util.module_from_spec(spec)
     module.__file__ = f"<mutant {name} of kernels/blocked.py>"
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102 - our own kernel source
     return module
 

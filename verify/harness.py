@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kernels.conventions import ContractError
 from kernels.registry import Implementation
 from strategies.cases import dtype_name
 from references import criteria
@@ -377,14 +378,19 @@ def check_tensor(ctx: Context, *, label: str, actual: Any, shape: tuple[int, ...
             ctx.fail(f"{label} is (a view of) one of the input tensors, not a newly computed result")
 
 
-def run_forward(ctx: Context, case, q, k, v):
-    """Call the implementation's forward and check the output contract; returns ``(out, lse|None)``."""
+def run_forward(ctx: Context, case, q, k, v, *, sinks: torch.Tensor | None = None):
+    """Call the implementation's forward and check the output contract; returns ``(out, lse|None)`` in the
+    references' frame (``Implementation.call``). ``sinks``: the sinks tensor to pass (a leaf whose gradient
+    the caller reads), instead of one made from the spec."""
     __tracebackhide__ = True
     out_of_memory = None
+    contract = None
     try:
         with resource_failures_fail(ctx, case, device=q.device, where="forward"):
             out, lse = ctx.impl.call(q, k, v, spec=case.spec, scale=case.scale,
-                                     block_m=case.block_m, block_n=case.block_n)
+                                     block_m=case.block_m, block_n=case.block_n, sinks=sinks)
+    except ContractError as exc:
+        contract = str(exc)
     except OutOfMemoryError as exc:
         out_of_memory = release_out_of_memory(exc)
     except Exception as exc:
@@ -393,6 +399,8 @@ def run_forward(ctx: Context, case, q, k, v):
         if sticky_cuda_error(exc) is not None:
             raise StickyDeviceError(ctx, exc, where="forward") from exc
         raise
+    if contract is not None:
+        ctx.fail(contract)
     if out_of_memory is not None:  # failed outside the except block: the new failure holds no traceback
         ctx.fail(f"the kernel ran out of device memory in its forward ({out_of_memory}); "
                  "its memory was released and the run goes on")

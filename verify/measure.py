@@ -20,13 +20,22 @@ from references import baseline, bounds
 from references.criteria import magnitudes
 from references.metrics import ErrorStats
 from verify import harness
+from kernels.conventions import ContractError
+from kernels.declaration import sinks_tensor
 from verify.harness import Context, PropertyFailure, assert_accurate, run_forward
 
 # The ops the accuracy sweep measures, each recorded under the property that checks it (so that the
 # report's replay command reruns exactly that check).
 PROPERTY_OF = {"out": "out_matches_reference", "lse": "lse_matches_reference", "dq": "gradients_match_reference",
-               "dk": "gradients_match_reference", "dv": "gradients_match_reference"}
-GRADIENTS = ("dv", "dk", "dq")  # the order gradients_match_reference checks them in
+               "dk": "gradients_match_reference", "dv": "gradients_match_reference",
+               "dsinks": "gradients_match_reference"}
+GRADIENTS = ("dv", "dk", "dq")  # the order gradients_match_reference checks them in (then dsinks, with sinks)
+BACKWARD = ("dq", "dk", "dv", "delta", "dsinks")  # what a backward returns, in order (dsinks with sinks)
+
+
+def gradients_of(case) -> tuple[str, ...]:
+    """The gradients checked on ``case``: dV, dK, dQ, and the sinks' with sinks."""
+    return GRADIENTS + (("dsinks",) if case.spec.sinks is not None else ())
 
 
 class NotForThisKernel(Exception):
@@ -65,7 +74,7 @@ class Truth:
         results = {"out": out, "lse": lse}
         if self.dout is not None:
             grads = baseline.backward(self.q, self.k, self.v, self.dout, out=out, **self.options)
-            results.update(zip(("dq", "dk", "dv", "delta"), grads))
+            results.update(zip(BACKWARD, grads))
         return results
 
     @cached_property
@@ -86,7 +95,7 @@ class Truth:
             autograd = bounds.backward_bounds(self.ref, self.q, self.k, self.v, dtype=dtype, out=out,
                                               model=bounds.kernel_model(dtype, autograd_eager=True))
             result = tuple(torch.maximum(a, b) for a, b in zip(result, autograd))
-        return dict(zip(("dq", "dk", "dv", "delta"), result))
+        return dict(zip(BACKWARD, result))
 
 
 def check(ctx: Context, truth: Truth, op: str, actual: torch.Tensor, bounds_of: dict[str, torch.Tensor]) -> ErrorStats:
@@ -148,30 +157,43 @@ def check_delta(ctx: Context, truth: Truth, out: torch.Tensor, delta: torch.Tens
 
 def run_direct_backward(ctx: Context, case, q, k, v, out, lse, dout):
     """The implementation's declared backward (``Implementation.call_backward``) on ``case``'s spec:
-    ``(dq, dk, dv, delta)``; a resource failure fails ``ctx`` in words, as in :func:`run_backward`."""
+    ``(dq, dk, dv, delta)`` (and ``dsinks`` with sinks); a resource failure or a result of the wrong
+    shape fails ``ctx`` in words, as in :func:`run_backward`."""
     __tracebackhide__ = True
+    contract = None
     with harness.resource_failures_fail(ctx, case, device=q.device, where="backward"):
-        return ctx.impl.call_backward(q, k, v, out, lse, dout, spec=case.spec, scale=case.scale,
-                                      block_m=case.block_m, block_n=case.block_n)
+        try:
+            return ctx.impl.call_backward(q, k, v, out, lse, dout, spec=case.spec, scale=case.scale,
+                                          block_m=case.block_m, block_n=case.block_n)
+        except ContractError as exc:
+            contract = str(exc)
+    ctx.fail(contract)
 
 
 def run_backward(ctx: Context, case, q, k, v, dout) -> dict[str, torch.Tensor]:
-    """The forward on fresh leaves of ``q, k, v``, then ``out.backward(dout)``: ``out`` (detached),
-    ``lse`` (when returned), ``dq``, ``dk`` and ``dv``. A broken contract fails ``ctx``, and so does a
-    backward that cannot run the case for a resource reason (:func:`verify.harness.resource_failure`)."""
+    """The forward on fresh leaves of ``q, k, v`` (and of the sinks, with sinks), then
+    ``out.backward(dout)``: ``out`` (detached), ``lse`` (when returned), ``dq``, ``dk``, ``dv`` (and
+    ``dsinks``). A broken contract fails ``ctx``, and so does a backward that cannot run the case for a
+    resource reason (:func:`verify.harness.resource_failure`)."""
     __tracebackhide__ = True
     if not ctx.impl.autograd:
         raise NotForThisKernel(f"{ctx.impl.name} declares no autograd backward")
     q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
-    out, lse = run_forward(ctx, case, q, k, v)
+    sinks = None
+    if case.spec.sinks is not None:
+        sinks = sinks_tensor(ctx.impl.name, case.spec, device=q.device, dtype=q.dtype).requires_grad_(True)
+    out, lse = run_forward(ctx, case, q, k, v, sinks=sinks)
     if not out.requires_grad:
         ctx.fail("out does not require grad although q, k, v do: no gradient flows through out")
     with harness.resource_failures_fail(ctx, case, device=q.device, where="backward"):
         out.backward(dout)
     results = {"out": out.detach(), **({"lse": lse.detach()} if lse is not None else {})}
-    for label, x in (("dq", q), ("dk", k), ("dv", v)):
+    for label, x in (("dq", q), ("dk", k), ("dv", v), ("dsinks", sinks)):
+        if x is None:
+            continue
         if x.grad is None:
-            ctx.fail(f"{label} is None after out.backward(dout)")
+            ctx.fail(f"{label} is None after out.backward(dout)" + (
+                " (the sinks tensor the forward was given gets no gradient)" if label == "dsinks" else ""))
         results[label] = x.grad
     return results
 
@@ -208,6 +230,6 @@ def sweep_case(impl, case, t, truth: Truth, *, device: str, backward: bool) -> t
         problems.append(f"gradients not measured: {str(exc).splitlines()[0]}")
         return records, problems
     grad_bounds = truth.gradient_bounds(impl, got["out"])
-    for op in GRADIENTS:
+    for op in gradients_of(case):
         measure(op, got[op], grad_bounds)
     return records, problems

@@ -472,12 +472,13 @@ def zero_alibi_equals_no_alibi(ctx: Context, case: AttentionCase) -> None:
 # ------------------------------------------------------------------------------------ backward
 @prop
 def gradients_match_reference(ctx: Context, case: AttentionCase) -> None:
-    """dQ, dK, dV through autograd vs the float64 reference, both criteria (factor 3)."""
+    """dQ, dK, dV (and the sinks' gradient) through autograd vs the float64 reference, both criteria
+    (factor 3)."""
     t = case.build(ctx.device)
     got = run_backward(ctx, case, t.q, t.k, t.v, t.dout)
     truth = _truth(ctx, case, t.q, t.k, t.v, dout=t.dout)
     bound = truth.gradient_bounds(ctx.impl, got["out"])
-    for op in measure.GRADIENTS:
+    for op in measure.gradients_of(case):
         measure.check(ctx, truth, op, got[op], bound)
 
 
