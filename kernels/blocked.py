@@ -275,8 +275,8 @@ def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
         q_tile = q[:, :, m0:m1]
         kv_end = _kv_end(m1, len_q, len_k, causal)
         parts = []
-        for k0, k1 in _key_runs(len_k, block_n, var.splits):
-            m_i, l_i = _start((b, hq, m1 - m0), var.sink if k0 == 0 else None, acc_dtype, q.device)
+        for run, (k0, k1) in enumerate(_key_runs(len_k, block_n, var.splits)):
+            m_i, l_i = _start((b, hq, m1 - m0), var.sink if run == 0 else None, acc_dtype, q.device)
             acc = torch.zeros((b, hq, m1 - m0, d), dtype=acc_dtype, device=q.device)
             for n0 in range(k0, min(k1, kv_end), block_n):
                 n1 = min(n0 + block_n, len_k)
@@ -317,9 +317,9 @@ def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
     out, lse = _outputs(q, k, v, out, lse, kernel="fa1_blocked")
     k_all, v_all = _expand_kv(k, hq), _expand_kv(v, hq)
     parts = []
-    for k0, k1 in _key_runs(len_k, block_n, var.splits):
+    for run, (k0, k1) in enumerate(_key_runs(len_k, block_n, var.splits)):
         o = torch.zeros((b, hq, len_q, d), dtype=acc_dtype, device=q.device)
-        m, l = _start((b, hq, len_q), var.sink if k0 == 0 else None, acc_dtype, q.device)
+        m, l = _start((b, hq, len_q), var.sink if run == 0 else None, acc_dtype, q.device)
         for n0 in range(k0, k1, block_n):
             n1 = min(n0 + block_n, len_k)
             k_tile, v_tile = k_all[:, :, n0:n1], v_all[:, :, n0:n1].to(acc_dtype)

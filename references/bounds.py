@@ -250,8 +250,36 @@ in the accumulator from its own rounded ``s^`` (error ``E``, section 2):
 Backward: ``dS`` is the gradient of the modified scores; with a softcap, ``dQ`` and ``dK`` take
 ``dS_raw = dS (1 - t^2)``. The kernel's ``t^`` is off by ``dt = E / c + u (|s| / c) + (C_TANH + 1) u``,
 its ``1 - t^2`` by ``dc = 2 dt + dt^2 + 2 u``; so ``|dS_raw^ - dS_raw| <= err(dS) (1 - t^2 + dc)
-+ |dS^| dc + u |dS^| (1 - t^2 + dc) + eta``, and ``|dS_raw^| <= |dS^| (1 - t^2 + dc)(1 + u) + eta``.
++ |dS^| dc + u |dS^| (1 - t^2 + dc) + eta``, and ``|dS_raw^| <= |dS^| (1 - t^2 + dc)(1 + u) + eta``, before
+the cast to the input dtype: the cast is of ``dS_raw`` (``r_in(|dS_raw^|)``), whose absolute floor ``eta_in``
+(probabilities near the subnormal range) the chain's factor does not shrink.
 ALiBi's bias is a constant: no change in the backward.
+
+14. Split-KV
+------------
+With ``S`` splits (the spec's ``num_splits``) the forward keeps one running state per split of the keys,
+stores each split's normalised output ``o_t = acc_t / l_t`` and ``lse_t = m_t + log(l_t)`` in the
+accumulator dtype, and merges them: ``lse = top + log(sum_t exp(lse_t - top))``, ``out = sum_t exp(lse_t -
+lse) o_t``. The product ``exp(lse_t) o_t`` cancels ``l_t``'s own error (it is section 3's), so what the
+split adds to key ``j``'s weight (``j`` in split ``t``) is the rounding of ``lse_t`` (a log, an addition, a
+store: ``C_LOG u log(n + 1) + LOG_ABS u + 2 u |lse_t|``, with ``|lse_t| <= max(|s_j|, |m| + log n)``) and of
+the merge's weight ``exp(fl(lse_t - lse))`` (``u (lse - s_j) + C_EXP u``): added to ``Phi_j``, where (A)
+centres them. The merged ``lse``'s own rounding, ``delta = u (|lse| + C_EXP + S + C_LOG log S + LOG_ABS)``,
+is common to every weight, so the weights no longer sum to 1: ``delta (|o| + ...)`` joins the output bound
+and ``delta`` the LSE bound. Each term also passes the partial store, the merge's multiply and its ``S``-term
+sum: ``2 S + 2`` more accumulations in (C). The backward does not split; it reads the merged LSE, whose
+bound carries all this.
+
+15. Sinks
+---------
+A sink ``t_h`` is one more key of every row with an exact score (no product: its ``E`` is the ``2 u |t_h|``
+of a conversion to base 2) and value 0. The bounds append it as a last column to every score-level
+quantity (``P_sink``, the score ``t_h``, visible everywhere) and a zero key to ``|k|``, ``|v|``, ``v``:
+sections 3-7 then hold as written (the centred term (A) sees ``|0 - o|``, the cast (B) and ``P V`` see value
+0, the row max and ``R_j`` include the sink, every row has a key), and the backward's ``dS`` of that
+column, ``P_sink (0 - Delta)``, is the sink's gradient: ``dt_h = sum_{b, i} dS_sink`` gets the sum of its
+errors plus ``gamma`` of its ``B Nq`` additions and the rounding of the float32 result, and leaves the
+``dK``, ``dV`` sums.
 """
 
 from __future__ import annotations
@@ -438,7 +466,7 @@ def _column(t: torch.Tensor, value) -> torch.Tensor:
 
 def _key_row(t: torch.Tensor) -> torch.Tensor:
     """``[B, Hq, Nk, D]`` with one more key of zeros."""
-    return torch.cat([t, torch.zeros_like(t[:, :, :1])], dim=2)
+    return torch.cat([t, t.new_zeros(t.shape[:2] + (1,) + t.shape[3:])], dim=2)
 
 
 def _with_sink(c: _Case, ref: Reference, r: slice) -> _Case:
@@ -651,15 +679,19 @@ def _backward_terms(c: _Case, model: Model, *, dout_abs, lse_err, delta_err, dp_
                    + (2 * c.n_rows + 2) * eta)[..., None]
         chain = 6 * u * (mag + p_hat * mag.sum(-1, keepdim=True))
     x = p_hat * (g + e_dp + e_delta) * (1 + 2 * u)
-    cast = rounding_error(x, model.u_cast, model.eta_cast)
+    # dS is cast to the input dtype; with a softcap after the chain rule (section 13), so the cast is of
+    # dS_raw, and its absolute error below the normal range is eta_in whatever 1 - t^2 is.
+    cast = rounding_error(x, model.u_cast, model.eta_cast) if c.cap is None else 0.0
     ds_err = torch.where(c.vis, dp_err * g + p_hat * (e_dp + e_delta) + 2 * u * x + 2 * eta + cast + chain, 0.0)
     ds_abs = torch.where(c.vis, x + 2 * eta + cast + chain, 0.0)
     if model.autograd_eager:  # the row max's gradient, -sum_j dS_j, lands on the keys that may be the max
         m_grad = ds_err.sum(-1, keepdim=True) + gamma(c.n_rows + 2, u)[:, None] * ds_abs.sum(-1, keepdim=True)
         ds_err = ds_err + torch.where(near_max, m_grad, 0.0)
         ds_abs = ds_abs + torch.where(near_max, m_grad, 0.0)
-    if c.cap is not None:  # dQ and dK take the gradient of the raw scores (section 13)
+    if c.cap is not None:  # dQ and dK take the gradient of the raw scores (section 13), cast after the chain
         ds_err, ds_abs = _softcap_chain(c, model, ds_err, ds_abs)
+        cast = torch.where(c.vis, rounding_error(ds_abs, model.u_cast, model.eta_cast), 0.0)
+        ds_err, ds_abs = ds_err + cast, ds_abs + cast
     sc = abs(c.scale)
 
     dq = (sc * (ds_err @ c.ak + gamma(c.n_rows + 3, model.u_dot)[:, None] * (ds_abs @ c.ak))

@@ -89,10 +89,10 @@ def summand_magnitude(op: str, ref) -> float:
             torch.isfinite(ref.lse), ref.lse.abs(), 0.0)
     elif op == "delta":
         mag = (ref.dout.abs() * ref.out.abs()).sum(dim=-1)
-    elif op == "dsinks":  # dt_h sums P_sink Delta over batch and rows (nothing without sinks)
+    elif op == "dsinks":  # dt_h sums P_sink Delta over batch and rows (nothing without sinks), as dV sums
         if ref.p_sink is None:
             return 0.0
-        mag = ref.p_sink * (ref.dout.abs() * ref.out.abs()).sum(dim=-1)
+        mag = (ref.p_sink * (ref.dout.abs() * ref.out.abs()).sum(dim=-1)).sum(dim=(0, 2))
     elif op == "dv":  # a sum over rows: added chunk by chunk
         mag = _sum_over_rows(ref, lambda c: c.p.transpose(-1, -2) @ ref.dout[:, :, c.r0:c.r1].abs())
     elif op == "dq":
@@ -146,7 +146,9 @@ def floor(op: str, input_dtype: torch.dtype, magnitude: Magnitudes) -> float:
     # One rounding in the stored dtype, plus EXTRA_ROUNDINGS in the accumulator: fast kernels use the
     # hardware's approximate exp2 (up to 2 ulp where eager's exp is within 1) and fold the scale into
     # log2(e), converting scores to base 2 and the LSE back, each one more rounding eager never does.
-    relative = unit_roundoff(dtype) + EXTRA_ROUNDINGS * u_acc
+    # dsinks sums P_sink Delta with Delta = dO . O from the kernel's own O, rounded to the input dtype: one
+    # rounding of O's size there (two kernels' O differ by it, and so do their dsinks).
+    relative = unit_roundoff(input_dtype if op == "dsinks" else dtype) + EXTRA_ROUNDINGS * u_acc
     absolute = torch.finfo(dtype).tiny
     score_error = score_roundings(input_dtype, magnitude.head_dim) * u_acc * magnitude.scores
     if op in FROM_P:
@@ -193,7 +195,8 @@ def max_finite_lse(ref) -> float:
 def score_magnitude(ref) -> float:
     """``max scale * sum_d |q_id| |k_jd|`` over the pairs with ``P_ij > 0``: the size of the terms
     summed into the scores that matter; with the spec's score modifications, plus what they round:
-    the capped score (``|c tanh(s / c)| <= min(|s|, c)``) and ALiBi's ``|bias|``."""
+    the capped score (``|c tanh(s / c)| <= min(|s|, c)``) and ALiBi's ``|bias|``; with sinks, at least the
+    largest ``|t_h|`` (a sink above the scores is the running max every exponent argument subtracts)."""
     ak_t = ref.k_expanded.abs().transpose(-1, -2)
     aq = ref.q64.abs()
     spec = ref.spec
@@ -208,4 +211,6 @@ def score_magnitude(ref) -> float:
         return torch.where(c.p > 0, size, 0.0).max()
 
     tops = [top(c) for c in ref.chunks() if c.p.numel()]
+    if ref.sink is not None:
+        tops.append(ref.sink.abs().max())
     return float(torch.stack(tops).max()) if tops else 0.0

@@ -30,13 +30,18 @@ from collections.abc import Sequence
 import torch
 from hypothesis import strategies as st
 
-from references.spec import AttentionSpec
+from references.spec import SEQUENCES, AttentionSpec
 from strategies.cases import LAYOUTS, MAGNITUDES, SCALES, AttentionCase
 
 SHAPE_CLASSES = ("plain", "decode", "no_keys", "long", "wide_head", "kv_tiles_wider", "k_aligned_q_ragged",
                  "masked_q_tiles")
 # Tile sizes of real kernels, for the tile classes of a kernel that declares none.
 NOMINAL_BLOCKS = (16, 32, 64, 128)
+# Page sizes of a paged KV cache (the smallest first: failures shrink to it): one key per page, sizes that
+# are not powers of two, and those of real caches.
+PAGE_SIZES = (1, 3, 16, 5, 256)
+# Variable-length sequences after the first: at most this many more.
+MORE_SEQUENCES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +153,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                     max_extra: int = 8, equal_lengths: bool = False, len_q_multiple: int = 1,
                     len_k_multiple: int = 1, scale_choices: Sequence[float | None] | None = None,
                     max_batch_heads: int | None = None, windows: bool = False, softcap: bool = False,
-                    alibi: bool = False):
+                    alibi: bool = False, chunks: bool = False, sinks: bool = False, splits: bool = False,
+                    sequences: Sequence[str] = ("dense",), page_sizes: Sequence[int] | None = None):
     """Return a strategy for :class:`AttentionCase` values.
 
     dtype          the dtype name (``"float16"`` ...), fixed by the test's parametrisation
@@ -182,6 +188,16 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                       [0.25, 64]: small caps saturate the drawn magnitudes, large ones barely change them)
     alibi             also draw ALiBi slopes, one per query head (none first; else all 0, the geometric
                       2^(-8 (h + 1) / Hq) of the ALiBi paper rounded to float32, or any float32 in [0, 2])
+    chunks            also draw chunked local attention (none first; else chunks of 1 .. 4 or up to N + 1)
+    sinks             also draw attention sinks, one logit per query head (none first; else all 0, one that
+                      dominates every score, or any float32 in [-8, 8])
+    splits            also draw split-KV (one split first; else 2 .. 5 splits)
+    sequences         the sequence conventions to draw from (``dense`` first when listed: failures shrink to
+                      one dense batch): ``packed``, ``padded`` or ``paged`` cases keep the drawn lengths as
+                      their first sequence and add up to ``MORE_SEQUENCES`` more (each length 0 .. a short
+                      one: failures shrink to the fewest and shortest sequences); a paged cache keeps one
+                      query length for every sequence and draws its page size (``page_sizes``, else
+                      :data:`PAGE_SIZES`, the smallest first) and the page order (in order first)
     The classes a limit contradicts are left out (``no_keys`` with equal lengths or a minimum key count,
     ``decode`` with a query multiple above 1, the tile classes with any length limit).
 
@@ -311,13 +327,65 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         window = (draw(side, label="window_left"), draw(side, label="window_right"))
     cap = draw(_softcaps(), label="softcap") if softcap else None
     slopes = draw(_alibi_slopes(heads_kv * group), label="alibi_slopes") if alibi else None
+    chunk = draw(st.one_of(st.just(0), st.one_of(st.integers(1, 4), st.integers(1, max(len_q, len_k) + 1))),
+                 label="attention_chunk") if chunks else 0
+    sink = draw(_sink_logits(heads_kv * group), label="sinks") if sinks else None
+    num_splits = draw(st.one_of(st.just(1), st.integers(2, 5)), label="num_splits") if splits else 1
+    sequence_fields: dict = {}
+    conventions = _conventions(sequences)
+    if conventions != ["dense"]:
+        first, *rest = conventions  # the first half the time (dense when listed), as the shape classes
+        convention = draw(st.one_of(st.just(first), st.sampled_from(rest)) if rest else st.just(first),
+                          label="sequences")
+        if convention != "dense":
+            # The scores the references hold grow with the totals: the sequences after the first stay short.
+            short = max(0, min(limits.plain_len, math.isqrt(limits.max_scores // heads) // (MORE_SEQUENCES + 1)))
+            sequence_fields = _sequence_fields(draw, convention, len_q, len_k, short=short, page_sizes=page_sizes)
+            batch = 1
+            len_q, len_k = sum(sequence_fields["seqlens_q"]), sum(sequence_fields["seqlens_k"])
     seed = draw(st.integers(0, 2 ** 16), label="seed")
     return AttentionCase(batch=batch, heads_q=heads_kv * group, heads_kv=heads_kv, len_q=len_q,
                          len_k=len_k, head_dim=head_dim, dtype=dtype,
                          spec=AttentionSpec(causal=is_causal, alignment=alignment, window_left=window[0],
-                                            window_right=window[1], softcap=cap, alibi_slopes=slopes),
+                                            window_right=window[1], softcap=cap, alibi_slopes=slopes,
+                                            attention_chunk=chunk, sinks=sink, num_splits=num_splits,
+                                            **sequence_fields),
                          magnitude=magnitude, seed=seed, layout=layout, scale=scale,
                          block_m=bm, block_n=bn)
+
+
+def _conventions(sequences: Sequence[str]) -> list[str]:
+    """The conventions to draw, ``dense`` first when listed (what failures shrink to)."""
+    unknown = sorted(set(sequences) - set(SEQUENCES))
+    if unknown or not sequences:
+        raise ValueError(f"sequences={tuple(sequences)!r}, but should be a non-empty selection of {SEQUENCES}")
+    return sorted(set(sequences), key=SEQUENCES.index)
+
+
+def _sequence_fields(draw, convention: str, len_q: int, len_k: int, *, short: int,
+                     page_sizes: Sequence[int] | None) -> dict:
+    """The spec's sequence fields: the drawn lengths as the first sequence, then up to MORE_SEQUENCES more
+    of lengths 0 .. ``short``, empty and length-1 ones as often as any other (a paged cache: one query
+    length for all; its page size and order)."""
+    length = st.one_of(st.sampled_from((0, 1)), st.integers(0, short)) if short > 1 else st.integers(0, short)
+    if convention == "paged":
+        more_k = draw(st.lists(length, max_size=MORE_SEQUENCES), label="more cache lengths")
+        lens_k = (len_k, *more_k)
+        fields = {"seqlens_q": (len_q,) * len(lens_k), "seqlens_k": lens_k}
+        fields["page_size"] = draw(st.sampled_from(sorted(page_sizes) if page_sizes else PAGE_SIZES),
+                                   label="page_size")
+        fields["page_seed"] = draw(st.one_of(st.just(0), st.integers(1, 64)), label="page order")
+    else:
+        more = draw(st.lists(st.tuples(length, length), max_size=MORE_SEQUENCES), label="more sequences (Nq, Nk)")
+        fields = {"seqlens_q": (len_q, *(a for a, _ in more)), "seqlens_k": (len_k, *(b for _, b in more))}
+    return {"sequences": convention, **fields}
+
+
+def _sink_logits(heads: int):
+    """None first, then one logit per query head: all 0, one far above any drawn score (the sink takes
+    almost all the weight), or any float32 in [-8, 8]."""
+    return st.one_of(st.none(), st.one_of(st.just((0.0,) * heads), st.just((30.0,) * heads),
+                                          st.tuples(*[st.floats(-8.0, 8.0, width=32)] * heads)))
 
 
 def _float32(x: float) -> float:
@@ -397,8 +465,41 @@ def boundary_classes(case: AttentionCase) -> list[str]:
         "alibi": case.spec.alibi_slopes is not None and any(case.spec.alibi_slopes),
         "alibi_causal_gqa": case.spec.alibi_slopes is not None and any(case.spec.alibi_slopes) and causal
                             and case.group > 1,
+        **_variant_classes(case),
     }
     return [name for name, hit in checks.items() if hit]
+
+
+def _variant_classes(case: AttentionCase) -> dict[str, bool]:
+    """The boundary classes of chunks, sinks, split-KV and variable-length sequences."""
+    spec = case.spec
+    lens_q, lens_k = spec.seqlens_q or (), spec.seqlens_k or ()
+    lens = lens_q + lens_k
+    paged = spec.sequences == "paged"
+    nq = lens_q[0] if paged else 0
+    page = spec.page_size or 0
+    return {
+        "chunks": spec.attention_chunk > 0,
+        "chunks_narrower_than_n": 0 < spec.attention_chunk < max(case.len_q, case.len_k),
+        "sinks": spec.sinks is not None,
+        "sinks_on_rows_without_keys": spec.sinks is not None and case.len_q > 0 and bool(
+            (spec.counts(case.len_q, case.len_k)[0] == 0).any()),
+        "split_kv": spec.num_splits > 1,
+        "split_kv_more_splits_than_keys": spec.num_splits > 1 and any(
+            n < spec.num_splits for n in (lens_k or (case.len_k,))),
+        "varlen_packed": spec.sequences == "packed",
+        "varlen_padded": spec.sequences == "padded",
+        "varlen_empty_sequence": spec.varlen and 0 in lens,
+        "varlen_length_one": spec.varlen and 1 in lens,
+        "varlen_nq_differs_from_nk": spec.varlen and any(a != b for a, b in zip(lens_q, lens_k)),
+        "varlen_total_below_sequences_gqa": spec.varlen and case.len_q < len(lens_q) and case.group > 1,
+        "paged": paged,
+        "paged_page_size_1": paged and page == 1,
+        "paged_page_not_power_of_two": paged and page & (page - 1) != 0,
+        "paged_pages_permuted": paged and spec.page_seed > 0,
+        "paged_decode": paged and nq == 1,
+        "paged_speculative": paged and 2 <= nq <= 16,
+    }
 
 
 def _not_float16(x: float) -> bool:
@@ -411,4 +512,8 @@ BOUNDARY_CLASSES = ("decode", "decode_causal_gqa", "no_keys", "gqa", "len_over_6
                     "head_dim_not_power_of_two", "kv_tiles_wider", "k_aligned_q_ragged", "masked_q_tiles",
                     "fully_masked_rows", "storage_offset", "scale_zero", "scale_negative", "scale_above_one",
                     "scale_tiny", "scale_not_float16", "window_zero", "window_narrow", "window_at_least_n",
-                    "softcap", "softcap_below_one", "alibi", "alibi_causal_gqa")
+                    "softcap", "softcap_below_one", "alibi", "alibi_causal_gqa", "chunks", "chunks_narrower_than_n",
+                    "sinks", "sinks_on_rows_without_keys", "split_kv", "split_kv_more_splits_than_keys",
+                    "varlen_packed", "varlen_padded", "varlen_empty_sequence", "varlen_length_one",
+                    "varlen_nq_differs_from_nk", "varlen_total_below_sequences_gqa", "paged", "paged_page_size_1",
+                    "paged_page_not_power_of_two", "paged_pages_permuted", "paged_decode", "paged_speculative")

@@ -84,13 +84,17 @@ def lse_matches_reference(ctx: Context, case: AttentionCase) -> None:
 
 @prop
 def lse_between_max_and_max_plus_log_n(ctx: Context, case: AttentionCase) -> None:
-    """``max_j s_ij <= lse_i <= max_j s_ij + log(visible keys of row i)``, up to the LSE bound."""
+    """``max_j s_ij <= lse_i <= max_j s_ij + log(visible keys of row i)``, up to the LSE bound (with sinks
+    the sink is one more of the row's terms: every row has it)."""
     t = case.build(ctx.device)
     _, lse = run_forward(ctx, case, t.q, t.k, t.v)
     _needs_lse(ctx, lse)
     truth = _truth(ctx, case, t.q, t.k, t.v)
     ref, lse_bound = truth.ref, truth.forward_bounds["lse"]
     n_visible = ref.n_visible.to(torch.float64)  # [Nq]
+    if ref.sink is not None:
+        ref = dataclasses.replace(ref, row_max=torch.maximum(ref.row_max, ref.sink[:, None]))
+        n_visible = n_visible + 1
     has_keys = n_visible > 0
     got = lse.to(torch.float64)
     lo = torch.where(has_keys, ref.row_max - lse_bound, -math.inf)
@@ -106,12 +110,15 @@ def lse_between_max_and_max_plus_log_n(ctx: Context, case: AttentionCase) -> Non
 
 @prop
 def out_within_visible_values(ctx: Context, case: AttentionCase) -> None:
-    """Each ``out`` row lies in the box spanned by the visible ``v`` rows (up to the bound)."""
+    """Each ``out`` row lies in the box spanned by the visible ``v`` rows (up to the bound); with sinks, by
+    those rows and 0 (the sink's value)."""
     t = case.build(ctx.device)
     out, _ = run_forward(ctx, case, t.q, t.k, t.v)
     truth = _truth(ctx, case, t.q, t.k, t.v)
     ref, out_bound = truth.ref, truth.forward_bounds["out"]
     lo, hi = _visible_value_box(ref)
+    if ref.sink is not None:
+        lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
     has = ref.rows_with_keys[None, None, :, None]
     lo, hi = torch.where(has, lo, 0.0) - out_bound, torch.where(has, hi, 0.0) + out_bound
     got = out.to(torch.float64)
@@ -213,11 +220,13 @@ def siblings_agree(ctx: Context, case: AttentionCase) -> None:
 
 @prop
 def key_permutation_invariance(ctx: Context, case: AttentionCase) -> None:
-    """Permuting keys and values together leaves out and lse unchanged (non-causal)."""
+    """Permuting keys and values together (within each sequence) leaves out and lse unchanged (non-causal)."""
     if case.causal:
         raise NotForThisCase("key order matters under a causal mask")
     t = case.build(ctx.device)
-    perm = torch.randperm(t.k.shape[2], generator=_rng(case, 2)).to(t.k.device)
+    g = _rng(case, 2)
+    spans = [(0, t.k.shape[2])] if not case.spec.varlen else [(k0, k1) for _, _, k0, k1 in case.spec.sequence_spans()]
+    perm = torch.cat([k0 + torch.randperm(k1 - k0, generator=g) for k0, k1 in spans]).to(t.k.device)
     out_a, lse_a = run_forward(ctx, case, t.q, t.k, t.v)
     out_b, lse_b = run_forward(ctx, case, t.q, t.k[:, :, perm], t.v[:, :, perm])
     bound = _truth(ctx, case, t.q, t.k, t.v).forward_bounds
@@ -316,8 +325,8 @@ def hidden_keys_never_reach_output(ctx: Context, case: AttentionCase) -> None:
     cannot hide inf/NaN in V at in-bounds positions that share a tile with visible ones; V is poisoned
     with the largest finite values instead. K may hold anything: masking selects, it never multiplies.
     """
-    if not case.causal and not case.spec.windowed:
-        raise NotForThisCase("needs a causal mask or a sliding window")
+    if not case.spec.masked:
+        raise NotForThisCase("needs a mask (causal, a window, chunks, other sequences)")
     t = case.build(ctx.device)
     nq, nk = t.q.shape[2], t.k.shape[2]
     g = _rng(case, 5)
@@ -370,7 +379,8 @@ def layouts_agree(ctx: Context, case: AttentionCase) -> None:
 
 @prop
 def fully_masked_rows(ctx: Context, case: AttentionCase) -> None:
-    """Rows that see no key (causal with Nq > Nk, bottom-right) give out = 0 and lse = -inf exactly."""
+    """Rows that see no key (causal with Nq > Nk, bottom-right) give out = 0 and lse = -inf exactly (with
+    sinks lse = the sink's logit, within the LSE bound)."""
     t = case.build(ctx.device)
     per_row, _ = case.spec.counts(t.q.shape[2], t.k.shape[2])
     empty = per_row == 0
@@ -383,7 +393,12 @@ def fully_masked_rows(ctx: Context, case: AttentionCase) -> None:
         bad = ((masked_out != 0) | torch.isnan(masked_out)).nonzero()[0].tolist()
         ctx.fail(f"fully masked rows {empty.nonzero().flatten().tolist()} should give out = 0, "
                  f"got {float(masked_out[tuple(bad)]):.6g} at masked-row index {bad}")
-    if lse is not None:
+    if lse is not None and case.spec.sinks is not None:
+        sink = torch.tensor(case.spec.sinks, dtype=torch.float64, device=lse.device)[None, :, None]
+        bound = _truth(ctx, case, t.q, t.k, t.v).forward_bounds["lse"][:, :, rows]
+        assert_close(ctx, what="lse of rows that see no key (should be the sink's logit)",
+                     actual=lse[:, :, rows].to(torch.float64), expected=sink.expand_as(bound), tolerance=bound)
+    elif lse is not None:
         masked_lse = lse[:, :, rows]
         if not bool(torch.isneginf(masked_lse).all()):
             bad = (~torch.isneginf(masked_lse)).nonzero()[0].tolist()
@@ -469,6 +484,123 @@ def zero_alibi_equals_no_alibi(ctx: Context, case: AttentionCase) -> None:
                           variant=case.replace(spec=zero), words="ALiBi slopes 0")
 
 
+@prop
+def wide_chunks_equal_no_chunks(ctx: Context, case: AttentionCase) -> None:
+    """Chunks at least as long as both lengths put every key in the query's chunk: out and lse equal those
+    without chunks (the kernel's chunked and plain paths agree). Not where a query sits before the first
+    key (bottom-right with Nq > Nk, non-causal): its chunk holds no key, however long."""
+    if not ctx.impl.chunks:
+        raise NotForThisKernel(f"{ctx.impl.name} declares no chunked local attention")
+    wide = case.len_q + case.len_k + 1
+    chunked = case.replace(spec=dataclasses.replace(case.spec, attention_chunk=wide))
+    if not torch.equal(case.spec.counts(case.len_q, case.len_k)[0], chunked.spec.counts(case.len_q, case.len_k)[0]):
+        raise NotForThisCase("a query positioned before the first key is in a chunk of its own")
+    _variant_equals_plain(ctx, case.build(ctx.device), words=f"chunks of {wide}", plain=case, variant=chunked)
+
+
+@prop
+def sinks_rescale_the_output(ctx: Context, case: AttentionCase) -> None:
+    """A sink only adds ``exp(t_h)`` to each row's denominator: against the kernel's own results without it,
+    ``out_sink = out (1 - P_sink)`` and ``lse_sink = log(exp(lse) + exp(t_h))``, with ``P_sink =
+    exp(t_h - lse_sink)`` of the float64 reference (rows that see no key: ``out = 0``, ``lse = t_h``).
+    The logits come from the case's seed: all 0, one far above every score, or any in [-8, 8]."""
+    if not ctx.impl.sinks:
+        raise NotForThisKernel(f"{ctx.impl.name} declares no attention sinks")
+    t = case.build(ctx.device)
+    g = _rng(case, 7)
+    kind = int(torch.randint(0, 3, (1,), generator=g))
+    logits = [0.0] * case.heads_q if kind == 0 else [30.0] * case.heads_q if kind == 1 else [
+        float(x) for x in (16 * torch.rand(case.heads_q, generator=g) - 8).to(torch.float32)]
+    sunk = case.replace(spec=dataclasses.replace(case.spec, sinks=tuple(logits)))
+    out0, lse0 = run_forward(ctx, case, t.q, t.k, t.v)
+    out1, lse1 = run_forward(ctx, sunk, t.q, t.k, t.v)
+    truth0, truth1 = _truth(ctx, case, t.q, t.k, t.v), _truth(ctx, sunk, t.q, t.k, t.v)
+    b0, b1 = truth0.forward_bounds, truth1.forward_bounds
+    # the weight left to the keys, summed over them (1 - P_sink cancels when the sink dominates)
+    keep = truth1.ref.rowwise(lambda c: c.p.sum(dim=-1))[..., None]
+    f64 = torch.float64
+    expected = out0.to(f64) * keep
+    _same(ctx, what=f"out with sinks {tuple(logits)} vs out without times 1 - P_sink", a=out1.to(f64), b=expected,
+          tol=b1["out"] + keep * b0["out"] + 4 * unit_roundoff(f64) * expected.abs())
+    if lse0 is None or lse1 is None:
+        return
+    sink = torch.tensor(logits, dtype=f64, device=lse0.device)[None, :, None].expand(lse0.shape)
+    expected_lse = torch.logaddexp(lse0.to(f64), sink)
+    _same(ctx, what=f"lse with sinks {tuple(logits)} vs logaddexp(lse without, sink)", a=lse1.to(f64),
+          b=expected_lse, tol=b1["lse"] + torch.where(torch.isinf(lse0), 0.0, b0["lse"])
+          + 4 * unit_roundoff(f64) * expected_lse.abs())
+
+
+@prop
+def split_count_invariance(ctx: Context, case: AttentionCase) -> None:
+    """Split-KV's result does not depend on the number of splits: ``num_splits`` S (2 .. 5 from the seed)
+    and 1 give the same out and lse, within both bounds (S splits' bound holds the merge's roundings)."""
+    if not ctx.impl.splits:
+        raise NotForThisKernel(f"{ctx.impl.name} declares no split-KV")
+    t = case.build(ctx.device)
+    splits = int(torch.randint(2, 6, (1,), generator=_rng(case, 8)))
+    split = case.replace(spec=dataclasses.replace(case.spec, num_splits=splits))
+    out1, lse1 = run_forward(ctx, case, t.q, t.k, t.v)
+    out_s, lse_s = run_forward(ctx, split, t.q, t.k, t.v)
+    b1, bs = _truth(ctx, case, t.q, t.k, t.v).forward_bounds, _truth(ctx, split, t.q, t.k, t.v).forward_bounds
+    _same(ctx, what=f"out with num_splits={splits} vs 1", a=out_s, b=out1, tol=b1["out"] + bs["out"])
+    if lse1 is not None:
+        _same(ctx, what=f"lse with num_splits={splits} vs 1", a=lse_s, b=lse1, tol=b1["lse"] + bs["lse"])
+
+
+@prop
+def sequences_equal_each_alone(ctx: Context, case: AttentionCase) -> None:
+    """Variable-length sequences are independent: each sequence's rows of out and lse equal the kernel's
+    results on that sequence alone (the same convention, one sequence), within both bounds."""
+    if not case.spec.varlen:
+        raise NotForThisCase("a dense batch")
+    t = case.build(ctx.device)
+    out, lse = run_forward(ctx, case, t.q, t.k, t.v)
+    bound = _truth(ctx, case, t.q, t.k, t.v).forward_bounds
+    for s, (q0, q1, k0, k1) in enumerate(case.spec.sequence_spans()):
+        one = case.replace(len_q=q1 - q0, len_k=k1 - k0, spec=case.spec.one_sequence(s))
+        qs, ks, vs = t.q[:, :, q0:q1], t.k[:, :, k0:k1], t.v[:, :, k0:k1]
+        out_s, lse_s = run_forward(ctx, one, qs, ks, vs)
+        alone = _truth(ctx, one, qs, ks, vs).forward_bounds
+        what = f"sequence {s} of {case.spec.num_sequences} ({q1 - q0} x {k1 - k0})"
+        _same(ctx, what=f"out of {what} in the batch vs alone", a=out[:, :, q0:q1], b=out_s,
+              tol=bound["out"][:, :, q0:q1] + alone["out"])
+        if lse is not None:
+            _same(ctx, what=f"lse of {what} in the batch vs alone", a=lse[:, :, q0:q1], b=lse_s,
+                  tol=bound["lse"][:, :, q0:q1] + alone["lse"])
+
+
+@prop
+def paged_equals_contiguous(ctx: Context, case: AttentionCase) -> None:
+    """A paged KV cache gives the attention of its keys whatever the block table: another page order (and
+    another page size, when the kernel takes any) gives the same out and lse (identical bits for a
+    deterministic kernel with the same page size), and so do the same sequences packed or padded when the
+    kernel takes them."""
+    if case.spec.sequences != "paged":
+        raise NotForThisCase("not a paged KV cache")
+    t = case.build(ctx.device)
+    g = _rng(case, 9)
+    spec = case.spec
+    sizes = ctx.impl.page_sizes or (1, 2, 3, 16, 256)
+    size = sizes[int(torch.randint(len(sizes), (1,), generator=g))]
+    others = [dataclasses.replace(spec, page_seed=spec.page_seed + 1 + int(torch.randint(64, (1,), generator=g))),
+              dataclasses.replace(spec, page_size=size, page_seed=int(torch.randint(64, (1,), generator=g)))]
+    others += [dataclasses.replace(spec, sequences=kind, page_size=None, page_seed=0)
+               for kind in ("padded", "packed") if kind in ctx.impl.sequences]
+    out0, lse0 = run_forward(ctx, case, t.q, t.k, t.v)
+    bound = _truth(ctx, case, t.q, t.k, t.v).forward_bounds
+    for other in others:
+        out1, lse1 = run_forward(ctx, case.replace(spec=other), t.q, t.k, t.v)
+        words = (f"{other.sequences} sequences" if other.sequences != "paged"
+                 else f"pages of {other.page_size} in order {other.page_seed}")
+        exact = ctx.impl.deterministic and other.page_size == spec.page_size
+        what = f"with {words} vs pages of {spec.page_size} in order {spec.page_seed}"
+        assert_close(ctx, what=f"out {what}", actual=out1, expected=out0, tolerance=2 * bound["out"], exact=exact)
+        if lse0 is not None:
+            assert_close(ctx, what=f"lse {what}", actual=lse1, expected=lse0, tolerance=2 * bound["lse"],
+                         exact=exact)
+
+
 # ------------------------------------------------------------------------------------ backward
 @prop
 def gradients_match_reference(ctx: Context, case: AttentionCase) -> None:
@@ -491,13 +623,17 @@ def delta_matches_reference(ctx: Context, case: AttentionCase) -> None:
     t = case.build(ctx.device)
     out, lse = run_forward(ctx, case, t.q, t.k, t.v)
     _needs_lse(ctx, lse)
-    _, _, _, delta = measure.run_direct_backward(ctx, case, t.q, t.k, t.v, out, lse, t.dout)
+    grads = measure.run_direct_backward(ctx, case, t.q, t.k, t.v, out, lse, t.dout)
+    delta = grads[3]
     truth = _truth(ctx, case, t.q, t.k, t.v, dout=t.dout)
     ref = truth.ref
     identity = ref.rowwise(lambda c: (c.p * c.dp).sum(dim=-1))
     _same(ctx, what="reference identity rowsum(dO*O) vs rowsum(P*dP)", a=ref.delta, b=identity,
           tol=_delta_identity_tolerance(ref))
-    measure.check_delta(ctx, truth, out, delta, truth.gradient_bounds(ctx.impl, out))
+    bounds = truth.gradient_bounds(ctx.impl, out)
+    measure.check_delta(ctx, truth, out, delta, bounds)
+    if case.spec.sinks is not None:  # the declared backward's own dsinks
+        measure.check(ctx, truth, "dsinks", grads[4], bounds)
 
 
 def _delta_identity_tolerance(ref):

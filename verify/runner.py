@@ -111,6 +111,13 @@ REQUIREMENTS = {
     "windows": (lambda impl: impl.windows, "declares no sliding window"),
     "softcap": (lambda impl: impl.softcap, "declares no logit softcap"),
     "alibi": (lambda impl: impl.alibi, "declares no ALiBi"),
+    "chunks": (lambda impl: impl.chunks, "declares no chunked local attention"),
+    "sinks": (lambda impl: impl.sinks, "declares no attention sinks"),
+    "splits": (lambda impl: impl.splits, "declares no split-KV"),
+    "varlen": (lambda impl: bool(set(impl.sequences) - {"dense"}),
+               "declares no variable-length sequences (packed, padded or paged)"),
+    "paged": (lambda impl: "paged" in impl.sequences, "declares no paged KV cache"),
+    "dense": (lambda impl: "dense" in impl.sequences, "declares no dense batch (variable-length sequences only)"),
 }
 
 
@@ -180,7 +187,8 @@ def declared_draws(impl: Implementation, causal: bool | None, draw: dict[str, An
                 "alignment": impl.causal_alignment, "equal_lengths": impl.equal_lengths,
                 "len_q_multiple": mq, "len_k_multiple": mk, "scale_choices": impl.scale_choices,
                 "max_batch_heads": impl.max_batch_heads, "windows": impl.windows, "head_dims": impl.head_dims,
-                "softcap": impl.softcap, "alibi": impl.alibi}
+                "softcap": impl.softcap, "alibi": impl.alibi, "chunks": impl.chunks, "sinks": impl.sinks,
+                "splits": impl.splits, "sequences": impl.sequences, "page_sizes": impl.page_sizes}
     if causal is None and not (impl.causal and impl.non_causal):
         causal = impl.causal  # the one mask the kernel runs
     declared["causal"] = causal if impl.causal else False
@@ -205,6 +213,11 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
     _skip_unless_runnable(impl, dtype, env, requires, causal=causal, longer=draw.get("longer"))
     fn = properties.PROPERTIES[prop]
     kwargs = dict(draw)
+    if "sequences" in kwargs:  # the conventions the property can use, among those the kernel declares
+        usable = tuple(s for s in impl.sequences if s in kwargs["sequences"])
+        if not usable:
+            pytest.skip(f"{impl.name} declares sequences {impl.sequences}; {prop} needs one of {kwargs['sequences']}")
+        kwargs["sequences"] = usable
     if magnitudes is not None:
         kwargs["magnitudes"] = tuple(magnitudes)
     if layouts is not None:

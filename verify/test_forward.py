@@ -31,8 +31,9 @@ def test_inputs_untouched(impl, dtype, env):
     """The forward, and the backward through autograd, leave q, k, v, dout and the memory around them as
     they were (bitwise). Before the metamorphic properties: a kernel that writes into its inputs (one that
     centres K in place gets the right out) fails those, which call it again on the tensors it changed,
-    with messages about shifts and permutations; this one names the cause, and runs first under -x."""
-    check_attention("inputs_untouched", impl, dtype, env)
+    with messages about shifts and permutations; this one names the cause, and runs first under -x.
+    Dense batches: variable-length calls get tensors laid out for them (kernels/conventions.py)."""
+    check_attention("inputs_untouched", impl, dtype, env, sequences=["dense"])
 
 
 def test_block_size_invariance(impl, dtype, env):
@@ -40,17 +41,21 @@ def test_block_size_invariance(impl, dtype, env):
 
 
 def test_key_permutation_invariance(impl, dtype, env):
-    # ALiBi's bias depends on the key's position: permuting keys changes the attention.
-    check_attention("key_permutation_invariance", impl, dtype, env, causal=False, windows=False, alibi=False)
+    # ALiBi's bias and chunks depend on the key's position: permuting keys changes the attention. Keys are
+    # permuted within each sequence.
+    check_attention("key_permutation_invariance", impl, dtype, env, causal=False, windows=False, alibi=False,
+                    chunks=False)
 
 
 def test_score_shift_invariance(impl, dtype, env):
-    # A softcap does not commute with the shift (c tanh((s + w) / c) is not c tanh(s / c) + w).
-    check_attention("score_shift_invariance", impl, dtype, env, softcap=False)
+    # A softcap does not commute with the shift (c tanh((s + w) / c) is not c tanh(s / c) + w), and a sink's
+    # logit does not shift with the scores.
+    check_attention("score_shift_invariance", impl, dtype, env, softcap=False, sinks=False)
 
 
 def test_value_linearity(impl, dtype, env):
-    check_attention("value_linearity", impl, dtype, env)
+    # With sinks the keys' weights sum to 1 - P_sink: out(v + b) = out(v) + (1 - P_sink) b, not + b.
+    check_attention("value_linearity", impl, dtype, env, sinks=False)
 
 
 def test_hidden_keys_never_reach_output(impl, dtype, env):
@@ -59,7 +64,8 @@ def test_hidden_keys_never_reach_output(impl, dtype, env):
 
 
 def test_layouts_agree(impl, dtype, env):
-    check_attention("layouts_agree", impl, dtype, env, requires=["strided"], layouts=["contiguous"])
+    check_attention("layouts_agree", impl, dtype, env, requires=["strided"], layouts=["contiguous"],
+                    sequences=["dense"])
 
 
 def test_fully_masked_rows(impl, dtype, env):
@@ -85,8 +91,29 @@ def test_zero_alibi_equals_no_alibi(impl, dtype, env):
     check_attention("zero_alibi_equals_no_alibi", impl, dtype, env, requires=["alibi"], alibi=False)
 
 
+def test_wide_chunks_equal_no_chunks(impl, dtype, env):
+    check_attention("wide_chunks_equal_no_chunks", impl, dtype, env, requires=["chunks"], chunks=False)
+
+
+def test_sinks_rescale_the_output(impl, dtype, env):
+    check_attention("sinks_rescale_the_output", impl, dtype, env, requires=["sinks"], sinks=False)
+
+
+def test_split_count_invariance(impl, dtype, env):
+    check_attention("split_count_invariance", impl, dtype, env, requires=["splits"], splits=False)
+
+
+def test_sequences_equal_each_alone(impl, dtype, env):
+    check_attention("sequences_equal_each_alone", impl, dtype, env, requires=["varlen"],
+                    sequences=["packed", "padded", "paged"])
+
+
+def test_paged_equals_contiguous(impl, dtype, env):
+    check_attention("paged_equals_contiguous", impl, dtype, env, requires=["paged"], sequences=["paged"])
+
+
 def test_outputs_stay_in_bounds(impl, dtype, env):
-    check_attention("outputs_stay_in_bounds", impl, dtype, env, requires=["out_buffers"])
+    check_attention("outputs_stay_in_bounds", impl, dtype, env, requires=["out_buffers"], sequences=["dense"])
 
 
 def test_siblings_agree(impl, dtype, env):
