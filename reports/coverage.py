@@ -39,6 +39,25 @@ REQUIRED: dict[str, str | None] = {
     "softcap_below_one": None,
     "alibi": None,
     "alibi_causal_gqa": None,
+    # drawn for the kernels that declare them (the blocked kernels and eager among the shipped)
+    "chunks": None,
+    "chunks_narrower_than_n": None,
+    "sinks": None,
+    "sinks_on_rows_without_keys": None,
+    "split_kv": None,
+    "split_kv_more_splits_than_keys": None,
+    "varlen_packed": None,
+    "varlen_padded": None,
+    "varlen_empty_sequence": None,
+    "varlen_length_one": None,
+    "varlen_nq_differs_from_nk": None,
+    "varlen_total_below_sequences_gqa": None,
+    "paged": None,
+    "paged_page_size_1": None,
+    "paged_page_not_power_of_two": None,
+    "paged_pages_permuted": None,
+    "paged_decode": None,
+    "paged_speculative": None,
 }
 
 

@@ -157,7 +157,8 @@ class AttentionCase:
     def describe(self) -> str:
         blocks = f" blocks={self.block_m}x{self.block_n}" if self.block_m is not None else ""
         scale = "" if self.scale is None else f" scale={self.scale}"
-        batch = f"{self.spec.num_sequences} sequences" if self.spec.varlen else f"B={self.batch}"
+        n = self.spec.num_sequences
+        batch = f"{n} sequence{'s' * (n != 1)}" if self.spec.varlen else f"B={self.batch}"
         return (f"{batch} Hq={self.heads_q} Hkv={self.heads_kv} Nq={self.len_q} Nk={self.len_k} "
                 f"D={self.head_dim} {self.dtype} {self.spec.describe()}{blocks}{scale} "
                 f"magnitude={self.magnitude} layout={self.layout} seed={self.seed}")
