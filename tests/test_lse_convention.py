@@ -33,3 +33,26 @@ def test_another_lse_convention_is_named(name, words):
 @pytest.mark.parametrize("name", ["no_l_rescale", "causal_off_by_one"])
 def test_a_wrong_lse_is_not_given_a_convention(name):
     assert "another convention" not in _failure(name)
+
+
+def _sink_left_out(q, k, v, *, sinks=None, **kw):
+    """fa2_blocked, its LSE returned without the sink: log(exp(lse) - exp(t_h)), the keys' LSE alone."""
+    from kernels.blocked import fa2_forward
+    import torch
+
+    out, lse = fa2_forward(q, k, v, sinks=sinks, **kw)
+    return out, lse + torch.log1p(-torch.exp(sinks[None, :, None] - lse))
+
+
+def test_an_lse_without_the_sink_is_named():
+    import dataclasses
+
+    from kernels.registry import registry
+
+    impl = dataclasses.replace(registry()["fa2_blocked"], name="sink_left_out", forward=_sink_left_out)
+    case = CASE.replace(magnitude="normal", spec=AttentionSpec(False, sinks=(1.0, -0.5)))
+    with pytest.raises(PropertyFailure) as info:
+        properties.lse_matches_reference(Context(impl=impl, prop="lse_matches_reference", case=case), case)
+    assert "it looks like the LSE of the keys alone, the sink left out" in str(info.value), str(info.value)
+    # and the kernel's out is right: only the LSE's convention differs
+    properties.out_matches_reference(Context(impl=impl, prop="out_matches_reference", case=case), case)

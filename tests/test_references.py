@@ -59,7 +59,7 @@ def make_inputs(*, seed: int, kind: str, dtype: torch.dtype, batch: int, heads_q
         q, k = q * 100, k * 100
     elif kind == "ties" and len_k > 1:  # duplicated keys: exactly equal scores
         k = k[:, :, torch.arange(len_k) % max(1, len_k // 2)]
-    elif kind == "dominant":  # one key far above the rest in every row
+    elif kind == "dominant" and len_k:  # one key far above the rest in every row
         q = q.abs()
         k[:, :, int(torch.randint(len_k, (1,), generator=g))] = 30.0
     elif kind == "all_negative":
@@ -110,8 +110,9 @@ def kappa(q, k, *, scale: float, len_k: int) -> float:
     return 2 * (d + 1) * a + (len_k + 2) + (a + log_n) + (2 * a + log_n) + (len_k + d + 4) + 2
 
 
-def magnitudes(exact, q, k, v, dout, *, scale: float):
-    """The magnitude M of each quantity: the same computation on absolute values (float64)."""
+def magnitudes(exact, q, k, v, dout, *, scale: float, p_sink=None):
+    """The magnitude M of each quantity: the same computation on absolute values (float64); with sinks
+    (``p_sink``, each row's sink probability) also of dsinks, a sum of P_sink Delta over batch and rows."""
     hq, hkv = q.shape[1], k.shape[1]
     aq, ak, av = q.to(F64).abs(), ref_attention.expand_kv(k.to(F64), hq).abs(), ref_attention.expand_kv(v.to(F64), hq).abs()
     p = exact.dense().p if isinstance(exact, ref_attention.Reference) else exact.p
@@ -124,6 +125,8 @@ def magnitudes(exact, q, k, v, dout, *, scale: float):
         m["dq"] = abs(scale) * (m_ds @ ak)
         m["dk"] = ref_attention.reduce_group(abs(scale) * (m_ds.transpose(-1, -2) @ aq), hkv)
         m["dv"] = ref_attention.reduce_group(p.transpose(-1, -2) @ ado, hkv)
+        if p_sink is not None:
+            m["dsinks"] = (p_sink * m["delta"]).sum(dim=(0, 2))
     return m
 
 
@@ -141,16 +144,23 @@ def assert_close(*, name: str, actual: torch.Tensor, expected: torch.Tensor, tol
             f"(float64 {float(actual[idx])!r}, mpmath {float(expected[idx])!r}) [{case}]")
 
 
-def check_against_mp(*, q, k, v, dout, causal: bool, alignment: str, scale: float | None = None, case: str,
-                     window: tuple[int, int] = (-1, -1)):
+def check_against_mp(*, q, k, v, dout, causal: bool = False, alignment: str = "bottom_right",
+                     scale: float | None = None, case: str, window: tuple[int, int] = (-1, -1),
+                     spec: AttentionSpec | None = None):
+    """The float64 reference against mpmath on ``spec`` (default: built from causal, alignment, window)."""
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    spec = AttentionSpec(causal=causal, alignment=alignment, window_left=window[0], window_right=window[1])
+    if spec is None:
+        spec = AttentionSpec(causal=causal, alignment=alignment, window_left=window[0], window_right=window[1])
     ref = ref_attention.attention(q, k, v, spec=spec, scale=scale, dout=dout)
     exact = ref_mp.attention(q, k, v, spec=spec, scale=scale, dout=dout, probabilities=True)
-    kap = kappa(q, k, scale=scale, len_k=k.shape[2])
-    mags = magnitudes(exact, q, k, v, dout, scale=scale)
+    # A sink is one more score (no product) and ALiBi's bias adds to them: both count in A.
+    extra = max([abs(x) for x in spec.sinks or ()] + [0.0]) + max([abs(x) for x in spec.alibi_slopes or ()] + [0.0]) * (
+        q.shape[2] + k.shape[2])
+    kap = kappa(q, k, scale=scale, len_k=k.shape[2]) + 4 * extra
+    mags = magnitudes(exact, q, k, v, dout, scale=scale, p_sink=ref.p_sink)
     names = ("p", "out", "lse") + (("delta", "dq", "dk", "dv") if dout is not None else ())
+    names += ("dsinks",) if dout is not None and spec.sinks is not None else ()
     for name in names:
         tol = SLACK * kap * (U64 * mags[name] + ETA64)
         actual = ref.dense().p if name == "p" else getattr(ref, name)
@@ -288,6 +298,64 @@ def test_float64_reference_scores_far_beyond_float16_range():
     v = torch.tensor([[[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]]], dtype=F64)
     check_against_mp(q=q, k=k, v=v, dout=torch.ones_like(q), causal=False, alignment="bottom_right", scale=1.0,
                      case="scores ~ 1e5")
+
+
+@st.composite
+def variant_cases(draw):
+    """Small cases with sinks, chunks, softcap, ALiBi and packed variable-length sequences (lengths 0 to 3,
+    up to three sequences): ``(make_inputs keywords, spec)``."""
+    heads_kv = draw(st.integers(1, 2), label="heads_kv")
+    heads_q = heads_kv * draw(st.integers(1, 2), label="group")
+    lens = draw(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=3), label="seqlens")
+    varlen = draw(st.booleans(), label="varlen")
+    lens_q, lens_k = tuple(a for a, _ in lens), tuple(b for _, b in lens)
+    sequences = dict(sequences="packed", seqlens_q=lens_q, seqlens_k=lens_k) if varlen else {}
+    len_q, len_k = (sum(lens_q), sum(lens_k)) if varlen else (max(1, lens_q[0]), lens_k[0])
+    floats = st.floats(-8, 8, width=32)
+    spec = AttentionSpec(
+        causal=draw(st.booleans(), label="causal"), alignment=draw(st.sampled_from(ALIGNMENTS), label="alignment"),
+        window_left=draw(_window_side, label="window_left"),
+        attention_chunk=draw(st.sampled_from((0, 1, 2, 3)), label="attention_chunk"),
+        softcap=draw(st.sampled_from((None, 0.5, 4.0)), label="softcap"),
+        alibi_slopes=draw(st.one_of(st.none(), st.tuples(*[st.floats(0, 2, width=32)] * heads_q)), label="alibi"),
+        sinks=draw(st.one_of(st.none(), st.tuples(*[floats] * heads_q)), label="sinks"), **sequences)
+    case = dict(batch=1, heads_q=heads_q, heads_kv=heads_kv, len_q=len_q, len_k=len_k,
+                head_dim=draw(st.integers(1, 4), label="head_dim"), kind=draw(st.sampled_from(KINDS), label="kind"),
+                dtype=draw(st.sampled_from(DTYPES), label="dtype"), seed=draw(st.integers(0, 2 ** 31 - 1), label="seed"))
+    return case, spec
+
+
+@settings(**SETTINGS)
+@given(drawn=variant_cases())
+def test_float64_reference_matches_mpmath_on_variants(drawn):
+    case, spec = drawn
+    q, k, v, dout = make_inputs(**case)
+    check_against_mp(q=q, k=k, v=v, dout=dout, spec=spec, case=f"{case}, {spec.describe()}")
+
+
+VARIANTS = [
+    # (kind, dtype, spec): a dominant sink over large logits, a sink below every score, empty and length-1
+    # sequences, chunks of 1 with ALiBi, a sink on rows that see no key
+    ("large_logits", torch.float16, AttentionSpec(causal=True, sinks=(40.0, -40.0)), 4, 5),
+    ("all_negative", torch.float64, AttentionSpec(sinks=(0.0, 3.0)), 3, 4),
+    ("dominant", torch.float32, AttentionSpec(causal=True, sequences="packed", seqlens_q=(1, 0, 3),
+                                              seqlens_k=(0, 2, 3), sinks=(1.0, 2.0)), 4, 5),
+    ("normal", torch.float64, AttentionSpec(attention_chunk=1, alibi_slopes=(0.5, 1.0), alignment="top_left"), 3, 5),
+    ("v_offset", torch.bfloat16, AttentionSpec(causal=True, sequences="padded", seqlens_q=(3, 1), seqlens_k=(1, 1),
+                                               sinks=(0.5, 0.5), softcap=1.0), 4, 2),
+]
+
+
+@pytest.mark.parametrize("kind,dtype,spec,len_q,len_k", VARIANTS)
+def test_float64_reference_matches_mpmath_on_adversarial_variants(kind, dtype, spec, len_q, len_k):
+    q, k, v, dout = make_inputs(seed=17, kind=kind, dtype=dtype, batch=1, heads_q=2, heads_kv=1, len_q=len_q,
+                                len_k=len_k, head_dim=3)
+    ref, exact = check_against_mp(q=q, k=k, v=v, dout=dout, spec=spec, case=f"{kind}, {dtype}, {spec.describe()}")
+    if spec.sinks is not None:  # rows that see no key: out 0, lse the sink's logit
+        empty = ~ref.rows_with_keys
+        if empty.any():
+            sink = torch.tensor(spec.sinks, dtype=F64)[None, :, None].expand_as(ref.lse)
+            assert torch.all(ref.out[:, :, empty] == 0) and torch.equal(ref.lse[:, :, empty], sink[:, :, empty])
 
 
 # --- identities of the float64 reference ------------------------------------------------------------------
