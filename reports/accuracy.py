@@ -14,12 +14,19 @@ measure with (reference, baseline, bounds and criteria), so a case passes or fai
 ``python -m verify.replay``. This module runs the sweep and renders what it recorded.
 
 The reference follows each implementation's declared causal alignment (SDPA and FlexAttention align
-top-left); with ``Nq = Nk``, as in this sweep, both alignments give the same mask.
+top-left); with ``Nq = Nk``, as in the dense sweep, both alignments give the same mask (kernels of both
+alignments then share one reference: :func:`_alignment_matters`).
 
 The FlashAttention-3 paper's accuracy protocol (``--preset fa3``; :data:`FA3_PAPER_SETUP`): a sweep whose
 cases include the ``fa3_outliers`` magnitude class gets a section "FlashAttention-3 accuracy protocol"
 (:func:`fa3_protocol`), the RMSE of O per implementation and dtype from the same records as every other
 table, beside the paper's Table 3 figures.
+
+Variants (``--preset variants``; :data:`VARIANTS`): a sweep with ``variants`` measures, instead of the dense
+grid, each variant's case (:func:`variant_case`: packed variable-length sequences, a sliding window, a logit
+softcap, decoding from a paged KV cache, and the dense case beside them) through the same
+:func:`verify.measure.sweep_case`, and gets a per-variant table (:func:`variant_rows`) that also names each
+implementation that was not measured on a variant and why (its declaration's ``unsupported_spec``).
 
 Fault tolerance: measurements stream to ``accuracy-measurements.jsonl`` as they are taken, with a
 ``done`` line after each (implementation, case); ``--resume`` skips what is done, ``--time-limit``
@@ -73,6 +80,27 @@ FA3_PAPER_SETUP = ("The paper states the input distribution (every entry of Q, K
 FA3_IMPLEMENTATIONS = ("kernels.standard:STANDARD", "eager", "fa2_blocked")
 FA3_IMPLEMENTATIONS_CUDA = (*FA3_IMPLEMENTATIONS, "triton_fa2", *PEERS)
 
+# ------------------------------------------------------------------ variants
+VARIANTS_TITLE = "Variants"
+# The variants the report measures (:func:`variant_case`), the dense case first as the point of comparison.
+VARIANTS = ("dense", "packed", "window", "softcap", "paged_decode")
+VARIANT_SOFTCAP = 30.0  # Grok-1's attention logit cap (Gemma 2's is 50)
+VARIANT_PAGE_SEED = 1  # pages out of order in the cache, as a serving engine hands them out
+VARIANT_WORDS = {
+    "dense": "one dense batch, none of the variants (the point of comparison)",
+    "packed": "variable-length sequences packed one after another (flash_attn's varlen layout, cu_seqlens): "
+              "4 sequences of N, N/2 + 3, N/4 + 1 and 1 tokens, each with as many keys as queries",
+    "window": "a sliding window of N/4 keys before the diagonal (and N/4 after it without a causal mask)",
+    "softcap": f"a logit softcap of {VARIANT_SOFTCAP:g} (scores s -> {VARIANT_SOFTCAP:g} tanh(s / "
+               f"{VARIANT_SOFTCAP:g}))",
+    "paged_decode": "decoding from a paged KV cache: one query per sequence (Nq = 1), 4 sequences with N, N/2 + 3, "
+                    "N/4 + 1 and 1 cached keys, in pages of page_size keys out of order (flash_attn_with_kvcache's "
+                    "block table), grouped-query attention with Hkv = H/4 (1 when H < 4)",
+}
+# The variants preset's implementations: the kernels that declare the variants, and the Triton kernels,
+# which declare none (the report says so, variant by variant).
+VARIANT_IMPLEMENTATIONS = ("fa2_blocked", "fa1_blocked", "eager", "triton_fa2", "triton_fa1")
+
 PRESETS = {
     # Small enough for a CPU in about a minute (the Triton kernels too, in the interpreter).
     "quick": {"lengths": (64, 128), "head_dims": (32,)},
@@ -87,6 +115,13 @@ PRESETS = {
             "head_dims": (128,), "heads": 16, "seeds": (0, 1, 2), "backward": False,
             "lengths": (1024,), "batch": 1, "implementations": FA3_IMPLEMENTATIONS, "baselines": ("standard",),
             "cuda": {"lengths": (4096,), "batch": 4, "implementations": FA3_IMPLEMENTATIONS_CUDA}},
+    # The variants real kernels compute (VARIANTS), causal, float16 and bfloat16, forward and backward, inputs
+    # N(0, 1) and with large logits (where the softcap bites). ``list_all``: the preset's implementations are
+    # listed even where they do not run (the Triton kernels on a CPU), each variant's reason in the report.
+    "variants": {"variants": VARIANTS, "magnitudes": ("normal", "large_logits"), "causal": (True,),
+                 "lengths": (96,), "head_dims": (32,), "heads": 4, "page_size": 16,
+                 "implementations": VARIANT_IMPLEMENTATIONS, "list_all": True,
+                 "cuda": {"lengths": (4096,), "head_dims": (128,), "heads": 16, "page_size": 256}},
 }
 
 
@@ -112,7 +147,8 @@ OUTPUTS = ("accuracy.json", "accuracy.md", "accuracy.html")
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:
-    """The cases of a sweep: every combination, ``Nq = Nk = N``, ``Hq = Hkv = heads``."""
+    """The cases of a sweep: every combination, ``Nq = Nk = N``, ``Hq = Hkv = heads``; with ``variants``,
+    each variant's case (:func:`variant_case`, ``page_size`` for the paged ones) for every combination."""
 
     lengths: tuple[int, ...]
     head_dims: tuple[int, ...]
@@ -123,11 +159,24 @@ class Sweep:
     heads: int = 2
     seeds: tuple[int, ...] = (0,)
     backward: bool = True
+    variants: tuple[str, ...] = ()
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if unknown:
+            raise ValueError(f"variants={unknown}, but should be among {VARIANTS}")
 
     def cases(self):
         from references.spec import AttentionSpec
         from strategies.cases import AttentionCase
 
+        if self.variants:
+            return [variant_case(variant, length=n, head_dim=d, dtype=dtype, magnitude=magnitude, causal=causal,
+                                 seed=seed, batch=self.batch, heads=self.heads, page_size=self.page_size)
+                    for n in self.lengths for d in self.head_dims for variant in self.variants
+                    for dtype in self.dtypes for magnitude in self.magnitudes for causal in self.causal
+                    for seed in self.seeds]
         return [AttentionCase(batch=self.batch, heads_q=self.heads, heads_kv=self.heads, len_q=n, len_k=n,
                               head_dim=d, dtype=dtype, spec=AttentionSpec(causal=causal), magnitude=magnitude,
                               seed=seed)
@@ -138,10 +187,12 @@ class Sweep:
         return dataclasses.asdict(self)
 
 
-def select_implementations(specs: list[str], *, device: str, defaults: tuple[str, ...] | None = None) -> list:
+def select_implementations(specs: list[str], *, device: str, defaults: tuple[str, ...] | None = None,
+                           list_all: bool = False) -> list:
     """``--impl`` values plus ``eager`` (the criterion-1 baseline, for comparison). Without ``specs``: the
-    ``defaults`` (``--impl`` values, a preset's) that exist and run on ``device``, or else every shipped
-    attention kernel that runs on ``device``, ``eager`` and the peers of :data:`PEERS` that run there."""
+    ``defaults`` (``--impl`` values, a preset's) that exist and run on ``device`` (with ``list_all``: also
+    those that do not run there, which the report lists as not measured, with the reason), or else every
+    shipped attention kernel that runs on ``device``, ``eager`` and the peers of :data:`PEERS` that run there."""
     from kernels import registry
 
     shipped = registry.registry()
@@ -150,7 +201,7 @@ def select_implementations(specs: list[str], *, device: str, defaults: tuple[str
         impls = [registry.load(spec, device=device) for spec in specs]
     elif defaults is not None:
         impls = [registry.load(spec, device=device) for spec in defaults if spec in shipped or ":" in spec]
-        impls = [i for i in impls if dev in i.devices]
+        impls = [i for i in impls if list_all or dev in i.devices]
     else:
         impls = [i for i in registry.default_selection(device=device) if i.kind == "attention"]
         impls += [shipped[p] for p in PEERS if p in shipped and dev in shipped[p].devices]
@@ -165,9 +216,14 @@ def select_implementations(specs: list[str], *, device: str, defaults: tuple[str
 
 
 def skip_reason(impl, case, *, device: str) -> str | None:
-    """Why ``impl`` does not run ``case`` here, in the words of its declaration (None: it runs)."""
+    """Why ``impl`` does not run ``case`` here, in the words of its declaration (None: it runs). The
+    attention the case asks for comes first (a variant the kernel does not declare is the reason on any
+    device), computed with the kernel's own causal alignment (:func:`_as_computed_by`)."""
     if impl.kind != "attention":
         return f"{impl.name} is a {impl.kind} kernel"
+    why = impl.unsupported_spec(_as_computed_by(case, impl.causal_alignment).spec)
+    if why:
+        return why
     why = impl.unsupported(dtype=case.torch_dtype, device=device)
     if why:
         return why
@@ -183,6 +239,69 @@ def skip_reason(impl, case, *, device: str) -> str | None:
     return None
 
 
+# ------------------------------------------------------------------------------------ variants
+def _sequence_lengths(n: int) -> tuple[int, ...]:
+    """Four sequence lengths from ``n``: ``n``, ``n/2 + 3``, ``n/4 + 1`` and 1 (lengths that are not
+    multiples of a tile or a page, and the shortest; all different for ``n > 6``)."""
+    return n, n // 2 + 3, n // 4 + 1, 1
+
+
+def decode_kv_heads(heads: int) -> int:
+    """The key/value heads of the paged decode variant: a grouped-query group of 4 (1 head when fewer)."""
+    return heads // 4 if heads % 4 == 0 else 1
+
+
+def variant_case(variant: str, *, length: int, head_dim: int, dtype: str, magnitude: str = "normal",
+                 causal: bool = True, seed: int = 0, batch: int = 1, heads: int = 2, page_size: int = 16):
+    """The case of ``variant`` (:data:`VARIANT_WORDS`) at length ``N`` = ``length``. Variable-length
+    sequences are one packed batch (``batch = 1``, ``len_q``/``len_k`` the sums of the sequences' lengths,
+    as :class:`strategies.cases.AttentionCase` holds them); the others have ``batch`` rows of ``N`` queries
+    and keys."""
+    from references.spec import AttentionSpec
+    from strategies.cases import AttentionCase
+
+    n, heads_kv = length, heads
+    if variant == "dense":
+        spec = AttentionSpec(causal=causal)
+    elif variant == "packed":
+        lens = _sequence_lengths(n)
+        spec = AttentionSpec(causal=causal, sequences="packed", seqlens_q=lens, seqlens_k=lens)
+    elif variant == "window":
+        width = max(n // 4, 1)
+        spec = AttentionSpec(causal=causal, window_left=width, window_right=0 if causal else width)
+    elif variant == "softcap":
+        spec = AttentionSpec(causal=causal, softcap=VARIANT_SOFTCAP)
+    elif variant == "paged_decode":
+        lens = _sequence_lengths(n)
+        spec = AttentionSpec(causal=causal, sequences="paged", seqlens_q=(1,) * len(lens), seqlens_k=lens,
+                             page_size=page_size, page_seed=VARIANT_PAGE_SEED)
+        heads_kv = decode_kv_heads(heads)
+    else:
+        raise ValueError(f"variant={variant!r}, but should be one of {VARIANTS}")
+    if spec.varlen:
+        batch, len_q, len_k = 1, sum(spec.seqlens_q), sum(spec.seqlens_k)
+    else:
+        len_q = len_k = n
+    return AttentionCase(batch=batch, heads_q=heads, heads_kv=heads_kv, len_q=len_q, len_k=len_k,
+                         head_dim=head_dim, dtype=dtype, spec=spec, magnitude=magnitude, seed=seed)
+
+
+def variant_of(spec) -> str:
+    """The variant an :class:`references.spec.AttentionSpec` computes, in :data:`VARIANTS`' words ("dense"
+    when none; parts joined with " + " for a spec that has several)."""
+    parts = []
+    if spec.sequences == "paged":
+        parts.append("paged_decode" if set(spec.seqlens_q) == {1} else "paged")
+    elif spec.varlen:
+        parts.append(spec.sequences)
+    for word, present in (("window", spec.windowed), ("chunks", spec.attention_chunk > 0),
+                          ("softcap", spec.softcap is not None), ("alibi", spec.alibi_slopes is not None),
+                          ("sinks", spec.sinks is not None), ("splits", spec.num_splits > 1)):
+        if present:
+            parts.append(word)
+    return " + ".join(parts) or "dense"
+
+
 # ------------------------------------------------------------------------------------ the sweep
 def _impl_info(impl) -> dict:
     return {"name": impl.name, "spec": impl.cli_name, "description": impl.description,
@@ -192,8 +311,20 @@ def _impl_info(impl) -> dict:
 
 def _as_computed_by(case, alignment: str):
     """The sweep's case as a kernel with this causal ``alignment`` computes it (with Nq = Nk, as in the
-    sweep, both alignments give the same mask)."""
+    dense sweep, both alignments give the same mask: :func:`_alignment_matters`)."""
     return case.replace(spec=dataclasses.replace(case.spec, alignment=alignment))
+
+
+def _alignment_matters(case) -> bool:
+    """Whether the two causal alignments give ``case`` different attention: only through a diagonal (the
+    causal mask, a window, chunks, ALiBi), and only where the two put it on different keys (``Nq != Nk``,
+    in a dense batch or in a sequence)."""
+    spec = case.spec
+    if not (spec.causal or spec.windowed or spec.attention_chunk or spec.alibi_slopes is not None):
+        return False
+    bottom, top = (dataclasses.replace(spec, alignment=a).diagonal(case.len_q, case.len_k)
+                   for a in ("bottom_right", "top_left"))
+    return not bool((bottom == top).all())
 
 
 def _case_key(spec: str, case: dict) -> str:
@@ -226,7 +357,8 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
         stream_path.unlink(missing_ok=True)
         for name in OUTPUTS:
             (out_dir / name).unlink(missing_ok=True)
-    skipped: dict[tuple[str, str], int] = defaultdict(int)
+    # (implementation, reason, and in a sweep of variants the case's variant and dtype) -> cases
+    skipped: dict[tuple, int] = defaultdict(int)
     plan = []  # (case, [impls still to run])
     planned_pairs = []  # every (spec, case index) the sweep measures, done or not
     for index, case in enumerate(cases):
@@ -234,7 +366,7 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
         for impl in impls:
             why = skip_reason(impl, case, device=device)
             if why:
-                skipped[(impl.name, why)] += 1
+                skipped[(impl.name, why, *((variant_of(case.spec), case.dtype) if sweep.variants else ()))] += 1
                 continue
             planned_pairs.append([impl.cli_name, index])
             if _case_key(impl.cli_name, _as_computed_by(case, impl.causal_alignment).to_dict()) not in done:
@@ -250,7 +382,8 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
         "command": command, "commands": [*(previous.get("commands") or []), command],
         "device": device, "device_name": device_name(device), "versions": versions(),
         "sweep": sweep.as_dict(), "implementations": [_impl_info(i) for i in impls],
-        "skipped": [{"implementation": n, "reason": r, "cases": c} for (n, r), c in sorted(skipped.items())],
+        "skipped": [{"implementation": n, "reason": r, "cases": c, **dict(zip(("variant", "dtype"), where))}
+                    for (n, r, *where), c in sorted(skipped.items())],
         "started": previous.get("started") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "cases": len(cases), "planned": len(planned_pairs), "planned_pairs": planned_pairs,
     }
@@ -278,10 +411,9 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
                     stopped_early = True
                     break
                 label = f"{impl.name} {kcase.dtype} N={kcase.len_k} D={kcase.head_dim} {kcase.magnitude}" \
-                        f"{' causal' if kcase.causal else ''}"
+                        f"{' causal' if kcase.causal else ''}{f' {variant_of(kcase.spec)}' if sweep.variants else ''}"
                 bar.show(label)
-                same_mask = not kcase.causal or kcase.len_q == kcase.len_k
-                key = "any" if same_mask else impl.causal_alignment
+                key = impl.causal_alignment if _alignment_matters(kcase) else "any"
                 tic = time.monotonic()
                 if key not in truths:
                     truths[key] = measure.Truth(kcase, t.q, t.k, t.v, dout=t.dout if sweep.backward else None)
@@ -339,6 +471,7 @@ def aggregate(header: dict, lines: list[dict], bad_lines: int = 0) -> dict:
     results: dict[str, dict] = {}
     order: list[str] = []
     errors: dict[tuple[str, str], int] = defaultdict(int)
+    errors_by_variant: dict[tuple[str, str, str], list[str]] = defaultdict(list)
     done = set()
     for item in lines:
         kind = item.get("kind")
@@ -351,6 +484,8 @@ def aggregate(header: dict, lines: list[dict], bad_lines: int = 0) -> dict:
             continue
         if kind == "error":
             errors[(str(item.get("implementation")), str(item.get("error")))] += 1
+            errors_by_variant[(str(item.get("implementation")), _variant_of_case(case), str(case.get("dtype")))
+                              ].append(str(item.get("error")))
             continue
         if kind != "measurement":
             continue
@@ -359,6 +494,7 @@ def aggregate(header: dict, lines: list[dict], bad_lines: int = 0) -> dict:
             results[key] = {"implementation": item.get("implementation"), "spec": item.get("spec"),
                             "dtype": case.get("dtype"), "magnitude": case.get("magnitude"),
                             "causal": (case.get("spec") or {}).get("causal", case.get("causal")),
+                            "variant": _variant_of_case(case),
                             "len": case.get("len_k"), "head_dim": case.get("head_dim"),
                             "seed": case.get("seed"), "case": case, "ops": {}}
         results[key]["ops"][str(item.get("op"))] = {
@@ -413,6 +549,7 @@ def aggregate(header: dict, lines: list[dict], bad_lines: int = 0) -> dict:
 
     missing = len(planned - done) if planned is not None else 0
     protocol = fa3_protocol(rows, device=device)
+    variants = variant_rows(rows, header, errors_by_variant) if sweep.get("variants") else None
     return {
         "status": "complete" if not missing else "partial",
         "missing": missing,
@@ -420,14 +557,91 @@ def aggregate(header: dict, lines: list[dict], bad_lines: int = 0) -> dict:
                                              "started", "cases", "planned")},
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "implementations": header.get("implementations") or [],
-        "not_measured": [*header.get("skipped", []),
+        "not_measured": [*_merged_dtypes(header.get("skipped", [])),
                          *({"implementation": n, "reason": e, "cases": c} for (n, e), c in sorted(errors.items()))],
         "unreadable_lines": bad_lines,
         "rmse": rmse, "rmse_columns": [f"{d} {m}" for d, m in columns],
         "criteria": criteria, "worst_cases": worst_cases,
         **({"fa3_protocol": protocol} if protocol else {}),
+        **({"variants": variants} if variants else {}),
         "results": [{k: v for k, v in r.items() if k != "case"} for r in rows],
     }
+
+
+def _variant_of_case(case: dict) -> str:
+    """:func:`variant_of` a case's JSON ("?" for one whose spec does not read)."""
+    from references.spec import AttentionSpec
+
+    try:
+        return variant_of(AttentionSpec(**(case.get("spec") or {})))
+    except (TypeError, ValueError):
+        return "?"
+
+
+def _merged_dtypes(skipped: list[dict]) -> list[dict]:
+    """The run header's skipped entries with their dtypes merged: one per implementation, reason and (in
+    a sweep of variants) variant, with the number of cases."""
+    merged: dict[tuple, dict] = {}
+    for s in skipped:
+        key = (s.get("implementation"), s.get("reason"), s.get("variant"))
+        entry = merged.setdefault(key, {k: v for k, v in s.items() if k != "dtype"} | {"cases": 0})
+        entry["cases"] += s.get("cases") or 0
+    return list(merged.values())
+
+
+RAISED = "it raised: "  # a variant's row for a kernel that raised instead of returning
+
+
+def variant_rows(rows: list[dict], header: dict, errors: dict[tuple[str, str, str], list[str]]) -> dict:
+    """The per-variant table of a sweep of variants. For each variant, magnitude class, dtype and
+    implementation, from the sweep's records: the geometric-mean RMSE of O over the cases, the largest
+    err/bound of each op and err/eager over all ops, and the cases failing a criterion. Then, per variant,
+    each implementation that was not measured on it and why: the run header's skip reasons (its
+    declaration's ``unsupported_spec`` first), with their dtypes; ``errors``: what a kernel raised, by
+    implementation, variant and dtype."""
+    sweep = header.get("sweep") or {}
+    names = [str(i.get("name")) for i in header.get("implementations") or []]
+    reasons: dict[tuple[str, str, str], list[str]] = defaultdict(list)  # (variant, implementation, reason): dtypes
+    for s in header.get("skipped") or []:
+        if "variant" in s:
+            reasons[(s["variant"], s["implementation"], str(s["reason"]))].append(s["dtype"])
+    for (name, variant, dtype), said in errors.items():
+        reasons[(variant, name, f"{RAISED}{said[0]}")].append(dtype)
+    table = []
+    for variant in sweep.get("variants") or []:
+        for magnitude in sweep.get("magnitudes") or []:
+            for dtype in sweep.get("dtypes") or []:
+                for name in names:
+                    mine = [r for r in rows if r["implementation"] == name and r["variant"] == variant
+                            and r["magnitude"] == magnitude and r["dtype"] == dtype]
+                    if not mine:
+                        continue
+                    table.append({
+                        "variant": variant, "magnitude": magnitude, "dtype": dtype, "implementation": name,
+                        "cases": len(mine), "failed_cases": sum(1 for r in mine if not r["pass"]),
+                        "rmse_out": geomean([r["ops"]["out"]["rmse"] for r in mine if "out" in r["ops"]]),
+                        **{f"{op}_error_over_bound": largest([r["ops"][op]["error_over_bound"] for r in mine
+                                                              if op in r["ops"]]) for op in OPS},
+                        "error_over_baseline": largest([o["error_over_baseline"] for r in mine
+                                                        for o in r["ops"].values()]),
+                        "not_measured": None})
+        for (v, name, why), dtypes in sorted(reasons.items(), key=lambda x: names.index(x[0][1])
+                                             if x[0][1] in names else len(names)):
+            if v == variant:
+                table.append({"variant": variant, "magnitude": None,
+                              "dtype": ", ".join(d for d in sweep.get("dtypes") or [] if d in dtypes),
+                              "implementation": name, "cases": 0, "failed_cases": 0, "rmse_out": None,
+                              **{f"{op}_error_over_bound": None for op in OPS}, "error_over_baseline": None,
+                              "not_measured": why})
+    shapes = {variant: [] for variant in sweep.get("variants") or []}
+    for case in _sweep_of(header).cases():
+        words = (f"B={case.batch} Hq={case.heads_q} Hkv={case.heads_kv} Nq={case.len_q} Nk={case.len_k} "
+                 f"D={case.head_dim}, {case.spec.describe()}")
+        if words not in shapes.setdefault(variant_of(case.spec), []):
+            shapes[variant_of(case.spec)].append(words)
+    return {"title": VARIANTS_TITLE, "variants": list(sweep.get("variants") or []),
+            "words": {v: VARIANT_WORDS.get(v, v) for v in sweep.get("variants") or []}, "shapes": shapes,
+            "rows": table}
 
 
 def _shape_words(case: dict) -> str:
@@ -483,13 +697,18 @@ def fa3_protocol(rows: list[dict], *, device: str) -> dict | None:
     return {**protocol, "text": fa3_words(protocol)}
 
 
+def _sweep_of(header: dict) -> Sweep:
+    """The sweep the run header ``header`` describes."""
+    fields = {f.name for f in dataclasses.fields(Sweep)}
+    return Sweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in header["sweep"].items() if k in fields})
+
+
 def _planned_keys(header: dict) -> set[str] | None:
     """The (implementation, case) keys the sweep of ``header`` measures, or None if it does not say."""
     pairs, sweep = header.get("planned_pairs"), header.get("sweep")
     if not isinstance(pairs, list) or not isinstance(sweep, dict):
         return None
-    fields = {f.name for f in dataclasses.fields(Sweep)}
-    cases = Sweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in sweep.items() if k in fields}).cases()
+    cases = _sweep_of(header).cases()
     alignment = {str(i.get("spec")): i.get("causal_alignment") for i in header.get("implementations") or []}
     return {_case_key(str(spec), _as_computed_by(cases[index], alignment.get(str(spec)) or "bottom_right").to_dict())
             for spec, index, *_ in pairs if 0 <= index < len(cases)}
@@ -563,6 +782,38 @@ def fa3_table(result: dict) -> Table:
                  [bool(r["failed_cases"]) for r in rows])
 
 
+def variant_table(result: dict) -> Table:
+    """The per-variant table (:func:`variant_rows`); no rows for a sweep without variants."""
+    rows = (result.get("variants") or {}).get("rows") or []
+    ops = [op for op in OPS if any(r.get(f"{op}_error_over_bound") is not None for r in rows)]
+
+    def verdict(r: dict) -> str:
+        if r["not_measured"]:
+            return "not measured: " + r["not_measured"]
+        return "yes" if not r["failed_cases"] else f"no: {r['failed_cases']} of {r['cases']} cases fail a criterion"
+
+    return Table(["variant", "magnitude", "dtype", "implementation", "cases", f"O {RECORD_COLUMNS['rmse']}",
+                  *(f"{OP_WORDS[o]} {RECORD_COLUMNS['error_over_bound']}" for o in ops),
+                  f"max {RECORD_COLUMNS['error_over_baseline']}", "pass"],
+                 [[r["variant"], r["magnitude"] or "any", r["dtype"], r["implementation"], r["cases"], r["rmse_out"],
+                   *(r[f"{o}_error_over_bound"] for o in ops), r["error_over_baseline"], verdict(r)] for r in rows],
+                 [bool(r["failed_cases"]) or str(r["not_measured"]).startswith(RAISED) for r in rows])
+
+
+def variant_words(variants: dict) -> list[str]:
+    """The lines that say what each variant of the table is, and how the table reads."""
+    lines = []
+    for v in variants.get("variants") or []:
+        shapes = "; ".join(variants.get("shapes", {}).get(v) or [])
+        lines.append(f"`{v}`: {(variants.get('words') or {}).get(v, v)}. Measured: {shapes}.")
+    lines.append("Each row pools the cases of one variant, magnitude class, dtype and implementation (causal flags, "
+                 "lengths and seeds): the geometric-mean RMSE of O, the largest err/bound of each op and the largest "
+                 "err/eager over all ops, measured as pytest verify measures them (verify/measure.py). An "
+                 "implementation that does not declare a variant is not measured on it: its row says why, in the "
+                 "words of its declaration (Implementation.unsupported_spec), and for which dtypes.")
+    return lines
+
+
 def paper_figure(x: float | None) -> str | None:
     """A figure of the paper as the paper prints it (``3.2e-4``)."""
     if x is None:
@@ -610,6 +861,21 @@ def fa3_words(protocol: dict) -> list[str]:
     ]
 
 
+def not_measured_table(result: dict) -> Table:
+    """What was not measured and why (with the variant, in a sweep of variants)."""
+    skipped = result.get("not_measured") or []
+    variants = any("variant" in s for s in skipped)
+    return Table(["implementation", *(["variant"] if variants else []), "reason", "cases"],
+                 [[s.get("implementation"), *([s.get("variant") or "-"] if variants else []), s.get("reason"),
+                   s.get("cases")] for s in skipped])
+
+
+def pooled_words(result: dict) -> str:
+    """What the RMSE tables' geometric means pool."""
+    variants = ((result.get("meta") or {}).get("sweep") or {}).get("variants")
+    return "N, D, causal, seeds and variants" if variants else "N, D, causal and seeds"
+
+
 def worst_table(result: dict) -> Table:
     worst = result.get("worst_cases") or []
     return Table([h for _, h in WORST_COLUMNS], [[w.get(k) for k, _ in WORST_COLUMNS] for w in worst],
@@ -618,12 +884,16 @@ def worst_table(result: dict) -> Table:
 
 def case_table(result: dict) -> Table:
     """One row per (implementation, case): the RMSE of each op, O's max ULP, the largest err/bound and
-    err/eager over its ops, and whether every op passed."""
+    err/eager over its ops, and whether every op passed (in a sweep of variants: each case's variant, and
+    Nk its keys in all)."""
     res = result.get("results") or []
-    return Table(["implementation", "dtype", "magnitude", "causal", "N", "D",
+    variants = bool(((result.get("meta") or {}).get("sweep") or {}).get("variants"))
+    return Table(["implementation", "dtype", *(["variant"] if variants else []), "magnitude", "causal",
+                  "Nk" if variants else "N", "D",
                   *(f"{OP_WORDS[o]} {RECORD_COLUMNS['rmse']}" for o in OPS), f"O {RECORD_COLUMNS['max_ulp']}",
                   f"max {RECORD_COLUMNS['error_over_bound']}", f"max {RECORD_COLUMNS['error_over_baseline']}", "pass"],
-                 [[r["implementation"], r["dtype"], r["magnitude"], "yes" if r["causal"] else "no", r["len"],
+                 [[r["implementation"], r["dtype"], *([r.get("variant")] if variants else []), r["magnitude"],
+                   "yes" if r["causal"] else "no", r["len"],
                    r["head_dim"], *(r["ops"][o]["rmse"] if o in r["ops"] else None for o in OPS),
                    r["ops"]["out"]["max_ulp"] if "out" in r["ops"] else None,
                    largest([o["error_over_bound"] for o in r["ops"].values()]),
@@ -655,7 +925,12 @@ def _sweep_words(sweep: dict) -> list[str]:
     d = ", ".join(map(str, sweep.get("head_dims", [])))
     causal = {(False, True): "both", (True, False): "both", (False,): "no", (True,): "yes"}.get(
         tuple(sweep.get("causal", [])), str(sweep.get("causal")))
-    return [f"- shapes: B={sweep.get('batch')}, H={sweep.get('heads')}, N = Nq = Nk in {{{n}}}, D in {{{d}}}",
+    if sweep.get("variants"):
+        shapes = (f"- variants: {', '.join(sweep['variants'])} (below), H={sweep.get('heads')}, N in {{{n}}}, "
+                  f"D in {{{d}}}, pages of {sweep.get('page_size')} keys")
+    else:
+        shapes = f"- shapes: B={sweep.get('batch')}, H={sweep.get('heads')}, N = Nq = Nk in {{{n}}}, D in {{{d}}}"
+    return [shapes,
             f"- dtypes: {', '.join(sweep.get('dtypes', []))}; causal: {causal}; seeds: "
             f"{', '.join(map(str, sweep.get('seeds', [])))}; backward: {'yes' if sweep.get('backward') else 'no'}",
             "- magnitude classes: " + "; ".join(f"`{m}` ({MAGNITUDE_WORDS.get(m, 'see strategies/cases.py')})"
@@ -701,8 +976,13 @@ def markdown(result: dict) -> str:
         *before, after = fa3_words(protocol)
         lines += [f"## {FA3_TITLE}", "", *(x for w in before for x in (w, "")),
                   *_md_table(fa3_table(result)), "", after, ""]
+    variants = result.get("variants")
+    if variants:
+        *before, after = variant_words(variants)
+        lines += [f"## {VARIANTS_TITLE}", "", *(x for w in before for x in (f"- {w}", "")), after, "",
+                  *_md_table(variant_table(result)), ""]
     for op, rmse in rmse_tables(result).items():
-        lines += [f"## RMSE of {OP_WORDS.get(op, op)} (geometric mean over N, D, causal and seeds)", "",
+        lines += [f"## RMSE of {OP_WORDS.get(op, op)} (geometric mean over {pooled_words(result)})", "",
                   *_md_table(rmse), ""]
     crit = criteria_table(result)
     if crit.rows:
@@ -711,12 +991,9 @@ def markdown(result: dict) -> str:
     if worst.rows:
         lines += ["## Worst measurements by err/bound", "", *_md_table(worst), "",
                   "Replay the worst one: `" + result["worst_cases"][0]["replay"].replace("`", "'") + "`", ""]
-    skipped = result.get("not_measured") or []
-    if skipped:
-        lines += ["## Not measured", "", "| implementation | reason | cases |", "|---|---|---|"]
-        for s in skipped:
-            lines.append(f"| {_fmt(s['implementation'])} | {_fmt(s['reason'])} | {s['cases']} |")
-        lines.append("")
+    skipped = not_measured_table(result)
+    if skipped.rows:
+        lines += ["## Not measured", "", *_md_table(skipped), ""]
     cases = case_table(result)
     if cases.rows:
         lines += ["## Every case", "", f"<details><summary>{len(cases.rows)} (implementation, case) results</summary>",

@@ -27,6 +27,14 @@ presets (the options given override them):
          intermediates (kernels/standard.py), eager and fa2_blocked, on a GPU also triton_fa2 and the
          SDPA/FlexAttention adapters; accuracy.md gets a "FlashAttention-3 accuracy protocol" table with the
          paper's figures. The paper does not state its shapes: these are a choice, said in the report.
+  variants  the variants real kernels compute, each against the dense case: packed variable-length
+         sequences, a sliding window, a logit softcap, decoding from a paged KV cache (Nq = 1, four
+         sequences of different cache lengths, grouped-query heads); causal, float16 and bfloat16,
+         inputs normal and large_logits, forward and backward; N = 96, D = 32, H = 4, pages of 16 on a
+         CPU (about 30 s on 2 cores), N = 4096, D = 128, H = 16, pages of 256 on a GPU. Measures
+         fa2_blocked, fa1_blocked, eager, and lists triton_fa2 and triton_fa1, which declare none of
+         the variants, as not measured on each with the reason; accuracy.md gets a "Variants" table.
+         Choose variants with --variant.
 
 the GPU report in docs/ is made with:
   python -m reports accuracy --device cuda --preset gpu --out docs/accuracy
@@ -93,6 +101,9 @@ def _accuracy(args, parser) -> int:
     if parsed.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {device}: torch sees no CUDA device")
     preset = accuracy.preset(args.preset or ("gpu" if parsed.type == "cuda" else "quick"), device=device)
+    for v in args.variant or []:
+        if v not in accuracy.VARIANTS:
+            parser.error(f"--variant {v!r} is not a variant; known: {', '.join(accuracy.VARIANTS)}")
     for m in args.magnitude or []:
         if m not in MAGNITUDES:
             parser.error(f"--magnitude {m!r} is not a magnitude class; known: {', '.join(MAGNITUDES)}")
@@ -103,12 +114,14 @@ def _accuracy(args, parser) -> int:
     fields = {f.name: preset[f.name] for f in dataclasses.fields(accuracy.Sweep) if f.name in preset}
     given = {"lengths": args.len, "head_dims": args.head_dim, "dtypes": args.dtype, "magnitudes": args.magnitude,
              "causal": {"both": (False, True), "yes": (True,), "no": (False,)}.get(args.causal),
-             "batch": args.batch, "heads": args.heads, "seeds": args.seed, "backward": args.backward}
+             "batch": args.batch, "heads": args.heads, "seeds": args.seed, "backward": args.backward,
+             "variants": args.variant}
     fields.update({k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None})
     sweep = accuracy.Sweep(**fields)
     try:
         impls = accuracy.select_implementations(args.impl or [], device=device,
-                                                defaults=preset.get("implementations"))
+                                                defaults=preset.get("implementations"),
+                                                list_all=preset.get("list_all", False))
     except ImplementationError as exc:
         parser.error(str(exc))
     command = " ".join(shlex.quote(a) for a in ["python", "-m", "reports", *args.argv])
@@ -174,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: every shipped attention kernel that runs on the device)")
     a.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     a.add_argument("--preset", choices=sorted(accuracy.PRESETS),
-                   help="sequence lengths and head dims; fa3: the FlashAttention-3 paper's accuracy protocol "
-                        "(see below) (default: gpu on a GPU, quick otherwise)")
+                   help="sequence lengths and head dims; fa3: the FlashAttention-3 paper's accuracy protocol; "
+                        "variants: packed, window, softcap, paged decode (see below) (default: gpu on a GPU, quick "
+                        "otherwise)")
     a.add_argument("--len", type=_positive_ints, nargs="+", metavar="N", help="sequence lengths (Nq = Nk = N)")
     a.add_argument("--head-dim", type=_positive_ints, nargs="+", metavar="D", help="head dims")
     a.add_argument("--dtype", nargs="+", metavar="DTYPE",
@@ -187,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--batch", type=_positive_ints, help="batch size (default 1; fa3: 4 on a GPU)")
     a.add_argument("--heads", type=_positive_ints, help="heads (default 2; fa3: 16)")
     a.add_argument("--seed", type=int, nargs="+", metavar="SEED", help="input seeds (default: 0; fa3: 0 1 2)")
+    a.add_argument("--variant", nargs="+", metavar="VARIANT",
+                   help=f"measure these variants instead of the dense grid: {', '.join(accuracy.VARIANTS)} "
+                        "(default: none; variants: all)")
     a.add_argument("--backward", action=argparse.BooleanOptionalAction,
                    help="--no-backward: measure the forward only, no dQ, dK, dV (default: --backward; fa3: "
                         "--no-backward)")

@@ -274,6 +274,15 @@ def _accuracy_plots(result: dict) -> list[str]:
             ratios[r["dtype"]][r["implementation"]].append(o["error_over_bound"])
     op_rows = [OP_WORDS.get(op, op) for op in ops]
     names = [str(i.get("name")) for i in result.get("implementations") or []]
+    against_n = [
+        "<h2>RMSE of O against N</h2>",
+        plot_or_reason(lambda: plots.line_panels(lines, rows=mags, cols=dtypes, xlabel="N (= Nq = Nk)",
+                                                 ylabel="RMSE of O", names=names,
+                                                 title="RMSE of the output against sequence length"),
+                       alt="RMSE of O against N",
+                       caption="Geometric mean over head dims, causal flags and seeds; one panel per magnitude class "
+                               "(rows) and dtype (columns)."),
+    ] if not sweep.get("variants") else []  # a variant's lengths are its own (sequences, a cache): no one N axis
     return [
         "<h2>RMSE by implementation, magnitude class and dtype</h2>",
         plot_or_reason(lambda: plots.grouped_bars(bars, rows=op_rows, cols=dtypes, groups=mags,
@@ -282,13 +291,7 @@ def _accuracy_plots(result: dict) -> list[str]:
                        alt="RMSE by implementation, magnitude class and dtype",
                        caption="One panel per output (rows) and dtype (columns); bars grouped by magnitude class, "
                                "one colour per implementation. Lower is better; log scale."),
-        "<h2>RMSE of O against N</h2>",
-        plot_or_reason(lambda: plots.line_panels(lines, rows=mags, cols=dtypes, xlabel="N (= Nq = Nk)",
-                                                 ylabel="RMSE of O", names=names,
-                                                 title="RMSE of the output against sequence length"),
-                       alt="RMSE of O against N",
-                       caption="Geometric mean over head dims, causal flags and seeds; one panel per magnitude class "
-                               "(rows) and dtype (columns)."),
+        *against_n,
         "<h2>Error / bound</h2>",
         plot_or_reason(lambda: plots.ratio_histograms(ratios, panels=dtypes, names=names,
                                                       title="Distribution of error / rounding-error bound, all ops"),
@@ -321,7 +324,10 @@ def accuracy_html(result: dict) -> str:
             key_values([("command", code(meta.get("command"))),
                         ("device", f"{meta.get('device')} ({meta.get('device_name')})"), ("versions", versions),
                         ("started", meta.get("started")), ("written", result.get("finished")),
-                        ("shapes", f"B={sweep.get('batch')}, H={sweep.get('heads')}, N = Nq = Nk in "
+                        ("shapes", f"variants {', '.join(sweep['variants'])} (below), H={sweep.get('heads')}, N in "
+                                   f"{sweep.get('lengths')}, D in {sweep.get('head_dims')}, pages of "
+                                   f"{sweep.get('page_size')} keys" if sweep.get("variants") else
+                                   f"B={sweep.get('batch')}, H={sweep.get('heads')}, N = Nq = Nk in "
                                    f"{sweep.get('lengths')}, D in {sweep.get('head_dims')}"),
                         ("dtypes", ", ".join(map(str, sweep.get("dtypes") or []))),
                         ("causal", ", ".join(map(str, sweep.get("causal") or []))),
@@ -343,10 +349,16 @@ def accuracy_html(result: dict) -> str:
         *before, after = accuracy.fa3_words(protocol)
         body += [f"<h2>{esc(accuracy.FA3_TITLE)}</h2>", *(f"<p>{esc(w)}</p>" for w in before),
                  _shown(accuracy.fa3_table(result)), f'<p class="muted">{esc(after)}</p>']
+    variants = result.get("variants")
+    if variants:
+        *before, after = accuracy.variant_words(variants)
+        body += [f"<h2>{esc(accuracy.VARIANTS_TITLE)}</h2>", "<ul>",
+                 *(f"<li>{esc(w.replace('`', ''))}</li>" for w in before), "</ul>",
+                 f'<p class="muted">{esc(after)}</p>', _shown(accuracy.variant_table(result))]
     body += _accuracy_plots(result)
     for op, rmse in accuracy.rmse_tables(result).items():
         body += [f"<h2>RMSE of {esc(accuracy.OP_WORDS.get(op, op))}</h2>",
-                 '<p class="muted">Geometric mean over N, D, causal and seeds.</p>', _shown(rmse)]
+                 f'<p class="muted">Geometric mean over {esc(accuracy.pooled_words(result))}.</p>', _shown(rmse)]
     crit = accuracy.criteria_table(result)
     if crit.rows:
         body += ["<h2>Pass criteria: largest err/bound and err/eager</h2>", _shown(crit)]
@@ -354,11 +366,9 @@ def accuracy_html(result: dict) -> str:
     if worst.rows:
         body += ["<h2>Worst measurements by err/bound</h2>",
                  _shown(worst, below=[Raw("replay: " + code(w["replay"])) for w in result["worst_cases"]])]
-    skipped = result.get("not_measured") or []
-    if skipped:
-        body += ["<h2>Not measured</h2>",
-                 table(("implementation", "reason", "cases"),
-                       ([s.get("implementation"), s.get("reason"), s.get("cases")] for s in skipped))]
+    skipped = accuracy.not_measured_table(result)
+    if skipped.rows:
+        body += ["<h2>Not measured</h2>", _shown(skipped)]
     cases = accuracy.case_table(result)
     if cases.rows:
         body += [f"<h2>Every case ({len(cases.rows)})</h2>", "<details><summary>show the table</summary>",
