@@ -14,7 +14,7 @@ from kernels.standard import STANDARD, standard_forward
 from references import attention as reference
 from references.spec import AttentionSpec
 from reports import accuracy, cli
-from strategies.cases import AttentionCase
+from strategies.cases import MAGNITUDES, AttentionCase
 
 # The fa3 preset, at a shape a test can afford (seconds on a CPU): its magnitude class, mask, dtypes, head
 # dim, forward-only and implementations are the preset's.
@@ -168,6 +168,8 @@ def test_the_table_holds_the_fa3_outliers_cases_and_no_other_class(tmp_path):
     records = [item for item in accuracy.read_stream(tmp_path)[0]
                if item.get("kind") == "measurement" and item["op"] == "out"]
     assert result["fa3_protocol"]["magnitude"] == "fa3_outliers"
+    unrounded = [item for item in accuracy.read_stream(tmp_path)[0] if item.get("kind") == accuracy.UNROUNDED_KIND]
+    assert {item["case"]["magnitude"] for item in unrounded} == {"fa3_outliers"} and len(unrounded) == 4
     for (name, dtype), row in _rows(result).items():
         mine = [r for r in records if r["implementation"] == name and r["case"]["dtype"] == dtype]
         by_class = {m: _pooled([r for r in mine if r["case"]["magnitude"] == m]) for m in ("normal", "fa3_outliers")}
@@ -180,3 +182,71 @@ def test_the_table_holds_the_fa3_outliers_cases_and_no_other_class(tmp_path):
     result = accuracy.run(plain, impls, device="cpu", out_dir=tmp_path / "plain", command="test", progress=False)
     assert "fa3_protocol" not in result
     assert "FlashAttention-3 accuracy protocol" not in (tmp_path / "plain" / "accuracy.md").read_text()
+
+
+# ------------------------------------------------------------------------------------ against the unrounded inputs
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("magnitude", [m for m in MAGNITUDES if m != "near_subnormal"])
+def test_the_float64_twin_holds_the_same_draws_unrounded(magnitude, dtype):
+    """What the column "against the unrounded inputs" relies on: strategies/cases.py draws in float64 and
+    rounds last, so a case's float64 twin holds its draws before rounding (every class but near_subnormal,
+    whose scale is the dtype's own)."""
+    case = AttentionCase(batch=2, heads_q=4, heads_kv=2, len_q=40, len_k=24, head_dim=16, dtype=dtype,
+                         magnitude=magnitude, seed=5)
+    t, twin = case.build(), case.replace(dtype="float64").build()
+    for name in ("q", "k", "v", "dout"):
+        assert torch.equal(getattr(twin, name).to(case.torch_dtype), getattr(t, name)), name
+    assert not torch.equal(twin.q, t.q.to(torch.float64))  # not rounded
+
+
+def test_a_class_drawn_per_dtype_has_no_unrounded_reference():
+    case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=8, len_k=8, head_dim=4, dtype="float16",
+                         magnitude="near_subnormal")
+    with pytest.raises(ValueError, match="does not round to its v: the magnitude class 'near_subnormal'"):
+        accuracy.UnroundedInputs(case, case.build(), device="cpu").out
+
+
+def test_the_unrounded_column_is_the_same_out_against_the_float64_twin(fa3_run):
+    """Each streamed RMSE "against the unrounded inputs" is that of the kernel's O (it is deterministic: run
+    again here) against the float64 attention of the case's float64 twin, computed here from scratch; it is
+    larger than the RMSE against the rounded inputs (it adds their rounding), and the table holds it."""
+    _, out, result = fa3_run
+    lines = accuracy.read_stream(out)[0]
+    unrounded = {(item["implementation"], json.dumps(item["case"], sort_keys=True)): item["rmse"]
+                 for item in lines if item.get("kind") == accuracy.UNROUNDED_KIND}
+    rounded = {(item["implementation"], json.dumps(item["case"], sort_keys=True)): item["rmse"]
+               for item in lines if item.get("kind") == "measurement" and item["op"] == "out"}
+    assert set(unrounded) == set(rounded) and len(unrounded) == 6  # 3 implementations x 2 dtypes, one seed
+    impls = {i.name: i for i in accuracy.select_implementations(list(accuracy.FA3_IMPLEMENTATIONS), device="cpu")}
+    rows = _rows(result)
+    for (name, text), value in unrounded.items():
+        case = AttentionCase.from_json(text)
+        t, twin = case.build(), case.replace(dtype="float64").build()
+        got, _ = impls[name].call(t.q, t.k, t.v, spec=case.spec, scale=case.scale)
+        expected = reference.attention(twin.q, twin.k, twin.v, spec=case.spec, scale=case.scale).out
+        assert value == pytest.approx(float(((got.to(torch.float64) - expected) ** 2).mean().sqrt()), rel=1e-9)
+        assert value > 1.2 * rounded[(name, text)], (name, case.dtype, value, rounded[(name, text)])
+        assert rows[(name, case.dtype)]["rmse_unrounded_inputs"] == pytest.approx(value, rel=1e-12)
+
+
+def test_the_rounding_of_the_inputs_narrows_the_gap_between_standard_and_flashattention(fa3_run):
+    """The measurement behind the table's words: against the unrounded inputs, fa2_blocked's RMSE is
+    several times its own error, and standard attention's lead over it shrinks towards the paper's 1.68x."""
+    rows = _rows(fa3_run[2])
+    for dtype in ("float16", "bfloat16"):
+        fa2, standard = rows[("fa2_blocked", dtype)], rows[("standard", dtype)]
+        assert fa2["rmse_unrounded_inputs"] > 2 * fa2["rmse"]
+        assert standard["unrounded_ratio_to_fa2_blocked"] < standard["ratio_to_fa2_blocked"] / 1.5
+    row = rows[("standard", "float16")]
+    assert row["unrounded_ratio_to_paper"] == pytest.approx(row["rmse_unrounded_inputs"] / 3.2e-4)
+
+
+def test_the_words_say_what_each_column_measures_in_every_output(fa3_run):
+    _, out, result = fa3_run
+    for name in accuracy.OUTPUTS:
+        text = (out / name).read_text().replace("&quot;", '"').replace('\\"', '"')  # as HTML and JSON write it
+        for words in ('"RMSE of O (rounded inputs)" compares it with the float64 reference computed from the inputs '
+                      "as rounded", '"RMSE of O against the unrounded inputs" compares the same O', "float64 twin",
+                      "is an inference", "Most likely the unrounded inputs", "judge the error against the rounded "
+                      "inputs alone"):
+            assert words in text, (name, words)
