@@ -420,14 +420,12 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
                 tic = time.monotonic()
                 if key not in truths:
                     truths[key] = measure.Truth(kcase, t.q, t.k, t.v, dout=t.dout if sweep.backward else None)
-                # The FlashAttention-3 table's second reference: the same O against the unrounded draws.
-                kept: list | None = [] if kcase.magnitude == FA3_MAGNITUDE else None
+                outputs: dict = {}  # what the records measured, for the FlashAttention-3 table's second reference
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     try:
-                        measured = impl if kept is None else _keeping_first_result(impl, kept)
-                        records, problems = measure.sweep_case(measured, kcase, t, truths[key], device=device,
-                                                               backward=sweep.backward)
+                        records, problems = measure.sweep_case(impl, kcase, t, truths[key], device=device,
+                                                               backward=sweep.backward, outputs=outputs)
                     except OutOfMemoryError as exc:  # in the suite's own work: start the case's truths afresh
                         truths.clear()
                         records, problems = [], [release_out_of_memory(exc)]
@@ -437,12 +435,12 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
                         records, problems = [], [exception_line(exc) + "".join(f" [warning: {s}]" for s in said)]
                 for r in records:
                     emit({"kind": "measurement", "spec": impl.cli_name, **r})
-                if kept and any(r["op"] == "out" for r in records):
+                if kcase.magnitude == FA3_MAGNITUDE and any(r["op"] == "out" for r in records):
+                    # the same O against the float64 reference of the draws before rounding
                     if key not in unrounded:
                         unrounded[key] = UnroundedInputs(kcase, t, device=device)
                     emit({"kind": UNROUNDED_KIND, "implementation": impl.name, "spec": impl.cli_name,
-                          "case": kcase.to_dict(), "op": "out",
-                          "rmse": unrounded[key].rmse(first_out(kept[0], kcase))})
+                          "case": kcase.to_dict(), "op": "out", "rmse": unrounded[key].rmse(outputs["out"])})
                 for p in problems:
                     emit({"kind": "error", "implementation": impl.name, "spec": impl.cli_name,
                           "case": kcase.to_dict(), "error": p})
@@ -496,27 +494,6 @@ class UnroundedInputs:
         from references.metrics import error_stats
 
         return error_stats(out, self.out).rmse
-
-
-def _keeping_first_result(impl, kept: list):
-    """``impl`` with a forward that appends its first result to ``kept``: the output that
-    :func:`verify.measure.sweep_case` measures, as the kernel returned it (in its own convention:
-    :func:`first_out` lays it back)."""
-    def forward(*args, **kwargs):
-        result = impl.forward(*args, **kwargs)
-        if not kept:
-            kept.append(result)
-        return result
-
-    return dataclasses.replace(impl, forward=forward)
-
-
-def first_out(result, case):
-    """A forward's ``out`` (from ``out`` or ``(out, lse)``) in the references' frame of ``case``."""
-    from kernels.conventions import layout
-
-    out = result if not isinstance(result, (tuple, list)) else result[0]
-    return layout(case.spec).queries_out(out, what="out", heads=case.heads_q, head_dim=case.head_dim).detach()
 
 
 # ------------------------------------------------------------------------------------ aggregation

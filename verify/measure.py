@@ -203,11 +203,14 @@ def run_backward(ctx: Context, case, q, k, v, dout) -> dict[str, torch.Tensor]:
     return results
 
 
-def sweep_case(impl, case, t, truth: Truth, *, device: str, backward: bool) -> tuple[list[dict], list[str]]:
+def sweep_case(impl, case, t, truth: Truth, *, device: str, backward: bool,
+               outputs: dict[str, torch.Tensor] | None = None) -> tuple[list[dict], list[str]]:
     """Measure ``impl`` on one case of the accuracy sweep (inputs ``t``): the records of ``out``, ``lse``
     (when returned) and, with ``backward``, ``dq``, ``dk``, ``dv``, as ``pytest verify`` writes them, and
     the problems met (a broken contract, an op that could not be compared). Every op is measured even
-    when an earlier one fails."""
+    when an earlier one fails. ``outputs``, when given, receives the results measured (``out``, ``lse``,
+    and the gradients), in the references' frame, for a table that measures them once more."""
+    outputs = {} if outputs is None else outputs
     records: list[dict] = []
     problems: list[str] = []
 
@@ -224,6 +227,7 @@ def sweep_case(impl, case, t, truth: Truth, *, device: str, backward: bool) -> t
 
     with torch.no_grad():
         out, lse = run_forward(ctx("out"), case, t.q, t.k, t.v)
+    outputs.update(out=out, **({"lse": lse} if lse is not None else {}))
     measure("out", out, truth.forward_bounds)
     if lse is not None:
         measure("lse", lse, truth.forward_bounds)
@@ -234,6 +238,7 @@ def sweep_case(impl, case, t, truth: Truth, *, device: str, backward: bool) -> t
     except (NotForThisKernel, PropertyFailure) as exc:
         problems.append(f"gradients not measured: {str(exc).splitlines()[0]}")
         return records, problems
+    outputs.update({op: got[op] for op in gradients_of(case)})
     grad_bounds = truth.gradient_bounds(impl, got["out"])
     for op in gradients_of(case):
         measure(op, got[op], grad_bounds)
