@@ -70,6 +70,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # the portable entry point (CUDA's libdevice on NVIDIA GPUs)
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - older Triton
+    from triton.language.extra.cuda import libdevice
+
 from kernels import _autograd, _validate
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -122,7 +127,7 @@ _ALIGNABLE = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb", "
               "stride_gb", "stride_gh", "stride_dkb", "stride_dkh", "stride_dvb", "stride_dvh", "stride_dqb",
               "stride_dqh")
 _NOT_SPECIALIZED = ("head_dim", "len_q", "len_k", "heads_q", "heads_kv", "group", "stride_lb", "stride_lh",
-                    *_ALIGNABLE)
+                    "stride_db", "stride_dh", "stride_sb", "window_left", "window_right", "chunk", *_ALIGNABLE)
 
 
 def _kernel(fn):
@@ -252,15 +257,80 @@ def _store_rows(ptrs, tile, rows, row_end, offs_d, head_dim):
 
 
 @triton.jit
-def _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                    lo, hi, kv_end, causal_offset, qk_scale,
-                    head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, MASKED: tl.constexpr, INNER_SCALED: tl.constexpr):
-    """Consume the KV blocks lo, lo + BLOCK_N, ... < hi into the running (acc, m, l) of one Q tile;
-    ``qk_scale = scale * log2(e)``; ``m`` is the running max of ``sign(scale) * q.k`` (raw units).
+def _chunk_start(position, chunk, len_q):
+    """The first position of ``position``'s chunk, ``floor(position / chunk) * chunk`` for positions down to
+    ``-len_q`` (shifted to non-negative first: integer division truncates differently across backends)."""
+    bias = (len_q // chunk + 1) * chunk
+    return ((position + bias) // chunk) * chunk - bias
 
-    MASKED: keys at or past ``kv_end`` are loaded as 0 and their scores (and, if CAUSAL, those of keys
-    a row may not see) are set to -inf; otherwise every key in [lo, hi) is visible to every row.
+
+@triton.jit
+def _visible(q_idx, k_idx, kv_end, causal_offset, window_left, window_right, chunk, len_q,
+             CAUSAL: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr):
+    """Whether query ``q_idx`` sees key ``k_idx`` (broadcastable index arrays): below ``kv_end``, and the
+    causal mask, the window ``(left, right)`` (-1 unbounded) and the chunks, all around the bottom-right
+    diagonal ``q_idx + causal_offset``."""
+    visible = k_idx < kv_end
+    diag = q_idx + causal_offset
+    if CAUSAL:
+        visible = visible & (k_idx <= diag)
+    if WINDOW:
+        visible = visible & ((window_left < 0) | (k_idx >= diag - window_left))
+        visible = visible & ((window_right < 0) | (k_idx <= diag + window_right))
+    if CHUNK:
+        start = _chunk_start(diag, chunk, len_q)
+        visible = visible & (k_idx >= start) & (k_idx < start + chunk)
+    return visible
+
+
+@triton.jit
+def _tanh(x, LIBDEVICE: tl.constexpr):
+    """tanh in float32: CUDA's (within 2 ulps) on the GPU; under the interpreter, which has no libdevice,
+    ``sign(x) e / (e + 2)`` with ``e = expm1(2|x|)`` (its Taylor series below 0.5, where exp(y) - 1 would
+    cancel), within 4 ulps (tests/test_triton_variants.py measures it)."""
+    if LIBDEVICE:
+        t = libdevice.tanh(x)
+    else:
+        a = tl.minimum(tl.abs(x), 15.0)  # tanh(15) rounds to 1 in float32
+        y = 2.0 * a
+        series = y * (1.0 + y / 2.0 * (1.0 + y / 3.0 * (1.0 + y / 4.0 * (1.0 + y / 5.0 * (1.0 + y / 6.0 * (
+            1.0 + y / 7.0 * (1.0 + y / 8.0 * (1.0 + y / 9.0))))))))
+        e = tl.where(y < 0.5, series, tl.exp(y) - 1.0)
+        t = e / (e + 2.0)
+        t = tl.where(x < 0, -t, t)
+    return t
+
+
+@triton.jit
+def _modified(qk, sm_scale, softcap, slope, q_idx, k_idx, causal_offset,
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """The scores the softmax sees, in natural units, from raw ``q.k``: ``s = scale q.k``, then the softcap
+    ``c tanh(s / c)``, then ALiBi's ``-slope |diag - j|`` (flash_attn's order). Returns ``(s', tanh)``
+    (``tanh`` is 0 without a softcap)."""
+    s = qk * sm_scale
+    t = s * 0.0
+    if SOFTCAP:
+        t = _tanh(s / softcap, LIBDEVICE)
+        s = softcap * t
+    if ALIBI:
+        s = s - slope * tl.abs(q_idx + causal_offset - k_idx).to(tl.float32)
+    return s, t
+
+
+@triton.jit
+def _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+                    lo, hi, kv_end, causal_offset, qk_scale, sm_scale, softcap, slope,
+                    window_left, window_right, chunk, len_q,
+                    head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    CAUSAL: tl.constexpr, MASKED: tl.constexpr, INNER_SCALED: tl.constexpr,
+                    WINDOW: tl.constexpr, CHUNK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                    NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Consume the KV blocks lo, lo + BLOCK_N, ... < hi into the running (acc, m, l) of one Q tile;
+    ``qk_scale = scale * log2(e)``; ``m`` is the running max of ``sign(scale) * q.k`` (raw units), or,
+    NATURAL (a softcap, ALiBi or sinks), of the modified scores ``s'`` in natural units.
+
+    MASKED: keys at or past ``kv_end`` are loaded as 0 and their scores (and those of keys a row may not
+    see: CAUSAL, WINDOW, CHUNK) are set to -inf; otherwise every key in [lo, hi) is visible to every row.
     """
     sign = tl.where(qk_scale < 0, -1.0, 1.0)
     c_abs = qk_scale * sign
@@ -269,12 +339,14 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n
         cols = start_n + offs_n
         k = _load_rows(K + cols[:, None] * stride_kn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
         v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
-        # -- raw scores q.k in float32, sign-adjusted so that the largest is the largest scaled score
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sign
+        if NATURAL:  # -- the modified scores s' in natural units
+            qk, _ = _modified(tl.dot(q, tl.trans(k), input_precision="ieee"), sm_scale, softcap, slope,
+                              offs_m[:, None], cols[None, :], causal_offset, SOFTCAP, ALIBI, LIBDEVICE)
+        else:  # -- raw scores q.k in float32, sign-adjusted so that the largest is the largest scaled score
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sign
         if MASKED:
-            visible = cols[None, :] < kv_end
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            visible = _visible(offs_m[:, None], cols[None, :], kv_end, causal_offset, window_left, window_right,
+                               chunk, len_q, CAUSAL, WINDOW, CHUNK)
             qk = tl.where(visible, qk, float("-inf"))
         # -- new running max (raw units); a row that has seen only masked keys subtracts 0, not -inf
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -284,9 +356,13 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n
             m_ref = m_new
         # p = exp2((qk - m) * |scale| log2(e)): qk - m is exact for the keys near the max (Sterbenz), so
         # each p errs by a rounding of its exponent s - m, not of s (about 1e-7 against 1e-3 relative for
-        # scores near 1e4), and the max itself gets p = 1 exactly.
-        alpha = tl.where(m_i == float("-inf"), 0.0, tl.math.exp2((m_i - m_ref) * c_abs))
-        arg = (qk - m_ref[:, None]) * c_abs
+        # scores near 1e4), and the max itself gets p = 1 exactly. NATURAL: exp2((s' - m) log2(e)).
+        if NATURAL:
+            factor = _LOG2E + 0.0 * c_abs
+        else:
+            factor = c_abs
+        alpha = tl.where(m_i == float("-inf"), 0.0, tl.math.exp2((m_i - m_ref) * factor))
+        arg = (qk - m_ref[:, None]) * factor
         if MASKED:
             arg = tl.where(visible, arg, float("-inf"))
         p = tl.math.exp2(arg)
@@ -308,16 +384,41 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n
 # Forward kernel
 # --------------------------------------------------------------------------------------------------
 
+@triton.jit
+def _kv_window(start_m, last_row, len_k, len_q, causal_offset, window_left, window_right, chunk,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(lo, kv_end, full_end)`` of a Q tile of rows ``start_m .. last_row``: the keys some row sees lie in
+    ``[lo, kv_end)`` (``lo`` a multiple of BLOCK_N), those every row sees (causal alone) in ``[0, full_end)``."""
+    lo = 0
+    if CAUSAL:
+        kv_end = tl.maximum(tl.minimum(last_row + 1 + causal_offset, len_k), 0)
+        full_end = tl.maximum(tl.minimum(start_m + causal_offset + 1, kv_end), 0)
+    else:
+        kv_end = len_k
+        full_end = len_k
+    if WINDOW:
+        kv_end = tl.where(window_right >= 0,
+                          tl.maximum(tl.minimum(kv_end, last_row + causal_offset + window_right + 1), 0), kv_end)
+        lo = tl.where(window_left >= 0, tl.maximum(start_m + causal_offset - window_left, 0), lo)
+    if CHUNK:
+        lo = tl.maximum(lo, _chunk_start(start_m + causal_offset, chunk, len_q))
+        kv_end = tl.maximum(tl.minimum(kv_end, _chunk_start(last_row + causal_offset, chunk, len_q) + chunk), 0)
+    lo = (tl.minimum(lo, kv_end) // BLOCK_N) * BLOCK_N
+    return lo, kv_end, full_end
+
+
 @_kernel
-def _attn_fwd(Q, K, V, Out, Lse, qk_scale,
+def _attn_fwd(Q, K, V, Out, Lse, qk_scale, sm_scale, Slopes, Sinks, CuQ, CuK,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
               stride_ob, stride_oh, stride_om, stride_od,
-              stride_lb, stride_lh, stride_lm,
-              heads_q, group, len_q, len_k, seq_bucket,
+              stride_lb, stride_lh, stride_lm, stride_sb,
+              heads_q, group, len_q, len_k, seq_bucket, window_left, window_right, chunk, softcap,
               head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
-              INNER_SCALED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              INNER_SCALED: tl.constexpr, ALIGNED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, VARLEN: tl.constexpr,
+              NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
     stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
     stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
@@ -332,62 +433,86 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale,
     off_h = (pid_bh % heads_q).to(tl.int64)
     off_hkv = off_h // group
     start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh
-                   + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                   offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
-    # [1, BLOCK_D] pointers to the head-dim columns of this (batch, kv head); the loop adds the key rows.
-    K += off_b * stride_kb + off_hkv * stride_kh + offs_d[None, :] * stride_kd
-    V += off_b * stride_vb + off_hkv * stride_vh + offs_d[None, :] * stride_vd
+    q_start = 0
+    k_start = 0
+    if VARLEN:  # sequence off_b: its rows and keys in the packed tensors (the batch strides are 0)
+        q_start = tl.load(CuQ + off_b).to(tl.int64)
+        len_q = (tl.load(CuQ + off_b + 1) - q_start).to(tl.int32)
+        k_start = tl.load(CuK + off_b).to(tl.int64)
+        len_k = (tl.load(CuK + off_b + 1) - k_start).to(tl.int32)
+    if start_m < len_q:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        Q += off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
+        q = _load_rows(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                       offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
+        # [1, BLOCK_D] pointers to the head-dim columns of this (batch, kv head); the loop adds the key rows.
+        K += off_b * stride_kb + off_hkv * stride_kh + k_start * stride_kn + offs_d[None, :] * stride_kd
+        V += off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn + offs_d[None, :] * stride_vd
+        slope = 0.0
+        if ALIBI:
+            slope = tl.load(Slopes + off_b * stride_sb + off_h).to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        if SINKS:  # the sink starts the running state: m = t, l = exp(t - t) = 1 (natural units)
+            m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(Sinks + off_h).to(tl.float32)
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # KV range: [0, kv_end) is what some row of this block sees; [0, full_end) what every row sees.
-    causal_offset = len_k - len_q
-    if CAUSAL:
-        kv_end = tl.maximum(tl.minimum(tl.minimum(start_m + BLOCK_M, len_q) + causal_offset, len_k), 0)
-        full_end = tl.maximum(tl.minimum(start_m + causal_offset + 1, kv_end), 0)
-    else:
-        kv_end = len_k
-        full_end = len_k
-    if SPLIT:
-        # Stage 1: blocks visible to every row, no masks.
-        full_end = (full_end // BLOCK_N) * BLOCK_N
+        # KV range: [lo, kv_end) is what some row of this block sees; [0, full_end) what every row sees.
+        causal_offset = len_k - len_q
+        last_row = tl.minimum(start_m + BLOCK_M, len_q) - 1
+        lo, kv_end, full_end = _kv_window(start_m, last_row, len_k, len_q, causal_offset, window_left,
+                                          window_right, chunk, CAUSAL, WINDOW, CHUNK, BLOCK_N)
+        if SPLIT and not WINDOW and not CHUNK:
+            # Stage 1: blocks visible to every row, no masks.
+            full_end = (full_end // BLOCK_N) * BLOCK_N
+            acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+                                            0, full_end, kv_end, causal_offset, qk_scale, sm_scale, softcap,
+                                            slope, window_left, window_right, chunk, len_q,
+                                            head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, False, INNER_SCALED,
+                                            WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
+        else:
+            full_end = lo
+        # Stage 2: blocks crossing the diagonal, a window's or chunk's edges or the end of the keys, masked
+        # (every block the tile sees if not SPLIT).
         acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                                        0, full_end, kv_end, causal_offset, qk_scale,
-                                        head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, False, INNER_SCALED)
-    else:
-        full_end = 0
-    # Stage 2: blocks crossing the diagonal or the end of the keys, masked (every block if not SPLIT).
-    acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                                    full_end, kv_end, kv_end, causal_offset, qk_scale,
-                                    head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, True, INNER_SCALED)
+                                        full_end, kv_end, kv_end, causal_offset, qk_scale, sm_scale, softcap,
+                                        slope, window_left, window_right, chunk, len_q,
+                                        head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, True, INNER_SCALED,
+                                        WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
 
-    # Epilogue: rows with no visible key have l = 0, acc = 0: out = 0, lse = -inf. Natural-log LSE.
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    if INNER_SCALED:
-        out = acc
-    else:
-        out = acc / l_safe[:, None]
-    # m is in raw units: lse = ln(2) (m |scale| log2(e) + log2(l)). m * |scale| log2(e) is rounded exactly
-    # as the backward rounds q.k * scale log2(e) (one product of the same two numbers), so at a row's
-    # largest score the backward's exponent s2 - lse2 sees that rounding cancel, as the forward's did.
-    c_abs = tl.where(qk_scale < 0, -qk_scale, qk_scale)
-    lse = tl.where(empty, float("-inf"), (m_i * c_abs + tl.log2(l_safe)) * _LN2)
-    _store_rows(Out + off_b * stride_ob + off_h * stride_oh
-                + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-                out.to(Out.dtype.element_ty), offs_m, len_q, offs_d, head_dim)
-    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm, lse, mask=offs_m < len_q)
+        # Epilogue: rows with no visible key have l = 0, acc = 0: out = 0, lse = -inf (with a sink l = 1 and
+        # m = t there: out = 0, lse = t). Natural-log LSE.
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        if INNER_SCALED:
+            out = acc
+        else:
+            out = acc / l_safe[:, None]
+        # m is in raw units: lse = ln(2) (m |scale| log2(e) + log2(l)). m * |scale| log2(e) is rounded exactly
+        # as the backward rounds q.k * scale log2(e) (one product of the same two numbers), so at a row's
+        # largest score the backward's exponent s2 - lse2 sees that rounding cancel, as the forward's did.
+        # NATURAL: m is in natural units, lse = ln(2) (m log2(e) + log2(l)).
+        if NATURAL:
+            c_abs = _LOG2E + 0.0 * qk_scale
+        else:
+            c_abs = tl.where(qk_scale < 0, -qk_scale, qk_scale)
+        lse = tl.where(empty, float("-inf"), (m_i * c_abs + tl.log2(l_safe)) * _LN2)
+        _store_rows(Out + off_b * stride_ob + off_h * stride_oh + q_start * stride_om
+                    + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                    out.to(Out.dtype.element_ty), offs_m, len_q, offs_d, head_dim)
+        tl.store(Lse + off_b * stride_lb + off_h * stride_lh + (q_start + offs_m) * stride_lm, lse,
+                 mask=offs_m < len_q)
 
 
+_VARIANT_KEY = ["WINDOW", "CHUNK", "SOFTCAP", "ALIBI", "SINKS", "VARLEN"]
 _attn_fwd_tuned = triton.autotune(
     configs=_configs(_FWD_TILES),
-    key=["BLOCK_D", "CAUSAL", "INNER_SCALED", "seq_bucket"],
+    key=["BLOCK_D", "CAUSAL", "INNER_SCALED", "seq_bucket", *_VARIANT_KEY],
     prune_configs_by={"early_config_prune": _pruner(_FWD_TILES)},
 )(_attn_fwd)
 
@@ -397,39 +522,48 @@ _attn_fwd_tuned = triton.autotune(
 # --------------------------------------------------------------------------------------------------
 
 @_kernel
-def _attn_bwd_delta(Out, DOut, Delta,
+def _attn_bwd_delta(Out, DOut, Delta, CuQ,
                     stride_ob, stride_oh, stride_om, stride_od,
                     stride_gb, stride_gh, stride_gm, stride_gd,
+                    stride_db, stride_dh,
                     heads_q, len_q,
                     head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, ALIGNED: tl.constexpr,
-                    BLOCK_M: tl.constexpr):
-    """Delta = rowsum(dO * O) in float32, stored as a contiguous [B, Hq, Nq] tensor."""
+                    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Delta = rowsum(dO * O) in float32, stored with the LSE's layout ([B, Hq, Nq]; [Hq, total] packed)."""
     stride_ob, stride_oh = _hint16(stride_ob, ALIGNED), _hint16(stride_oh, ALIGNED)
     stride_gb, stride_gh = _hint16(stride_gb, ALIGNED), _hint16(stride_gh, ALIGNED)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // heads_q).to(tl.int64)
     off_h = (pid_bh % heads_q).to(tl.int64)
+    q_start = 0
+    if VARLEN:
+        q_start = tl.load(CuQ + off_b).to(tl.int64)
+        len_q = (tl.load(CuQ + off_b + 1) - q_start).to(tl.int32)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load_rows(Out + off_b * stride_ob + off_h * stride_oh
+    o = _load_rows(Out + off_b * stride_ob + off_h * stride_oh + q_start * stride_om
                    + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
                    offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
-    do = _load_rows(DOut + off_b * stride_gb + off_h * stride_gh
+    do = _load_rows(DOut + off_b * stride_gb + off_h * stride_gh + q_start * stride_gm
                     + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd,
                     offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(Delta + pid_bh.to(tl.int64) * len_q + offs_m, delta, mask=offs_m < len_q)
+    tl.store(Delta + off_b * stride_db + off_h * stride_dh + q_start + offs_m, delta, mask=offs_m < len_q)
 
 
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, stride_qm, stride_gm, stride_lm,
-                         offs_n, offs_d, lo, hi, len_q, causal_offset, qk_scale,
+                         offs_n, offs_d, lo, hi, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap, slope,
+                         window_left, window_right, chunk,
                          head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+                         CAUSAL: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
+                         SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, NATURAL: tl.constexpr,
+                         LIBDEVICE: tl.constexpr):
     """Add the Q blocks lo, lo + BLOCK_M, ... < hi of one query head to a KV tile's dK, dV (transposed
-    form: rows are keys, columns queries). MASKED: rows past len_q are read as 0, and (if CAUSAL)
-    scores of keys a query may not see are set to -inf."""
+    form: rows are keys, columns queries). MASKED: rows past len_q are read as 0, and scores of keys a
+    query may not see (CAUSAL, WINDOW, CHUNK) are set to -inf. NATURAL: the scores are the modified
+    ones (softcap, ALiBi), and a softcap's 1 - tanh^2 multiplies dS."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -444,11 +578,17 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, stride_qm, stride_gm, 
         # A row that sees no key has lse = -inf: use +inf so that p = exp2(-inf) = 0, not exp2(NaN).
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
         # -- p^T = exp(s^T - lse) = exp2(qk_scale * k q^T - log2(e) * lse)
-        arg = tl.dot(k, tl.trans(q), input_precision="ieee") * qk_scale - lse2[None, :]
+        kq = tl.dot(k, tl.trans(q), input_precision="ieee")
+        if NATURAL:
+            s, t = _modified(kq, sm_scale, softcap, slope, rows[None, :], offs_n[:, None], causal_offset,
+                             SOFTCAP, ALIBI, LIBDEVICE)
+            arg = s * _LOG2E - lse2[None, :]
+        else:
+            arg = kq * qk_scale - lse2[None, :]
         if MASKED:
-            visible = rows[None, :] < len_q
-            if CAUSAL:
-                visible = visible & (offs_n[:, None] <= rows[None, :] + causal_offset)
+            visible = (rows[None, :] < len_q) & _visible(rows[None, :], offs_n[:, None], len_k, causal_offset,
+                                                         window_left, window_right, chunk, len_q,
+                                                         CAUSAL, WINDOW, CHUNK)
             arg = tl.where(visible, arg, float("-inf"))
         p_t = tl.math.exp2(arg)
         # -- dV += p^T dO
@@ -456,22 +596,54 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, stride_qm, stride_gm, 
         # -- dS^T = p^T (dP^T - Delta), dP^T = v dO^T;  dK += dS^T q
         dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:  # the chain rule through c tanh(s / c), where p > 0 (a hidden key may hold NaN)
+            ds_t = tl.where(p_t > 0, ds_t * (1.0 - t * t), 0.0)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")
     return dk, dv
 
 
+@triton.jit
+def _q_window(start_n, len_q, len_k, causal_offset, window_left, window_right, chunk,
+              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(lo, diag_end, hi)`` of the query rows of the KV tile at ``start_n``: rows in ``[lo, hi)`` may see
+    a key of it (``lo`` a multiple of BLOCK_M); causally, rows from ``diag_end`` on see all of it."""
+    len_q_blocks = tl.cdiv(len_q, BLOCK_M) * BLOCK_M
+    last_key = start_n + BLOCK_N - 1
+    hi = len_q
+    if CAUSAL:
+        first_row = tl.maximum(start_n - causal_offset, 0)
+        diag_end = tl.cdiv(tl.maximum(last_key - causal_offset, 0), BLOCK_M) * BLOCK_M
+    else:
+        first_row = 0
+        diag_end = 0
+    if WINDOW:  # query i sees key j iff diag_i - left <= j <= diag_i + right
+        first_row = tl.where(window_right >= 0, tl.maximum(first_row, start_n - causal_offset - window_right),
+                             first_row)
+        hi = tl.where(window_left >= 0, tl.minimum(hi, last_key - causal_offset + window_left + 1), hi)
+    if CHUNK:  # query i sees key j iff they share a chunk of the diagonal's positions
+        first_row = tl.maximum(first_row, (start_n // chunk) * chunk - causal_offset)
+        hi = tl.minimum(hi, (last_key // chunk) * chunk + chunk - causal_offset)
+    hi = tl.maximum(hi, 0)
+    lo = tl.minimum((tl.minimum(first_row, hi) // BLOCK_M) * BLOCK_M, len_q_blocks)
+    diag_end = tl.minimum(tl.maximum(diag_end, lo), len_q_blocks)
+    return lo, diag_end, hi
+
+
 @_kernel
-def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale,
+def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, Slopes, CuQ, CuK,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
                    stride_gb, stride_gh, stride_gm, stride_gd,
-                   stride_lb, stride_lh, stride_lm,
+                   stride_lb, stride_lh, stride_lm, stride_db, stride_dh, stride_sb,
                    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                   heads_q, heads_kv, group, len_q, len_k, seq_bucket,
+                   heads_q, heads_kv, group, len_q, len_k, seq_bucket, window_left, window_right, chunk, softcap,
                    head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
-                   ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   ALIGNED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, SOFTCAP: tl.constexpr,
+                   ALIBI: tl.constexpr, VARLEN: tl.constexpr, NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
     stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
     stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
@@ -483,70 +655,82 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale,
     off_b = (pid_bh // heads_kv).to(tl.int64)
     off_hkv = (pid_bh % heads_kv).to(tl.int64)
     start_n = pid_n * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    q_start = 0
+    k_start = 0
+    if VARLEN:
+        q_start = tl.load(CuQ + off_b).to(tl.int64)
+        len_q = (tl.load(CuQ + off_b + 1) - q_start).to(tl.int32)
+        k_start = tl.load(CuK + off_b).to(tl.int64)
+        len_k = (tl.load(CuK + off_b + 1) - k_start).to(tl.int32)
+    if start_n < len_k:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        # The KV tile stays in registers for the whole program; keys past len_k read as 0 (never stored).
+        k = _load_rows(K + off_b * stride_kb + off_hkv * stride_kh + k_start * stride_kn
+                       + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                       offs_n, len_k, offs_d, head_dim, BLOCK_D, EVEN_D, True)
+        v = _load_rows(V + off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn
+                       + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                       offs_n, len_k, offs_d, head_dim, BLOCK_D, EVEN_D, True)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
-    # The KV tile stays in registers for the whole program; keys past len_k read as 0 (never stored).
-    k = _load_rows(K + off_b * stride_kb + off_hkv * stride_kh
-                   + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                   offs_n, len_k, offs_d, head_dim, BLOCK_D, EVEN_D, True)
-    v = _load_rows(V + off_b * stride_vb + off_hkv * stride_vh
-                   + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                   offs_n, len_k, offs_d, head_dim, BLOCK_D, EVEN_D, True)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        # Q range: rows in [lo, hi) may see the tile; causally, rows >= diag_end see every key of it.
+        causal_offset = len_k - len_q
+        lo, diag_end, hi = _q_window(start_n, len_q, len_k, causal_offset, window_left, window_right, chunk,
+                                     CAUSAL, WINDOW, CHUNK, BLOCK_M, BLOCK_N)
+        even_end = tl.maximum((len_q // BLOCK_M) * BLOCK_M, diag_end)
 
-    # Q range: rows >= lo see key start_n; rows >= diag_end see every key of this tile.
-    causal_offset = len_k - len_q
-    len_q_blocks = tl.cdiv(len_q, BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        first_row = tl.maximum(start_n - causal_offset, 0)
-        lo = tl.minimum((first_row // BLOCK_M) * BLOCK_M, len_q_blocks)
-        last_key = start_n + BLOCK_N - 1
-        diag_end = tl.cdiv(tl.maximum(last_key - causal_offset, 0), BLOCK_M) * BLOCK_M
-        diag_end = tl.minimum(tl.maximum(diag_end, lo), len_q_blocks)
-    else:
-        lo = 0
-        diag_end = 0
-    even_end = tl.maximum((len_q // BLOCK_M) * BLOCK_M, diag_end)
+        # Sum over the query heads of the group, in a fixed order (deterministic, no atomics).
+        for g in range(0, group):
+            off_h = off_hkv * group + g
+            slope = 0.0
+            if ALIBI:
+                slope = tl.load(Slopes + off_b * stride_sb + off_h).to(tl.float32)
+            Qh = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm + offs_d[None, :] * stride_qd
+            DOh = DO + off_b * stride_gb + off_h * stride_gh + q_start * stride_gm + offs_d[None, :] * stride_gd
+            Lseh = Lse + off_b * stride_lb + off_h * stride_lh + q_start * stride_lm
+            Deltah = Delta + off_b * stride_db + off_h * stride_dh + q_start
+            if SPLIT and not WINDOW and not CHUNK:
+                # Q blocks crossing the diagonal (masked), those seeing the whole tile, then the ragged tail.
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
+                                              offs_n, offs_d, lo, diag_end, len_q, len_k, causal_offset, qk_scale,
+                                              sm_scale, softcap, slope, window_left, window_right, chunk,
+                                              head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True, WINDOW, CHUNK,
+                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
+                                              offs_n, offs_d, diag_end, even_end, len_q, len_k, causal_offset,
+                                              qk_scale, sm_scale, softcap, slope, window_left, window_right, chunk,
+                                              head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, False, WINDOW, CHUNK,
+                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
+                                              offs_n, offs_d, even_end, len_q, len_q, len_k, causal_offset, qk_scale,
+                                              sm_scale, softcap, slope, window_left, window_right, chunk,
+                                              head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True, WINDOW, CHUNK,
+                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
+            else:
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
+                                              offs_n, offs_d, lo, hi, len_q, len_k, causal_offset, qk_scale,
+                                              sm_scale, softcap, slope, window_left, window_right, chunk,
+                                              head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True, WINDOW, CHUNK,
+                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
 
-    # Sum over the query heads of the group, in a fixed order (deterministic, no atomics).
-    for g in range(0, group):
-        off_h = off_hkv * group + g
-        Qh = Q + off_b * stride_qb + off_h * stride_qh + offs_d[None, :] * stride_qd
-        DOh = DO + off_b * stride_gb + off_h * stride_gh + offs_d[None, :] * stride_gd
-        Lseh = Lse + off_b * stride_lb + off_h * stride_lh
-        Deltah = Delta + (off_b * heads_q + off_h) * len_q
-        if SPLIT:
-            # Q blocks crossing the diagonal (masked), those seeing the whole tile, then the ragged tail.
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
-                                          offs_n, offs_d, lo, diag_end, len_q, causal_offset, qk_scale,
-                                          head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True)
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
-                                          offs_n, offs_d, diag_end, even_end, len_q, causal_offset, qk_scale,
-                                          head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, False)
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
-                                          offs_n, offs_d, even_end, len_q, len_q, causal_offset, qk_scale,
-                                          head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True)
-        else:
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
-                                          offs_n, offs_d, lo, len_q, len_q, causal_offset, qk_scale,
-                                          head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True)
-
-    dk = dk * sm_scale
-    _store_rows(DK + off_b * stride_dkb + off_hkv * stride_dkh
-                + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-                dk.to(DK.dtype.element_ty), offs_n, len_k, offs_d, head_dim)
-    _store_rows(DV + off_b * stride_dvb + off_hkv * stride_dvh
-                + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
-                dv.to(DV.dtype.element_ty), offs_n, len_k, offs_d, head_dim)
+        dk = dk * sm_scale
+        _store_rows(DK + off_b * stride_dkb + off_hkv * stride_dkh + k_start * stride_dkn
+                    + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+                    dk.to(DK.dtype.element_ty), offs_n, len_k, offs_d, head_dim)
+        _store_rows(DV + off_b * stride_dvb + off_hkv * stride_dvh + k_start * stride_dvn
+                    + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+                    dv.to(DV.dtype.element_ty), offs_n, len_k, offs_d, head_dim)
 
 
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                       lo, hi, kv_end, causal_offset, qk_scale,
+                       lo, hi, kv_end, len_q, causal_offset, qk_scale, sm_scale, softcap, slope,
+                       window_left, window_right, chunk,
                        head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+                       CAUSAL: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
+                       SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Add the KV blocks lo, lo + BLOCK_N, ... < hi to a Q tile's dQ (masking as in the forward);
     ``lse2 = log2(e) * lse`` (+inf for rows that see no key), ``qk_scale = log2(e) * scale``."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -554,30 +738,39 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_
         cols = start_n + offs_n
         k = _load_rows(K + cols[:, None] * stride_kn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
         v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
-        arg = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale - lse2[:, None]
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if NATURAL:
+            s, t = _modified(qk, sm_scale, softcap, slope, offs_m[:, None], cols[None, :], causal_offset,
+                             SOFTCAP, ALIBI, LIBDEVICE)
+            arg = s * _LOG2E - lse2[:, None]
+        else:
+            arg = qk * qk_scale - lse2[:, None]
         if MASKED:
-            visible = cols[None, :] < kv_end
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            visible = _visible(offs_m[:, None], cols[None, :], kv_end, causal_offset, window_left, window_right,
+                               chunk, len_q, CAUSAL, WINDOW, CHUNK)
             arg = tl.where(visible, arg, float("-inf"))
         p = tl.math.exp2(arg)
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:  # the chain rule through c tanh(s / c), where p > 0 (a hidden key may hold NaN)
+            ds = tl.where(p > 0, ds * (1.0 - t * t), 0.0)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
     return dq
 
 
 @_kernel
-def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale,
+def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, Slopes, CuQ, CuK,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
                  stride_gb, stride_gh, stride_gm, stride_gd,
-                 stride_lb, stride_lh, stride_lm,
+                 stride_lb, stride_lh, stride_lm, stride_db, stride_dh, stride_sb,
                  stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-                 heads_q, group, len_q, len_k, seq_bucket,
+                 heads_q, group, len_q, len_k, seq_bucket, window_left, window_right, chunk, softcap,
                  head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
-                 ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 ALIGNED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, SOFTCAP: tl.constexpr,
+                 ALIBI: tl.constexpr, VARLEN: tl.constexpr, NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
     stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
     stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
@@ -592,48 +785,58 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale,
     off_h = (pid_bh % heads_q).to(tl.int64)
     off_hkv = off_h // group
     start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    q_start = 0
+    k_start = 0
+    if VARLEN:
+        q_start = tl.load(CuQ + off_b).to(tl.int64)
+        len_q = (tl.load(CuQ + off_b + 1) - q_start).to(tl.int32)
+        k_start = tl.load(CuK + off_b).to(tl.int64)
+        len_k = (tl.load(CuK + off_b + 1) - k_start).to(tl.int32)
+    if start_m < len_q:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
+                       + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                       offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
+        do = _load_rows(DO + off_b * stride_gb + off_h * stride_gh + q_start * stride_gm
+                        + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd,
+                        offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
+        lse = tl.load(Lse + off_b * stride_lb + off_h * stride_lh + (q_start + offs_m) * stride_lm,
+                      mask=offs_m < len_q, other=float("inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+        delta = tl.load(Delta + off_b * stride_db + off_h * stride_dh + q_start + offs_m, mask=offs_m < len_q,
+                        other=0.0)
+        slope = 0.0
+        if ALIBI:
+            slope = tl.load(Slopes + off_b * stride_sb + off_h).to(tl.float32)
+        K += off_b * stride_kb + off_hkv * stride_kh + k_start * stride_kn + offs_d[None, :] * stride_kd
+        V += off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn + offs_d[None, :] * stride_vd
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh
-                   + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                   offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
-    do = _load_rows(DO + off_b * stride_gb + off_h * stride_gh
-                    + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd,
-                    offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
-    lse = tl.load(Lse + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm,
-                  mask=offs_m < len_q, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
-    delta = tl.load(Delta + pid_bh.to(tl.int64) * len_q + offs_m, mask=offs_m < len_q, other=0.0)
-    K += off_b * stride_kb + off_hkv * stride_kh + offs_d[None, :] * stride_kd
-    V += off_b * stride_vb + off_hkv * stride_vh + offs_d[None, :] * stride_vd
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-
-    causal_offset = len_k - len_q
-    if CAUSAL:
-        kv_end = tl.maximum(tl.minimum(tl.minimum(start_m + BLOCK_M, len_q) + causal_offset, len_k), 0)
-        full_end = tl.maximum(tl.minimum(start_m + causal_offset + 1, kv_end), 0)
-    else:
-        kv_end = len_k
-        full_end = len_k
-    if SPLIT:
-        full_end = (full_end // BLOCK_N) * BLOCK_N
+        causal_offset = len_k - len_q
+        last_row = tl.minimum(start_m + BLOCK_M, len_q) - 1
+        lo, kv_end, full_end = _kv_window(start_m, last_row, len_k, len_q, causal_offset, window_left,
+                                          window_right, chunk, CAUSAL, WINDOW, CHUNK, BLOCK_N)
+        if SPLIT and not WINDOW and not CHUNK:
+            full_end = (full_end // BLOCK_N) * BLOCK_N
+            dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+                                    0, full_end, kv_end, len_q, causal_offset, qk_scale, sm_scale, softcap, slope,
+                                    window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_N,
+                                    CAUSAL, False, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
+        else:
+            full_end = lo
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                                0, full_end, kv_end, causal_offset, qk_scale,
-                                head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, False)
-    else:
-        full_end = 0
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                            full_end, kv_end, kv_end, causal_offset, qk_scale,
-                            head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, True)
-    dq = dq * sm_scale
-    _store_rows(DQ + off_b * stride_dqb + off_h * stride_dqh
-                + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-                dq.to(DQ.dtype.element_ty), offs_m, len_q, offs_d, head_dim)
+                                full_end, kv_end, kv_end, len_q, causal_offset, qk_scale, sm_scale, softcap, slope,
+                                window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_N,
+                                CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
+        dq = dq * sm_scale
+        _store_rows(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm
+                    + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+                    dq.to(DQ.dtype.element_ty), offs_m, len_q, offs_d, head_dim)
 
 
-_bwd_key = ["BLOCK_D", "CAUSAL", "seq_bucket"]
+_bwd_key = ["BLOCK_D", "CAUSAL", "seq_bucket", "WINDOW", "CHUNK", "SOFTCAP", "ALIBI", "VARLEN"]
 _attn_bwd_dkdv_tuned = triton.autotune(configs=_configs(_BWD_TILES), key=_bwd_key,
                                        prune_configs_by={"early_config_prune": _pruner(_BWD_TILES)})(_attn_bwd_dkdv)
 _attn_bwd_dq_tuned = triton.autotune(configs=_configs(_BWD_TILES), key=_bwd_key,
@@ -676,111 +879,230 @@ def _outputs(q, k, v, out, lse, *, kernel: str):
     return out, lse
 
 
+class _Call:
+    """One call's variant keywords, validated, and its tensors as the kernels index them: ``[B, H, N, D]``
+    views (packed sequences: ``[1, H, total, D]`` transposed views of ``[total, H, D]``, one program row per
+    sequence, the batch stride 0), the scalars and flags the kernels take, and the grid's batch size."""
+
+    def __init__(self, q, k, v, *, kernel, causal, scale, block_m, block_n, window_size=(-1, -1),
+                 attention_chunk=0, softcap=0.0, alibi_slopes=None, sinks=None, cu_seqlens_q=None,
+                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+        if not isinstance(causal, bool):
+            raise TypeError(f"{kernel}: causal={causal!r}, but should be a bool")
+        self.varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+        if self.varlen:
+            for label, t in (("q", q), ("k", k), ("v", v)):
+                if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                    raise ValueError(f"{kernel}: packed sequences take q [total_q, Hq, D] and k, v [total_k, Hkv, "
+                                     f"D]; {label} is {tuple(t.shape) if isinstance(t, torch.Tensor) else t!r}")
+            q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))
+        else:
+            q4, k4, v4 = q, k, v
+        self.scale = _check_inputs(q4, k4, v4, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
+        self.q, self.k, self.v = q4, k4, v4
+        self.causal, self.kernel = causal, kernel
+        self.window = _validate.check_window(window_size, kernel=kernel)
+        self.chunk = _validate.check_attention_chunk(attention_chunk, kernel=kernel)
+        self.softcap = _validate.check_softcap(softcap, kernel=kernel)
+        if self.varlen:
+            cq = _validate.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device,
+                                            kernel=kernel)
+            ck = _validate.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total=k.shape[0], device=q.device,
+                                            kernel=kernel)
+            if len(cq) != len(ck):
+                raise ValueError(f"{kernel}: cu_seqlens_q has {len(cq) - 1} sequences and cu_seqlens_k "
+                                 f"{len(ck) - 1}; both should describe the same sequences")
+            lens_q, lens_k = [b - a for a, b in zip(cq, cq[1:])], [b - a for a, b in zip(ck, ck[1:])]
+            self.max_q = _validate.check_max_seqlen("max_seqlen_q", max_seqlen_q, lens_q, kernel=kernel)
+            self.max_k = _validate.check_max_seqlen("max_seqlen_k", max_seqlen_k, lens_k, kernel=kernel)
+            self.cu_q, self.cu_k, self.batch = cu_seqlens_q, cu_seqlens_k, len(cq) - 1
+        else:
+            self.max_q, self.max_k = q.shape[2], k.shape[2]
+            self.cu_q = self.cu_k = q  # never read without VARLEN
+            self.batch = q.shape[0]
+        hq = q4.shape[1]
+        self.slopes = alibi_slopes
+        if alibi_slopes is not None:
+            allowed = f"a float32 torch.Tensor of shape [Hq]=[{hq}] or [B, Hq]=[{self.batch}, {hq}] on {q.device}"
+            if (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32
+                    or tuple(alibi_slopes.shape) not in ((hq,), (self.batch, hq)) or alibi_slopes.device != q.device
+                    or not bool(torch.isfinite(alibi_slopes).all())):
+                got = (f"{_validate.dtype_name(alibi_slopes.dtype)} {tuple(alibi_slopes.shape)} on "
+                       f"{alibi_slopes.device}" if isinstance(alibi_slopes, torch.Tensor) else repr(alibi_slopes))
+                raise ValueError(f"{kernel}: alibi_slopes is {got}, but should be {allowed} of finite slopes")
+        self.stride_sb = 0 if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes.stride(0)
+        self.sinks = _validate.check_sinks(sinks, q4, kernel=kernel)
+
+    @property
+    def flags(self) -> dict:
+        return {"WINDOW": self.window != (-1, -1), "CHUNK": self.chunk > 0, "SOFTCAP": self.softcap > 0,
+                "ALIBI": self.slopes is not None, "VARLEN": self.varlen, "LIBDEVICE": not INTERPRET}
+
+    @property
+    def scalars(self) -> tuple:
+        return (*self.window, self.chunk, self.softcap)
+
+    def pointers(self, like) -> tuple:
+        """(Slopes, Sinks, CuQ, CuK): the tensors, or ``like`` where the kernel reads none."""
+        return (like if self.slopes is None else self.slopes, like if self.sinks is None else self.sinks,
+                self.cu_q, self.cu_k)
+
+    def batch_strides(self, t: torch.Tensor) -> tuple:
+        """``t``'s strides, the batch stride 0 for packed sequences (each program finds its rows)."""
+        strides = t.stride()
+        return (0, *strides[1:]) if self.varlen else strides
+
+    def rows_buffer(self, dtype=torch.float32) -> torch.Tensor:
+        """A row-wise result (lse, Delta) ``[B, Hq, N]``, or ``[1, Hq, total]`` over packed sequences (a
+        ``[Hq, total]`` tensor, flash_attn's LSE layout)."""
+        return torch.empty((1 if self.varlen else self.batch, self.q.shape[1], self.q.shape[2]), dtype=dtype,
+                           device=self.q.device)
+
+    def seq_bucket(self) -> int:
+        return _seq_bucket(max(self.max_q, self.max_k))
+
+
 def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bool, kernel: str,
-             out=None, lse=None):
-    """Shared launcher of the FA1 and FA2 forward kernels: returns ``(out, lse)``, no autograd.
-    ``out``/``lse`` given: the kernel writes into them and they are returned."""
-    scale = _check_inputs(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
-    if not isinstance(causal, bool):
-        raise TypeError(f"{kernel}: causal={causal!r}, but should be a bool")
-    b, hq, len_q, d = q.shape
-    hkv, len_k = k.shape[1], k.shape[2]
-    out, lse = _outputs(q, k, v, out, lse, kernel=kernel)
-    if b * hq * len_q == 0:
-        return out, lse
-    block_d = _padded_head_dim(d)
-    args = (q, k, v, out, lse, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-            hq, hq // hkv, len_q, len_k, _seq_bucket(max(len_q, len_k)))
-    meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype),
-            "INNER_SCALED": inner_scaled, "ALIGNED": _aligned(q, k, v, out)}
-    _run(_attn_fwd, _attn_fwd_tuned, lambda bm, bn: (triton.cdiv(len_q, bm), b * hq), args, meta,
-         _fixed_blocks(block_m, block_n), block_d, q.dtype, name=kernel)
-    return out, lse
+             out=None, lse=None, sinks=None, **variant):
+    """Shared launcher of the FA1 and FA2 forward kernels: returns ``(out, lse)``, no autograd (``[total_q,
+    Hq, D]`` and ``[Hq, total_q]`` for packed sequences). ``out``/``lse`` given (dense only): the kernel
+    writes into them and they are returned."""
+    call = _Call(q, k, v, kernel=kernel, causal=causal, scale=scale, block_m=block_m, block_n=block_n, sinks=sinks,
+                 **variant)
+    q4, k4, v4 = call.q, call.k, call.v
+    if call.varlen:
+        if out is not None or lse is not None:
+            raise ValueError(f"{kernel}: out=/lse= buffers are taken for a dense batch only, not with cu_seqlens")
+        out4 = torch.empty_like(q, memory_format=torch.contiguous_format).transpose(0, 1)[None]
+        lse4 = call.rows_buffer()
+    else:
+        out4, lse4 = _outputs(q, k, v, out, lse, kernel=kernel)
+    hq, hkv, d = q4.shape[1], k4.shape[1], q4.shape[3]
+    if call.batch * hq * call.max_q > 0:
+        block_d = _padded_head_dim(d)
+        flags = call.flags
+        args = (q4, k4, v4, out4, lse4, call.scale * LOG2E, call.scale, *call.pointers(q4),
+                *call.batch_strides(q4), *call.batch_strides(k4), *call.batch_strides(v4), *call.batch_strides(out4),
+                *call.batch_strides(lse4), call.stride_sb,
+                hq, hq // hkv, q4.shape[2], k4.shape[2], call.seq_bucket(), *call.scalars)
+        meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype),
+                "INNER_SCALED": inner_scaled, "ALIGNED": _aligned(q4, k4, v4, out4), **flags,
+                "SINKS": call.sinks is not None,
+                "NATURAL": flags["SOFTCAP"] or flags["ALIBI"] or call.sinks is not None}
+        _run(_attn_fwd, _attn_fwd_tuned, lambda bm, bn: (triton.cdiv(call.max_q, bm), call.batch * hq), args, meta,
+             _fixed_blocks(block_m, block_n), block_d, q.dtype, name=kernel)
+    if call.varlen:
+        return out4[0].transpose(0, 1), lse4[0]
+    return out4, lse4
 
 
 def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,
-                    block_m: int | None = None, block_n: int | None = None, out=None, lse=None):
+                    block_m: int | None = None, block_n: int | None = None, out=None, lse=None, **variant):
     """Triton FA2 forward (outer-scaled) without autograd: returns ``(out, lse)`` (written into the
-    ``out``/``lse`` buffers when given)."""
+    ``out``/``lse`` buffers when given); the variant keywords of :func:`fa2_forward`."""
     return _forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                    inner_scaled=False, kernel="triton_fa2", out=out, lse=lse)
+                    inner_scaled=False, kernel="triton_fa2", out=out, lse=lse, **variant)
 
 
 def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,
-                    block_m: int | None = None, block_n: int | None = None, out=None, lse=None):
+                    block_m: int | None = None, block_n: int | None = None, out=None, lse=None, **variant):
     """Triton FA1 forward (inner-scaled: renormalised every KV step) without autograd: ``(out, lse)``
-    (written into the ``out``/``lse`` buffers when given)."""
+    (written into the ``out``/``lse`` buffers when given); the variant keywords of :func:`fa2_forward`."""
     return _forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                    inner_scaled=True, kernel="triton_fa1", out=out, lse=lse)
+                    inner_scaled=True, kernel="triton_fa1", out=out, lse=lse, **variant)
 
 
 def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
-                 block_m: int | None = None, block_n: int | None = None):
-    """Triton FA2 backward: returns ``(dq, dk, dv, delta)`` with ``delta = rowsum(dO * O)`` (float32).
+                 block_m: int | None = None, block_n: int | None = None, sinks=None, **variant):
+    """Triton FA2 backward: returns ``(dq, dk, dv, delta)`` with ``delta = rowsum(dO * O)`` (float32, the
+    LSE's layout), and with ``sinks`` their gradient ``dsinks`` fifth (``-sum_{b, i} P_sink Delta``, a
+    fixed-order torch sum).
 
     ``dk`` and ``dv`` have ``k``'s shape (summed over the query heads of each group). Deterministic:
     no atomics, and every sum runs in a fixed order. ``block_m``/``block_n`` are the Q and KV tiles of
     both kernels (see :func:`_bwd_tiles` for the float32 cap at head dims above 128); both ``None``
-    autotunes each kernel's tiles on the GPU.
+    autotunes each kernel's tiles on the GPU. The variant keywords are the forward's.
     """
     kernel = "triton_fa2 backward"
-    scale = _check_inputs(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
-    if not isinstance(causal, bool):
-        raise TypeError(f"{kernel}: causal={causal!r}, but should be a bool")
-    _validate.check_backward_inputs(q, k, v, out, lse, dout, kernel=kernel)
-    if lse.dtype != torch.float32:
-        raise ValueError(f"{kernel}: lse.dtype={_validate.dtype_name(lse.dtype)}, but should be float32")
-    b, hq, len_q, d = q.shape
-    hkv, len_k = k.shape[1], k.shape[2]
+    call = _Call(q, k, v, kernel=kernel, causal=causal, scale=scale, block_m=block_m, block_n=block_n, sinks=sinks,
+                 **variant)
+    q4, k4, v4 = call.q, call.k, call.v
+    if call.varlen:
+        out4, dout4 = (t.transpose(0, 1)[None] for t in (out, dout))
+        lse4 = lse[None] if isinstance(lse, torch.Tensor) else lse
+        _validate.check_backward_inputs(q4, k4, v4, out4, lse4, dout4, kernel=kernel)
+    else:
+        out4, lse4, dout4 = out, lse, dout
+        _validate.check_backward_inputs(q, k, v, out, lse, dout, kernel=kernel)
+    if lse4.dtype != torch.float32:
+        raise ValueError(f"{kernel}: lse.dtype={_validate.dtype_name(lse4.dtype)}, but should be float32")
+    hq, hkv, d = q4.shape[1], k4.shape[1], q4.shape[3]
     group = hq // hkv
     block_d = _padded_head_dim(d)
-    bucket = _seq_bucket(max(len_q, len_k))
+    bucket = call.seq_bucket()
     blocks = _fixed_blocks(block_m, block_n)
     dkdv_blocks, dq_blocks = (None, None) if blocks is None else _bwd_tiles(*blocks, block_d, q.dtype)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    delta = torch.empty((b, hq, len_q), dtype=torch.float32, device=q.device)
-
-    if b * hq * len_q > 0:
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    dq4, dk4, dv4 = (t.transpose(0, 1)[None] for t in (dq, dk, dv)) if call.varlen else (dq, dk, dv)
+    delta = call.rows_buffer()
+    flags = call.flags
+    variant_meta = {**flags, "NATURAL": flags["SOFTCAP"] or flags["ALIBI"]}
+    pointers = call.pointers(q4)
+    stride_lse, stride_delta = call.batch_strides(lse4), call.batch_strides(delta)
+    if call.batch * hq * call.max_q > 0:
         delta_block = 32 if INTERPRET or block_d > 128 else 64
-        _attn_bwd_delta[(triton.cdiv(len_q, delta_block), b * hq)](
-            out, dout, delta, *out.stride(), *dout.stride(), hq, len_q,
-            **_head_dim_meta(d, block_d), ALIGNED=_aligned(out, dout), BLOCK_M=delta_block)
-    common = (scale, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride())
-    meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype)}
-    if b * hkv * len_k > 0:
-        meta["ALIGNED"] = _aligned(q, k, v, dout, dk, dv)
-        _run(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, lambda bm, bn: (triton.cdiv(len_k, bn), b * hkv),
-             (q, k, v, dout, lse, delta, dk, dv, *common, *dk.stride(), *dv.stride(),
-              hq, hkv, group, len_q, len_k, bucket),
+        _attn_bwd_delta[(triton.cdiv(call.max_q, delta_block), call.batch * hq)](
+            out4, dout4, delta, call.cu_q, *call.batch_strides(out4), *call.batch_strides(dout4), *stride_delta[:2],
+            hq, q4.shape[2], **_head_dim_meta(d, block_d), ALIGNED=_aligned(out4, dout4), VARLEN=call.varlen,
+            BLOCK_M=delta_block)
+    common = (call.scale, call.scale * LOG2E, pointers[0], pointers[2], pointers[3],
+              *call.batch_strides(q4), *call.batch_strides(k4), *call.batch_strides(v4), *call.batch_strides(dout4),
+              *stride_lse, *stride_delta[:2], call.stride_sb)
+    meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), **variant_meta}
+    if call.batch * hkv * call.max_k > 0:
+        meta["ALIGNED"] = _aligned(q4, k4, v4, dout4, dk4, dv4)
+        _run(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, lambda bm, bn: (triton.cdiv(call.max_k, bn), call.batch * hkv),
+             (q4, k4, v4, dout4, lse4, delta, dk4, dv4, *common, *call.batch_strides(dk4), *call.batch_strides(dv4),
+              hq, hkv, group, q4.shape[2], k4.shape[2], bucket, *call.scalars),
              meta, dkdv_blocks, block_d, q.dtype, name=kernel)
-    if b * hq * len_q > 0:
-        meta["ALIGNED"] = _aligned(q, k, v, dout, dq)
-        _run(_attn_bwd_dq, _attn_bwd_dq_tuned, lambda bm, bn: (triton.cdiv(len_q, bm), b * hq),
-             (q, k, v, dout, lse, delta, dq, *common, *dq.stride(), hq, group, len_q, len_k, bucket),
+    if call.batch * hq * call.max_q > 0:
+        meta["ALIGNED"] = _aligned(q4, k4, v4, dout4, dq4)
+        _run(_attn_bwd_dq, _attn_bwd_dq_tuned, lambda bm, bn: (triton.cdiv(call.max_q, bm), call.batch * hq),
+             (q4, k4, v4, dout4, lse4, delta, dq4, *common, *call.batch_strides(dq4), hq, group, q4.shape[2],
+              k4.shape[2], bucket, *call.scalars),
              meta, dq_blocks, block_d, q.dtype, name=kernel)
-    return dq, dk, dv, delta
+    delta = delta[0] if call.varlen else delta
+    if call.sinks is None:
+        return dq, dk, dv, delta
+    # The sink's dS is P_sink (0 - Delta), summed over batch and rows (a fixed-order reduction).
+    rows = lse4.to(torch.float32)
+    p_sink = torch.exp(call.sinks.to(torch.float32)[None, :, None] - rows)
+    dsinks = -(p_sink * (delta[None] if call.varlen else delta)).sum(dim=(0, 2))
+    return dq, dk, dv, delta, dsinks.to(call.sinks.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
 # Autograd and the public functions
 # --------------------------------------------------------------------------------------------------
 
-def _apply(q, k, v, causal, scale, block_m, block_n, inner_scaled: bool, out, lse):
+def _apply(q, k, v, causal, scale, block_m, block_n, inner_scaled: bool, out, lse, sinks, variant):
     kernel = "triton_fa1" if inner_scaled else "triton_fa2"
     buffers = None
     if out is not None or lse is not None:
+        if variant.get("cu_seqlens_q") is not None or variant.get("cu_seqlens_k") is not None:
+            raise ValueError(f"{kernel}: out=/lse= buffers are taken for a dense batch only, not with cu_seqlens")
         _check_inputs(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
         buffers = _outputs(q, k, v, out, lse, kernel=kernel)
     return _autograd.apply(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                           forward=functools.partial(_forward, inner_scaled=inner_scaled, kernel=kernel),
-                           backward=fa2_backward, buffers=buffers)
+                           forward=functools.partial(_forward, inner_scaled=inner_scaled, kernel=kernel, **variant),
+                           backward=functools.partial(fa2_backward, **variant), buffers=buffers, sinks=sinks)
 
 
 def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                block_m: int | None = None, block_n: int | None = None, out=None, lse=None):
-    """Triton FlashAttention-2 forward: ``(out, lse)``; gradients flow through ``out``.
+                block_m: int | None = None, block_n: int | None = None, out=None, lse=None,
+                window_size=(-1, -1), attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes=None, sinks=None,
+                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """Triton FlashAttention-2 forward: ``(out, lse)``; gradients flow through ``out`` (and to ``sinks``).
 
     ``q`` is ``[B, Hq, Nq, D]``, ``k`` and ``v`` ``[B, Hkv, Nk, D]`` (``Hq % Hkv == 0``), any strides;
     float16, bfloat16 or float32; ``D`` in 16..256, a multiple of 8. ``causal`` is bottom-right aligned;
@@ -788,12 +1110,26 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     both ``None`` autotunes them on the GPU. ``out=`` (q's shape and dtype) and ``lse=`` (``[B, Hq, Nq]``
     float32), views with any strides, receive the results and are returned (``out_buffers`` in
     :class:`kernels.registry.Implementation`); gradients still flow to q, k, v through the returned out.
+
+    Variants (flash_attn's keywords): ``window_size=(left, right)`` (-1 unbounded), ``attention_chunk``,
+    ``softcap`` (0.0: none), ``alibi_slopes`` (float32 ``[Hq]`` or ``[B, Hq]``), ``sinks`` (``[Hq]``
+    logits, float32) and packed variable-length sequences: ``q [total_q, Hq, D]``, ``k``, ``v [total_k,
+    Hkv, D]`` with ``cu_seqlens_q``, ``cu_seqlens_k`` (int32) and ``max_seqlen_q``, ``max_seqlen_k``,
+    returning ``out [total_q, Hq, D]`` and ``lse [Hq, total_q]``.
     """
-    return _apply(q, k, v, causal, scale, block_m, block_n, False, out, lse)
+    variant = dict(window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
+                   alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return _apply(q, k, v, causal, scale, block_m, block_n, False, out, lse, sinks, variant)
 
 
 def fa1_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                block_m: int | None = None, block_n: int | None = None, out=None, lse=None):
-    """Triton FlashAttention-1 forward (inner-scaled), same contract as :func:`fa2_forward`; its backward
-    is the FA2 backward, which needs only ``out`` and the LSE."""
-    return _apply(q, k, v, causal, scale, block_m, block_n, True, out, lse)
+                block_m: int | None = None, block_n: int | None = None, out=None, lse=None,
+                window_size=(-1, -1), attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes=None, sinks=None,
+                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """Triton FlashAttention-1 forward (inner-scaled), same contract and variants as :func:`fa2_forward`;
+    its backward is the FA2 backward, which needs only ``out`` and the LSE."""
+    variant = dict(window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
+                   alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return _apply(q, k, v, causal, scale, block_m, block_n, True, out, lse, sinks, variant)
