@@ -131,10 +131,28 @@ SDPA_CUDNN = _gpu_peer(
     name="sdpa_cudnn", forward=adapters.sdpa_cudnn_forward, dtypes=adapters.HALF, head_dims=adapters.CUDNN_HEAD_DIMS,
     description="torch scaled_dot_product_attention, cuDNN backend",
 )
-FLEX_ATTENTION = _gpu_peer(
+# FlexAttention: every variant it expresses through its masks and score modifications (kernels/adapters.py
+# says how), aligned bottom-right, with its LSE; no padded sequences, paged KV cache or split-KV (not in its
+# API). A GPU peer as those above (CUDA only, run when named, not declared deterministic: besides the fused
+# backward's order, the sinks' gradient is summed with atomics), but bottom-right and with the LSE.
+_FLEX_VARIANTS = dict(gqa=True, windows=True, chunks=True, softcap=True, alibi=True, sinks=True,
+                      sequences=adapters.FLEX_SEQUENCES, causal_alignment="bottom_right",
+                      returns_lse=True, in_default=False)
+FLEX_ATTENTION = Implementation(
     name="flex_attention", forward=adapters.flex_attention_forward, dtypes=adapters.FLEX_DTYPES,
-    head_dims=adapters.FLEX_HEAD_DIMS, gqa=True,
-    description="torch FlexAttention, compiled (fused Triton kernel), top-left causal block mask",
+    head_dims=adapters.FLEX_HEAD_DIMS, devices=("cuda",), deterministic=False, **_FLEX_VARIANTS,
+    description="torch FlexAttention, compiled (fused Triton kernel): block masks (bottom-right causal, windows, "
+                "chunks, packed sequences as documents), softcap and ALiBi as score mods, sinks as a key of value 0",
+)
+# The same adapter through uncompiled flex_attention (FlexAttention's unfused math and math backward), on CPU
+# too and in float64: it checks the adapter's masks, score modifications, sinks and LSE without a GPU, not
+# the fused kernel (tests/test_flex_adapter.py; pytest verify --impl kernels.registry:FLEX_ATTENTION_UNCOMPILED).
+# Declared float32 and float64 only: in float16 the roundings are those of FlexAttention's reference math,
+# which no one runs as a kernel (its backward casts scale * dS to the input dtype). Not shipped.
+FLEX_ATTENTION_UNCOMPILED = Implementation(
+    name="flex_attention_uncompiled", forward=adapters.flex_attention_uncompiled_forward,
+    dtypes=(torch.float32, torch.float64), **_FLEX_VARIANTS,
+    description="torch FlexAttention, uncompiled (its unfused math), with the flex_attention adapter's variants",
 )
 
 _SHIPPED_WITHOUT_TRITON = (STREAMING, BLOCKED, BATCHED, FA2_BLOCKED, FA1_BLOCKED,
