@@ -115,6 +115,7 @@ class Implementation:
     max_head_dim: int | Mapping[torch.dtype, int] | None = None
     contiguous_only: bool = False  # contiguous q, k, v (and dout) only
     max_batch_heads: int | None = None  # B * Hq at most
+    max_len_q: int | None = None  # Nq at most this (a decoding kernel's few queries)
     # Part of the default selection (shipped kernels); adapters to peers run when named.
     in_default: bool = True
 
@@ -172,6 +173,8 @@ class Implementation:
                                       "or both")
         if self.max_batch_heads is not None:
             positive_int("max_batch_heads", self.max_batch_heads)
+        if self.max_len_q is not None:
+            positive_int("max_len_q", self.max_len_q)
         if self.scales is not None and self.scales != "power_of_two":
             ok = isinstance(self.scales, (tuple, list)) and len(self.scales) > 0 and all(
                 s is None or (not isinstance(s, bool) and isinstance(s, (int, float)) and math.isfinite(s))
@@ -241,6 +244,8 @@ class Implementation:
                 out.append(f"Nk not a multiple of {mk}: {why}")
         if self.min_len > 0:
             out.append(f"lengths below {self.min_len}: {why}")
+        if self.max_len_q is not None:
+            out.append(f"more than {self.max_len_q} queries per sequence: {why}")
         if not self.causal:
             out.append(f"causal masks: {why}")
         if not self.non_causal:

@@ -59,9 +59,9 @@ from kernels import adapters, blocked, online_softmax
 from kernels.declaration import ALIGNMENTS, ALL_DTYPES, DECLARED, KINDS, Implementation, ImplementationError, declare
 
 try:
-    from kernels import triton_attention, triton_softmax
+    from kernels import triton_attention, triton_decode, triton_softmax
 except ImportError:  # Triton is an optional extra: without it the Triton kernels are not shipped
-    triton_attention = triton_softmax = None
+    triton_attention = triton_decode = triton_softmax = None
 
 __all__ = ["ALIGNMENTS", "ALL_DTYPES", "KINDS", "SHIPPED", "Implementation", "ImplementationError",
            "declare", "default_selection", "from_callable", "load", "registry"]
@@ -182,10 +182,13 @@ if triton_attention is not None and triton_softmax is not None:
         description="Triton online softmax: one pass for (m, l), one pass to normalise",
     )
     def _triton_attention(**fields) -> Implementation:
-        """The fields the Triton FA1 and FA2 share: their dtypes, devices and head dims, GQA, the drawn
-        tiles, the FA2 backward, deterministic, out= buffers, the interpreter's limits."""
+        """The fields the Triton FA1 and FA2 share: their dtypes, devices and head dims, GQA, the variants
+        (windows, chunks, softcap, ALiBi, sinks, packed sequences), the drawn tiles, the FA2 backward,
+        deterministic, out= buffers, the interpreter's limits."""
         return Implementation(backward=triton_attention.fa2_backward, dtypes=triton_attention.DTYPES,
                               devices=triton_attention.DEVICES, head_dims=triton_attention.HEAD_DIMS, gqa=True,
+                              windows=True, chunks=True, softcap=True, alibi=True, sinks=True,
+                              sequences=("dense", "packed"),
                               block_m=_ATTENTION_BLOCKS, block_n=_ATTENTION_BLOCKS, deterministic=True,
                               out_buffers=True, environment_limits=_ENVIRONMENT_LIMITS,
                               max_examples=_MAX_EXAMPLES, **fields)
@@ -198,7 +201,14 @@ if triton_attention is not None and triton_softmax is not None:
         name="triton_fa1", forward=triton_attention.fa1_forward,
         description="Triton FlashAttention-1: inner-scaled forward (renormalised every KV step); FA2 backward",
     )
-    _TRITON: tuple[Implementation, ...] = (TRITON_SOFTMAX, TRITON_FA2, TRITON_FA1)
+    TRITON_DECODE = Implementation(
+        name="triton_decode", forward=triton_decode.decode_forward, dtypes=triton_decode.DTYPES,
+        devices=triton_decode.DEVICES, head_dims=triton_decode.HEAD_DIMS, gqa=True, windows=True, softcap=True,
+        alibi=True, sinks=True, splits=True, sequences=("paged",), max_len_q=triton_decode.MAX_QUERIES,
+        autograd=False, deterministic=True, environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
+        description="Triton split-KV decoding from a paged KV cache (1..16 queries per sequence) and its combine",
+    )
+    _TRITON: tuple[Implementation, ...] = (TRITON_SOFTMAX, TRITON_FA2, TRITON_FA1, TRITON_DECODE)
 else:
     _TRITON = ()
 

@@ -13,8 +13,7 @@ measure with (reference, baseline, bounds and criteria), so a case passes or fai
 (``out_matches_reference``, ``lse_matches_reference``, ``gradients_match_reference``) and replays with
 ``python -m verify.replay``. This module runs the sweep and renders what it recorded.
 
-The reference follows each implementation's declared causal alignment (SDPA and FlexAttention align
-top-left); with ``Nq = Nk``, as in the dense sweep, both alignments give the same mask (kernels of both
+The reference follows each implementation's declared causal alignment (SDPA's backends align top-left); with ``Nq = Nk``, as in the dense sweep, both alignments give the same mask (kernels of both
 alignments then share one reference: :func:`_alignment_matters`).
 
 The FlashAttention-3 paper's accuracy protocol (``--preset fa3``; :data:`FA3_PAPER_SETUP`): a sweep whose
@@ -1071,7 +1070,7 @@ def markdown(result: dict) -> str:
              "componentwise rounding-error bound of references/bounds.py (criterion 2: at most 1); err/eager is "
              "the max error divided by that of the same-precision eager attention, or by criterion 1's absolute "
              "floor where eager's error is below it (criterion 1: at most 2 for O and LSE, 3 for gradients, plus "
-             "the floor). SDPA and FlexAttention return no LSE.", ""]
+             "the floor). SDPA's backends return no LSE.", ""]
     protocol = result.get("fa3_protocol")
     if protocol:
         *before, after = fa3_words(protocol)

@@ -154,7 +154,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                     len_k_multiple: int = 1, scale_choices: Sequence[float | None] | None = None,
                     max_batch_heads: int | None = None, windows: bool = False, softcap: bool = False,
                     alibi: bool = False, chunks: bool = False, sinks: bool = False, splits: bool = False,
-                    sequences: Sequence[str] = ("dense",), page_sizes: Sequence[int] | None = None):
+                    sequences: Sequence[str] = ("dense",), page_sizes: Sequence[int] | None = None,
+                    max_len_q: int | None = None):
     """Return a strategy for :class:`AttentionCase` values.
 
     dtype          the dtype name (``"float16"`` ...), fixed by the test's parametrisation
@@ -181,6 +182,7 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                       failures shrink to the smallest conforming length), at least one multiple
     scale_choices     the scales to draw from (the first is what failures shrink to; None: the default)
     max_batch_heads   B * Hq at most
+    max_len_q         Nq at most this (a decoding kernel's few queries): the drawn Nq capped (monotone)
     windows           also draw sliding windows (each side unbounded, -1, first: failures shrink to no
                       window, then to window 0; else a narrow 0 .. 4 or any 0 .. max(Nq, Nk) + 1, so widths
                       0, 1, a few and >= N all occur)
@@ -225,6 +227,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         raise ValueError(f"len_q_multiple={len_q_multiple}, len_k_multiple={len_k_multiple}: both should be >= 1")
     if scale_choices is not None and len(scale_choices) == 0:
         raise ValueError("scale_choices should not be empty (None: any scale)")
+    if max_len_q is not None and max_len_q < min_len_q:
+        raise ValueError(f"max_len_q={max_len_q} is below min_len_q={min_len_q}")
     if max_batch_heads is not None and max_batch_heads < min_group:
         raise ValueError(f"max_batch_heads={max_batch_heads} leaves no room for min_group={min_group}")
     if equal_lengths:
@@ -307,6 +311,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         max_kt = min(max_len, per_axis * tn) if block_n else max_len
         len_q, len_k = _tile_lengths(kind, tm, tn, len_q, len_k, max_q=max_q, max_k=max_kt, min_len_k=min_len_k)
     len_q = max(len_q, min_len_q)
+    if max_len_q is not None:
+        len_q = min(len_q, max_len_q)
     if length_limited:  # the declared multiples (and equal lengths), before any ``longer``
         cap_q = min(top_q, math.isqrt(max(1, limits.max_scores // heads))) if equal_lengths else top_q
         len_q = conform_length(len_q, len_q_multiple, low=max(1, min_len_q), cap=cap_q)
@@ -315,6 +321,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         extra = draw(st.integers(1, max_extra), label=f"{longer} longer by")
         # the next multiple above the other length, then ``extra - 1`` multiples more (multiple 1: + extra)
         if longer == "len_q":
+            if max_len_q is not None:  # room for Nq > Nk under the cap
+                len_k = min(len_k, max(0, max_len_q - extra))
             len_q = (len_k // len_q_multiple + extra) * len_q_multiple
         else:
             len_k = (len_q // len_k_multiple + extra) * len_k_multiple
@@ -340,7 +348,9 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         if convention != "dense":
             # The scores the references hold grow with the totals: the sequences after the first stay short.
             short = max(0, min(limits.plain_len, math.isqrt(limits.max_scores // heads) // (MORE_SEQUENCES + 1)))
-            sequence_fields = _sequence_fields(draw, convention, len_q, len_k, short=short, page_sizes=page_sizes)
+            # the further sequences keep the lengths' lower limits (0 queries allowed unless one is asked for)
+            sequence_fields = _sequence_fields(draw, convention, len_q, len_k, short=short, page_sizes=page_sizes,
+                                               least_q=min_len_q if min_len_q > 1 else 0, least_k=min_len_k)
             batch = 1
             len_q, len_k = sum(sequence_fields["seqlens_q"]), sum(sequence_fields["seqlens_k"])
     seed = draw(st.integers(0, 2 ** 16), label="seed")
@@ -363,20 +373,25 @@ def _conventions(sequences: Sequence[str]) -> list[str]:
 
 
 def _sequence_fields(draw, convention: str, len_q: int, len_k: int, *, short: int,
-                     page_sizes: Sequence[int] | None) -> dict:
+                     page_sizes: Sequence[int] | None, least_q: int = 0, least_k: int = 0) -> dict:
     """The spec's sequence fields: the drawn lengths as the first sequence, then up to MORE_SEQUENCES more
-    of lengths 0 .. ``short``, empty and length-1 ones as often as any other (a paged cache: one query
+    of lengths ``least .. short``, empty and length-1 ones as often as any other (a paged cache: one query
     length for all; its page size and order)."""
-    length = st.one_of(st.sampled_from((0, 1)), st.integers(0, short)) if short > 1 else st.integers(0, short)
+    def lengths(least: int):
+        top = max(least, short)
+        edges = [n for n in (0, 1) if n >= least]
+        return st.one_of(st.sampled_from(edges), st.integers(least, top)) if edges else st.integers(least, top)
+
     if convention == "paged":
-        more_k = draw(st.lists(length, max_size=MORE_SEQUENCES), label="more cache lengths")
+        more_k = draw(st.lists(lengths(least_k), max_size=MORE_SEQUENCES), label="more cache lengths")
         lens_k = (len_k, *more_k)
         fields = {"seqlens_q": (len_q,) * len(lens_k), "seqlens_k": lens_k}
         fields["page_size"] = draw(st.sampled_from(sorted(page_sizes) if page_sizes else PAGE_SIZES),
                                    label="page_size")
         fields["page_seed"] = draw(st.one_of(st.just(0), st.integers(1, 64)), label="page order")
     else:
-        more = draw(st.lists(st.tuples(length, length), max_size=MORE_SEQUENCES), label="more sequences (Nq, Nk)")
+        more = draw(st.lists(st.tuples(lengths(least_q), lengths(least_k)), max_size=MORE_SEQUENCES),
+                    label="more sequences (Nq, Nk)")
         fields = {"seqlens_q": (len_q, *(a for a, _ in more)), "seqlens_k": (len_k, *(b for _, b in more))}
     return {"sequences": convention, **fields}
 

@@ -72,7 +72,7 @@ def test_every_class_and_shape_feature_is_reachable(target):
     find(attention_cases(dtype="float16", limits=WIDE, gqa=True, block_m=BLOCKS, block_n=BLOCKS, windows=True,
                          softcap=True, alibi=True, chunks=True, sinks=True, splits=True,
                          sequences=("dense", "packed", "padded", "paged")),
-         predicate, settings=settings(max_examples=2000, database=None))
+         predicate, settings=settings(max_examples=2000, database=None, derandomize=True))
 
 
 @pytest.mark.parametrize("shape_class", SHAPE_CLASSES)

@@ -102,3 +102,47 @@ def test_bad_variant_input_is_refused_by_name(change, words):
                   cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32), max_seqlen_q=3, max_seqlen_k=3)
     with pytest.raises(ValueError, match=words):
         ta.fa2_forward(q, k, k, causal=True, **{**packed, **change})
+
+
+DECODE_SPECS = [
+    AttentionSpec(causal=True, sequences="paged", seqlens_q=(1, 1, 1), seqlens_k=(40, 0, 17), page_size=16, page_seed=3),
+    AttentionSpec(causal=True, sequences="paged", seqlens_q=(5, 5), seqlens_k=(70, 3), page_size=5, page_seed=9,
+                  num_splits=3),
+    AttentionSpec(causal=True, sequences="paged", seqlens_q=(2, 2), seqlens_k=(33, 1), page_size=1, num_splits=4,
+                  sinks=(1.0, 0.5, -2.0, 9.0)),
+    AttentionSpec(sequences="paged", seqlens_q=(3, 3), seqlens_k=(50, 20), page_size=16, num_splits=2, softcap=3.0,
+                  alibi_slopes=(0.5, 0.25, 0.125, 1.0), window_left=10),
+]
+
+
+@pytest.mark.parametrize("spec", DECODE_SPECS, ids=[s.describe() for s in DECODE_SPECS])
+def test_split_kv_decoding_from_pages_equals_the_float64_reference(spec):
+    from kernels.registry import registry
+
+    impl = registry()["triton_decode"]
+    g = torch.Generator().manual_seed(1)
+    nq, nk = sum(spec.seqlens_q), sum(spec.seqlens_k)
+    q = torch.randn(1, 4, nq, 16, generator=g).to(DEVICE)
+    k, v = (torch.randn(1, 2, nk, 16, generator=g).to(DEVICE) for _ in range(2))
+    ref = reference.attention(q, k, v, spec=spec)
+    out, lse = impl.call(q, k, v, spec=spec)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref.lse))
+    finite = torch.isfinite(ref.lse)
+    assert (out.double() - ref.out).abs().max().item() < 2e-6
+    assert (lse.double()[finite] - ref.lse[finite]).abs().max().item() < 2e-6
+
+
+def test_decoding_refuses_more_queries_than_it_takes_and_bad_tables():
+    from kernels.triton_decode import decode_forward
+
+    if DEVICE != "cpu":
+        pytest.skip("the messages name the CPU device")
+    q, pages = torch.randn(2, 2, 17, 16), torch.randn(4, 4, 1, 16)
+    table, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([5, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q has 17 queries per sequence, but should have 1..16"):
+        decode_forward(q, pages, pages, block_table=table, seqlens_k=lens)
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\]=7 points past the cache: pages are 0..3"):
+        decode_forward(q[:, :, :2], pages, pages, block_table=torch.tensor([[0, 1], [2, 7]], dtype=torch.int32),
+                       seqlens_k=lens)
+    with pytest.raises(ValueError, match="num_splits=0, but should be an int >= 1"):
+        decode_forward(q[:, :, :2], pages, pages, block_table=table, seqlens_k=lens, num_splits=0)

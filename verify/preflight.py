@@ -66,12 +66,22 @@ def _describe(q: torch.Tensor, k: torch.Tensor) -> str:
     return f"B={b} Hq={h} Hkv={k.shape[1]} Nq={nq} Nk={k.shape[2]} D={d} {dtype_name(q.dtype)} on {q.device}"
 
 
+def _spec(impl: Implementation, causal: bool, len_q: int, len_k: int) -> AttentionSpec:
+    """The tiny case's attention: a dense batch, or one sequence of a kernel's first convention when it takes
+    no dense batch (a decoding kernel's paged cache)."""
+    if "dense" in impl.sequences:
+        return AttentionSpec(causal=causal, alignment=impl.causal_alignment)
+    convention = impl.sequences[0]
+    page = (min(impl.page_sizes) if impl.page_sizes else 16) if convention == "paged" else None
+    return AttentionSpec(causal=causal, alignment=impl.causal_alignment, sequences=convention, seqlens_q=(len_q,),
+                         seqlens_k=(len_k,), page_size=page)
+
+
 def _call(impl: Implementation, q, k, v, *, causal: bool, scale: float | None):
     call = f"{impl.name}(q, k, v, causal={causal}, scale={scale!r}) on the tiny case {_describe(q, k)}"
     try:
         with torch.no_grad():
-            result = impl.call(q, k, v, spec=AttentionSpec(causal=causal, alignment=impl.causal_alignment),
-                               scale=scale)
+            result = impl.call(q, k, v, spec=_spec(impl, causal, q.shape[2], k.shape[2]), scale=scale)
     except Exception as exc:  # noqa: BLE001 - whatever the kernel raises is the problem to name
         hint = ""
         if scale is None and isinstance(exc, TypeError) and ("NoneType" in str(exc) or "scale" in str(exc)):

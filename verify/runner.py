@@ -188,7 +188,8 @@ def declared_draws(impl: Implementation, causal: bool | None, draw: dict[str, An
                 "len_q_multiple": mq, "len_k_multiple": mk, "scale_choices": impl.scale_choices,
                 "max_batch_heads": impl.max_batch_heads, "windows": impl.windows, "head_dims": impl.head_dims,
                 "softcap": impl.softcap, "alibi": impl.alibi, "chunks": impl.chunks, "sinks": impl.sinks,
-                "splits": impl.splits, "sequences": impl.sequences, "page_sizes": impl.page_sizes}
+                "splits": impl.splits, "sequences": impl.sequences, "page_sizes": impl.page_sizes,
+                "max_len_q": impl.max_len_q}
     if causal is None and not (impl.causal and impl.non_causal):
         causal = impl.causal  # the one mask the kernel runs
     declared["causal"] = causal if impl.causal else False
@@ -291,12 +292,18 @@ def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bo
     if impl.equal_lengths:  # the longest N with N * N within max_scores (and the query tiles' cap)
         len_q = len_k = max(1, min(len_k, math.isqrt(limits.max_scores),
                                    limits.tiles_per_axis * block_m if block_m is not None else len_k))
+    if impl.max_len_q is not None:
+        len_q = min(len_q, impl.max_len_q)
     len_q = conform_length(len_q, mq, low=max(1, impl.min_len), cap=len_q)  # rounded down, within the limits
     len_k = len_q if impl.equal_lengths else conform_length(len_k, mk, low=impl.min_len, cap=len_k)
     dims = [d for d in (impl.head_dims or range(1, limits.max_head_dim + 1))
             if d <= min(128, limits.max_head_dim) and d % 8 == 0] or sorted(impl.head_dims or [8])[:1]
+    # A kernel that takes no dense batch gets the case as one sequence of its first convention.
+    sequences = {} if "dense" in impl.sequences else dict(
+        sequences=impl.sequences[0], seqlens_q=(len_q,), seqlens_k=(len_k,),
+        page_size=(min(impl.page_sizes) if impl.page_sizes else 256) if impl.sequences[0] == "paged" else None)
     return AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=len_q, len_k=len_k, head_dim=max(dims),
-                         dtype=dtype, spec=AttentionSpec(causal=causal, alignment=impl.causal_alignment),
+                         dtype=dtype, spec=AttentionSpec(causal=causal, alignment=impl.causal_alignment, **sequences),
                          magnitude="normal", seed=0, layout="contiguous",
                          scale=impl.scale_choices[0] if impl.scale_choices else None,
                          block_m=block_m, block_n=block_n)
