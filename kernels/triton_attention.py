@@ -444,12 +444,12 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale, sm_scale, Slopes, Sinks, CuQ, CuK,
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        Q += off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
-        q = _load_rows(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+        q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
+                       + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                        offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
         # [1, BLOCK_D] pointers to the head-dim columns of this (batch, kv head); the loop adds the key rows.
-        K += off_b * stride_kb + off_hkv * stride_kh + k_start * stride_kn + offs_d[None, :] * stride_kd
-        V += off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn + offs_d[None, :] * stride_vd
+        K_cols = K + off_b * stride_kb + off_hkv * stride_kh + k_start * stride_kn + offs_d[None, :] * stride_kd
+        V_cols = V + off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn + offs_d[None, :] * stride_vd
         slope = 0.0
         if ALIBI:
             slope = tl.load(Slopes + off_b * stride_sb + off_h).to(tl.float32)
@@ -470,8 +470,8 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale, sm_scale, Slopes, Sinks, CuQ, CuK,
         if SPLIT and not WINDOW and not CHUNK:
             # Stage 1: blocks visible to every row, no masks.
             full_end = (full_end // BLOCK_N) * BLOCK_N
-            acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                                            0, full_end, kv_end, causal_offset, qk_scale, sm_scale, softcap,
+            acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K_cols, V_cols, stride_kn, stride_vn, offs_m, offs_n,
+                                            offs_d, 0, full_end, kv_end, causal_offset, qk_scale, sm_scale, softcap,
                                             slope, window_left, window_right, chunk, len_q,
                                             head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, False, INNER_SCALED,
                                             WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
@@ -479,8 +479,8 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale, sm_scale, Slopes, Sinks, CuQ, CuK,
             full_end = lo
         # Stage 2: blocks crossing the diagonal, a window's or chunk's edges or the end of the keys, masked
         # (every block the tile sees if not SPLIT).
-        acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                                        full_end, kv_end, kv_end, causal_offset, qk_scale, sm_scale, softcap,
+        acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K_cols, V_cols, stride_kn, stride_vn, offs_m, offs_n,
+                                        offs_d, full_end, kv_end, kv_end, causal_offset, qk_scale, sm_scale, softcap,
                                         slope, window_left, window_right, chunk, len_q,
                                         head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, True, INNER_SCALED,
                                         WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
@@ -810,8 +810,8 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, Slopes, CuQ, C
         slope = 0.0
         if ALIBI:
             slope = tl.load(Slopes + off_b * stride_sb + off_h).to(tl.float32)
-        K += off_b * stride_kb + off_hkv * stride_kh + k_start * stride_kn + offs_d[None, :] * stride_kd
-        V += off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn + offs_d[None, :] * stride_vd
+        K_cols = K + off_b * stride_kb + off_hkv * stride_kh + k_start * stride_kn + offs_d[None, :] * stride_kd
+        V_cols = V + off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn + offs_d[None, :] * stride_vd
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
         causal_offset = len_k - len_q
@@ -820,14 +820,14 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, Slopes, CuQ, C
                                           window_right, chunk, CAUSAL, WINDOW, CHUNK, BLOCK_N)
         if SPLIT and not WINDOW and not CHUNK:
             full_end = (full_end // BLOCK_N) * BLOCK_N
-            dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                                    0, full_end, kv_end, len_q, causal_offset, qk_scale, sm_scale, softcap, slope,
+            dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_cols, V_cols, stride_kn, stride_vn, offs_m, offs_n,
+                                    offs_d, 0, full_end, kv_end, len_q, causal_offset, qk_scale, sm_scale, softcap, slope,
                                     window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_N,
                                     CAUSAL, False, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
         else:
             full_end = lo
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                                full_end, kv_end, kv_end, len_q, causal_offset, qk_scale, sm_scale, softcap, slope,
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_cols, V_cols, stride_kn, stride_vn, offs_m, offs_n,
+                                offs_d, full_end, kv_end, kv_end, len_q, causal_offset, qk_scale, sm_scale, softcap, slope,
                                 window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_N,
                                 CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
         dq = dq * sm_scale
