@@ -15,10 +15,10 @@ from strategies.cases import AttentionCase
 from tests.test_measure import _differences, _key, _verify
 
 # The variants preset at a shape a test can afford: float16, N(0, 1) inputs, N = 16; fa2_blocked, eager
-# (always added) and triton_fa2, which declares none of the variants.
+# (always added) and sdpa_math, which declares none of the variants.
 VARIANTS = ("packed", "window", "softcap", "paged_decode")
 SMALL = ["--variant", *VARIANTS, "--len", "16", "--head-dim", "8", "--dtype", "float16", "--magnitude", "normal"]
-IMPLS = ["--impl", "fa2_blocked", "--impl", "triton_fa2"]
+IMPLS = ["--impl", "fa2_blocked", "--impl", "sdpa_math"]
 
 
 @pytest.fixture(scope="module")
@@ -86,22 +86,22 @@ def test_whether_the_alignment_changes_the_attention(spec, len_q, len_k, matters
 # ------------------------------------------------------------------------------------ the sweep
 def test_the_table_names_each_unsupported_implementation_with_its_declarations_reason(variants_run):
     status, out, header, result = variants_run
-    assert status == 2  # triton_fa2, named with --impl, measured nothing (the others passed)
+    assert status == 2  # sdpa_math, named with --impl, measured nothing (the others passed)
     assert not [c for c in result["criteria"] if c["failed_cases"]]
-    triton = registry()["triton_fa2"]
+    sdpa = registry()["sdpa_math"]
     rows = {(r["variant"], r["implementation"]): r for r in result["variants"]["rows"]}
     for case in _sweep(header).cases():
         variant = accuracy.variant_of(case.spec)
-        row = rows[(variant, "triton_fa2")]
+        row = rows[(variant, "sdpa_math")]
         assert row["cases"] == 0 and row["dtype"] == "float16"
-        assert row["not_measured"] == triton.unsupported_spec(case.spec) is not None, row
+        assert row["not_measured"] == sdpa.unsupported_spec(case.spec) is not None, row
         for name in ("fa2_blocked", "eager"):
             assert rows[(variant, name)]["cases"] == 1 and rows[(variant, name)]["not_measured"] is None
     for name in accuracy.OUTPUTS:
         text = (out / name).read_text()
-        assert "Variants" in text and "triton_fa2 declares no sliding window" in text, name
-        assert "triton_fa2 declares sequences (&#x27;dense&#x27;,); the case&#x27;s are paged" in text \
-            if name.endswith(".html") else "triton_fa2 declares sequences ('dense',); the case's are paged" in text
+        assert "Variants" in text and "sdpa_math declares no sliding window" in text, name
+        assert "sdpa_math declares sequences (&#x27;dense&#x27;,); the case&#x27;s are paged" in text \
+            if name.endswith(".html") else "sdpa_math declares sequences ('dense',); the case's are paged" in text
 
 
 def test_every_op_of_every_variant_is_measured(variants_run):
