@@ -98,9 +98,10 @@ VARIANT_WORDS = {
                     "N/4 + 1 and 1 cached keys, in pages of page_size keys out of order (flash_attn_with_kvcache's "
                     "block table), grouped-query attention with Hkv = H/4 (1 when H < 4)",
 }
-# The variants preset's implementations: the kernels that declare the variants, and the Triton kernels,
-# which declare none (the report says so, variant by variant).
-VARIANT_IMPLEMENTATIONS = ("fa2_blocked", "fa1_blocked", "eager", "triton_fa2", "triton_fa1")
+# The variants preset's implementations: the blocked kernels and eager (every variant), the Triton FA2/FA1
+# kernels (dense and packed sequences, windows, softcaps) and Triton's paged decoding (paged_decode only,
+# forward only); the report names, variant by variant, each one that was not measured and why.
+VARIANT_IMPLEMENTATIONS = ("fa2_blocked", "fa1_blocked", "eager", "triton_fa2", "triton_fa1", "triton_decode")
 
 PRESETS = {
     # Small enough for a CPU in about a minute (the Triton kernels too, in the interpreter).

@@ -32,8 +32,9 @@ presets (the options given override them):
          sequences of different cache lengths, grouped-query heads); causal, float16 and bfloat16,
          inputs normal and large_logits, forward and backward; N = 96, D = 32, H = 4, pages of 16 on a
          CPU (about 30 s on 2 cores), N = 4096, D = 128, H = 16, pages of 256 on a GPU. Measures
-         fa2_blocked, fa1_blocked, eager, and lists triton_fa2 and triton_fa1, which declare none of
-         the variants, as not measured on each with the reason; accuracy.md gets a "Variants" table.
+         fa2_blocked, fa1_blocked, eager, and on a GPU triton_fa2 and triton_fa1 (all but paged
+         decoding) and triton_decode (paged decoding, forward only); each one not measured on a
+         variant is listed with the reason; accuracy.md gets a "Variants" table.
          Choose variants with --variant.
 
 the GPU report in docs/ is made with:

@@ -64,7 +64,7 @@ def test_the_preset_is_small_on_a_cpu_and_gpu_sized_on_cuda():
     assert (gpu["lengths"], gpu["head_dims"], gpu["heads"], gpu["page_size"]) == ((4096,), (128,), 16, 256)
     names = [i.name for i in accuracy.select_implementations([], device="cpu", defaults=cpu["implementations"],
                                                              list_all=cpu["list_all"])]
-    assert names == ["fa2_blocked", "fa1_blocked", "eager", "triton_fa2", "triton_fa1"]
+    assert names == ["fa2_blocked", "fa1_blocked", "eager", "triton_fa2", "triton_fa1", "triton_decode"]
 
 
 @pytest.mark.parametrize("spec, len_q, len_k, matters", [
@@ -132,3 +132,22 @@ def test_variant_records_equal_pytest_verify_s(variants_run):
             assert all(verdicts.values())
     assert not wrong, "\n".join(wrong)
     assert compared == 2 * 5 * len(VARIANTS)
+
+
+def test_a_forward_only_kernel_is_measured_on_its_forward_in_a_sweep_with_gradients():
+    """A kernel that declares no backward (triton_decode) is measured on O and its LSE; the sweep's
+    gradients are not a problem of that kernel's, and a kernel with a backward still gets them."""
+    import dataclasses
+
+    from verify import measure
+
+    case = accuracy.variant_case("paged_decode", length=16, head_dim=8, dtype="float32", heads=4, page_size=4)
+    t = case.build("cpu")
+    truth = measure.Truth(case, t.q, t.k, t.v, dout=t.dout)
+    blocked = registry()["fa2_blocked"]
+    forward_only = dataclasses.replace(blocked, name="fa2_forward_only", autograd=False)
+    records, problems = measure.sweep_case(forward_only, case, t, truth, device="cpu", backward=True)
+    assert problems == [] and sorted(r["op"] for r in records) == ["lse", "out"]
+    assert all(r["pass"] for r in records)
+    records, problems = measure.sweep_case(blocked, case, t, truth, device="cpu", backward=True)
+    assert problems == [] and sorted(r["op"] for r in records) == ["dk", "dq", "dv", "lse", "out"]

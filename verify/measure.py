@@ -206,7 +206,8 @@ def run_backward(ctx: Context, case, q, k, v, dout) -> dict[str, torch.Tensor]:
 def sweep_case(impl, case, t, truth: Truth, *, device: str, backward: bool,
                outputs: dict[str, torch.Tensor] | None = None) -> tuple[list[dict], list[str]]:
     """Measure ``impl`` on one case of the accuracy sweep (inputs ``t``): the records of ``out``, ``lse``
-    (when returned) and, with ``backward``, ``dq``, ``dk``, ``dv``, as ``pytest verify`` writes them, and
+    (when returned) and, with ``backward`` and a kernel that declares one, ``dq``, ``dk``, ``dv``, as
+    ``pytest verify`` writes them, and
     the problems met (a broken contract, an op that could not be compared). Every op is measured even
     when an earlier one fails. ``outputs``, when given, receives the results measured (``out``, ``lse``,
     and the gradients), in the references' frame, for a table that measures them once more."""
@@ -231,7 +232,7 @@ def sweep_case(impl, case, t, truth: Truth, *, device: str, backward: bool,
     measure("out", out, truth.forward_bounds)
     if lse is not None:
         measure("lse", lse, truth.forward_bounds)
-    if not backward:
+    if not backward or not impl.autograd:  # a forward-only kernel: its forward is what there is to measure
         return records, problems
     try:
         got = run_backward(ctx("dq"), case, t.q, t.k, t.v, t.dout)
