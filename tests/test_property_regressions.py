@@ -32,3 +32,24 @@ CASES = [
 def test_correct_kernel_passes(impl_name, prop, case, capsys):
     rc = replay.main(["--impl", impl_name, "--property", prop, "--device", "cpu", "--case", json.dumps(case)])
     assert rc == 0, capsys.readouterr().out
+
+
+# fp16, v_wide_range, scale 0.5: the exact dK reaches 8.03e4, past float16's 65504, so eager's correctly
+# rounded inf failed gradient_sums on an H100 (and on CPU). The case has no float16 answer: the gradient
+# properties now reject it, saying why, instead of failing the kernel.
+OVERFLOWING_DK = dict(batch=1, heads_q=2, heads_kv=2, len_q=64, len_k=7, head_dim=36, dtype="float16",
+                      spec={"causal": False}, magnitude="v_wide_range", seed=0, layout="contiguous", scale=0.5,
+                      block_m=None, block_n=None)
+
+
+@pytest.mark.parametrize("prop", ["gradient_sums", "gradients_match_reference"])
+def test_a_case_whose_exact_gradient_overflows_the_dtype_is_rejected_with_the_reason(prop, capsys):
+    rc = replay.main(["--impl", "eager", "--property", prop, "--device", "cpu", "--case", json.dumps(OVERFLOWING_DK)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "not applicable: the exact dk reaches 8.03e+04, past float16's largest finite value 65504" in out
+
+
+def test_the_same_case_in_float32_is_checked(capsys):
+    case = dict(OVERFLOWING_DK, dtype="float32")
+    rc = replay.main(["--impl", "eager", "--property", "gradient_sums", "--device", "cpu", "--case", json.dumps(case)])
+    assert rc == 0 and capsys.readouterr().out.strip().endswith("passed")

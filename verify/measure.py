@@ -42,6 +42,26 @@ class NotForThisKernel(Exception):
     """The property cannot apply to this implementation (e.g. no LSE returned): the test is skipped."""
 
 
+class NotForThisCase(Exception):
+    """The property says nothing about this particular case: the example is rejected."""
+
+
+def representable_gradients(ref: reference.Reference, dtype: torch.dtype) -> None:
+    """Raise :class:`NotForThisCase` when an exact gradient of ``ref`` lies past the largest finite value
+    of the inputs' ``dtype``: every kernel that rounds it to ``dtype`` correctly returns inf there, and
+    no bound or identity (``sum_j dK_j = 0``) can be checked on it. (Inputs with row-scaled values, like
+    ``v_wide_range`` in float16, reach it: dK = scale dS^T Q grows with |V| |dO| |Q|.) Outputs cannot:
+    O is a convex combination of the rows of V."""
+    if dtype == torch.float64 or not dtype.is_floating_point:
+        return
+    top = torch.finfo(dtype).max
+    for op in ("dq", "dk", "dv", "dsinks"):
+        x = getattr(ref, op)
+        if x is not None and x.numel() and (biggest := x.abs().max().item()) > top:
+            raise NotForThisCase(f"the exact {op} reaches {biggest:.4g}, past {str(dtype).removeprefix('torch.')}'s "
+                                 f"largest finite value {top:.6g}: rounded to the dtype it is inf")
+
+
 class Truth:
     """The float64 reference, the eager baseline and the bounds of one case's inputs ``q, k, v`` (with
     ``dout``: of the backward too) under the case's attention spec; each computed once, when first needed.
@@ -57,7 +77,7 @@ class Truth:
     @cached_property
     def ref(self) -> reference.Reference:
         try:
-            return reference.attention(self.q, self.k, self.v, dout=self.dout, **self.options)
+            ref = reference.attention(self.q, self.k, self.v, dout=self.dout, **self.options)
         except harness.OutOfMemoryError as exc:
             # The suite's own float64 reference, not the kernel, ran out: the case is too large for this
             # device, which says nothing about the kernel. Skip with the reason (the memory is released).
@@ -66,6 +86,8 @@ class Truth:
             raise NotForThisKernel(f"the float64 reference ran out of device memory on {c.describe()} "
                                 f"({c.batch * c.heads_q * c.len_q * c.len_k} scores; lower the profile's "
                                 f"max_scores): {why}") from None
+        representable_gradients(ref, self.q.dtype)
+        return ref
 
     @cached_property
     def eager(self) -> dict[str, torch.Tensor]:

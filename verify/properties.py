@@ -27,7 +27,7 @@ from strategies.cases import DTYPES, LAYOUTS, AttentionCase
 from strategies.softmax import SoftmaxCase
 from verify import measure
 from verify.harness import Context, assert_close, assert_no_nan, check_tensor, lse_dtype, run_forward
-from verify.measure import NotForThisKernel, run_backward
+from verify.measure import NotForThisCase, NotForThisKernel, run_backward
 
 PROPERTIES: dict[str, Callable[[Context, AttentionCase], None]] = {}
 
@@ -35,10 +35,6 @@ PROPERTIES: dict[str, Callable[[Context, AttentionCase], None]] = {}
 def prop(fn):
     PROPERTIES[fn.__name__] = fn
     return fn
-
-
-class NotForThisCase(Exception):
-    """The property says nothing about this particular case: the example is rejected."""
 
 
 def _rng(case: AttentionCase, salt: int) -> torch.Generator:
