@@ -1,27 +1,47 @@
-"""Speed of the Triton FA2 kernels beside PyTorch SDPA's flash backend, on one GPU.
+"""Speed of the Triton FA2 kernels beside every fast attention on the same GPU.
 
-    python -m kernels.bench [--out FILE] [--dims 64 128] [--lengths 1024 ... 16384] [--dtypes fp16 bf16]
+    python -m kernels.bench [--out FILE] [--jsonl FILE] [--dims 64 128] [--lengths 1024 ... 16384]
+                            [--dtypes fp16 bf16] [--causal both|yes|no] [--peers sdpa_flash sdpa_cudnn ...]
 
-For each head dim, sequence length N (Nq = Nk), causal flag and dtype it times the forward and the
-backward of ``kernels.triton_attention.fa2_forward`` (autotuned tiles) and of
-``torch.nn.functional.scaled_dot_product_attention`` under ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``
-with ``triton.testing.do_bench`` (CUDA events, median), and prints a Markdown table of TFLOP/s and the
-Triton/SDPA ratio. SDPA aligns causal masks top-left and the Triton kernel bottom-right; with Nq == Nk
-the two coincide, and the ``max|dout|`` column shows how far the two outputs are apart.
+For each head dim, sequence length N (Nq = Nk), causal flag and dtype it times, in one process, the
+forward and the backward of ``kernels.triton_attention.fa2_forward`` (autotuned tiles) and of each peer
+this card and torch build offer:
+
+``sdpa_flash``      ``scaled_dot_product_attention`` under ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``
+``sdpa_cudnn``      the same under ``SDPBackend.CUDNN_ATTENTION``
+``sdpa_efficient``  the same under ``SDPBackend.EFFICIENT_ATTENTION``
+``flex``            ``torch.compile(flex_attention)`` with a causal block mask (none when not causal)
+
+with ``triton.testing.do_bench`` (CUDA events, median). A peer that cannot run a configuration (no
+cuDNN, a head dim a backend refuses) is listed with torch's reason and left out of that row. The table
+gives TFLOP/s, the fastest peer of each row and the ratio Triton / fastest peer, forward and backward
+apart, and a second table every peer's figures. With Nq == Nk SDPA's top-left and the Triton kernel's
+bottom-right causal masks coincide; ``max|dout|`` is the largest difference of any peer's output from
+Triton's.
 
 FLOPs: forward ``4 * B * H * N * N * D`` (two matrix products), halved for causal; backward 2.5 times
 the forward (five matrix products). The batch and head counts keep ``B * N = 16384`` tokens and
 ``H * D = 2048``, so every row does about the same work.
+
+Rows are written as they are measured: ``--jsonl`` gets one JSON line per row (appended), and ``--out``
+is replaced (atomically) by the table of the rows so far after each row, so a run cut short leaves
+what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import tempfile
+from collections.abc import Callable
 
 import torch
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+PEERS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
+KINDS = ("fwd", "bwd")
 
 
 def _flops(batch: int, heads: int, n: int, d: int, causal: bool, backward: bool) -> float:
@@ -43,11 +63,61 @@ def _time(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, tokens: int = 16384, width: int = 2048):
-    """Time one configuration; returns a dict of times (ms), TFLOP/s and the output difference."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def _sdpa(backend_name: str) -> Callable:
+    def make(q, k, v, causal: bool):
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        backend = getattr(SDPBackend, backend_name)
+
+        def fwd():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return fwd
+    return make
+
+
+_FLEX: dict = {}
+
+
+def _flex(q, k, v, causal: bool):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention)
+    mask = None
+    if causal:
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        mask = create_block_mask(lambda b, h, i, j: j <= i + (n_k - n_q), B=None, H=None, Q_LEN=n_q, KV_LEN=n_k,
+                                 device=q.device)
+
+    def fwd():
+        return _FLEX["fn"](q, k, v, block_mask=mask)
+    return fwd
+
+
+PEER_MAKERS = {"sdpa_flash": _sdpa("FLASH_ATTENTION"), "sdpa_cudnn": _sdpa("CUDNN_ATTENTION"),
+               "sdpa_efficient": _sdpa("EFFICIENT_ATTENTION"), "flex": _flex}
+
+
+def finish_row(row: dict) -> dict:
+    """Add TFLOP/s, each kind's fastest peer and the ratio Triton / fastest peer to ``row`` (which holds
+    ``{name}_{kind}_ms`` for triton and the peers that ran)."""
+    names = ["triton", *row["peers"]]
+    for kind in KINDS:
+        flops = _flops(row["batch"], row["heads"], row["n"], row["d"], row["causal"], kind == "bwd")
+        for name in names:
+            row[f"{name}_{kind}_tflops"] = _tflops(flops, row[f"{name}_{kind}_ms"])
+        best = max(row["peers"], key=lambda p: row[f"{p}_{kind}_tflops"], default=None)
+        row[f"best_{kind}"] = best
+        row[f"{kind}_ratio"] = row[f"triton_{kind}_tflops"] / row[f"{best}_{kind}_tflops"] if best else None
+    return row
+
+
+def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, peers=PEERS, tokens: int = 16384,
+              width: int = 2048) -> dict:
+    """Time one configuration; returns a dict of times (ms), TFLOP/s, the fastest peers and ratios, the
+    peers that could not run (with torch's reason) and the largest output difference from Triton's."""
     from kernels import triton_attention
 
     batch, heads = max(1, tokens // n), max(1, width // d)
@@ -55,78 +125,119 @@ def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, tokens: int =
     shape = (batch, heads, n, d)
     q, k, v = (torch.randn(shape, generator=gen, device="cuda", dtype=dtype).requires_grad_() for _ in range(3))
     dout = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
+    row = {"d": d, "n": n, "causal": causal, "dtype": next(k for k, v in DTYPES.items() if v == dtype),
+           "batch": batch, "heads": heads, "device": torch.cuda.get_device_name(), "peers": [],
+           "not_run": {}, "max_diff": 0.0}
 
-    def tri_fwd():
-        return triton_attention.fa2_forward(q, k, v, causal=causal)[0]
-
-    def sdpa_fwd():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    out_t, out_s = tri_fwd(), sdpa_fwd()
-    diff = (out_t.float() - out_s.float()).abs().max().item()
-    row = {"d": d, "n": n, "causal": causal, "dtype": dtype, "batch": batch, "heads": heads, "max_diff": diff}
-    for name, fwd, out in (("triton", tri_fwd, out_t), ("sdpa", sdpa_fwd, out_s)):
+    def measure(name: str, fwd) -> None:
+        out = fwd()
+        if name != "triton":
+            row["max_diff"] = max(row["max_diff"], (out.float() - reference.float()).abs().max().item())
         row[f"{name}_fwd_ms"] = _time(fwd)
         row[f"{name}_bwd_ms"] = _time(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
-    for kind, backward in (("fwd", False), ("bwd", True)):
-        flops = _flops(batch, heads, n, d, causal, backward)
-        for name in ("triton", "sdpa"):
-            row[f"{name}_{kind}_tflops"] = _tflops(flops, row[f"{name}_{kind}_ms"])
-        row[f"{kind}_ratio"] = row[f"triton_{kind}_tflops"] / row[f"sdpa_{kind}_tflops"]
-    del q, k, v, dout, out_t, out_s
+
+    reference = triton_attention.fa2_forward(q, k, v, causal=causal)[0]
+    measure("triton", lambda: triton_attention.fa2_forward(q, k, v, causal=causal)[0])
+    for name in peers:
+        try:
+            measure(name, PEER_MAKERS[name](q, k, v, causal))
+            row["peers"].append(name)
+        except Exception as exc:  # noqa: BLE001 - a backend this card or build lacks is reported, not fatal
+            row["not_run"][name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}" \
+                if str(exc).strip() else type(exc).__name__
+            torch.cuda.synchronize()
+    del q, k, v, dout, reference
     torch.cuda.empty_cache()
-    return row
+    return finish_row(row)
+
+
+def _ratio(r: dict, kind: str) -> str:
+    return f"{r[f'{kind}_ratio']:.2f}" if r[f"{kind}_ratio"] is not None else "-"
+
+
+def _best(r: dict, kind: str) -> str:
+    best = r[f"best_{kind}"]
+    return f"{r[f'{best}_{kind}_tflops']:.0f} ({best})" if best else "-"
 
 
 def markdown(rows: list[dict], header: str) -> str:
+    """The two tables: Triton against the fastest peer of each row, then every peer's TFLOP/s."""
     lines = [header, "",
-             "| D | N | B x H | causal | dtype | fwd Triton | fwd SDPA | fwd ratio "
-             "| bwd Triton | bwd SDPA | bwd ratio | max\\|dout\\| |",
-             "| ---: | ---: | ---: | :---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| D | N | B x H | causal | dtype | fwd Triton | fwd fastest peer | fwd ratio "
+             "| bwd Triton | bwd fastest peer | bwd ratio | max\\|dout\\| |",
+             "| ---: | ---: | ---: | :---: | :---: | ---: | :--- | ---: | ---: | :--- | ---: | ---: |"]
     for r in rows:
-        dtype = next(k for k, v in DTYPES.items() if v == r["dtype"])
         lines.append(
-            f"| {r['d']} | {r['n']} | {r['batch']} x {r['heads']} | {'yes' if r['causal'] else 'no'} | {dtype} "
-            f"| {r['triton_fwd_tflops']:.0f} | {r['sdpa_fwd_tflops']:.0f} | {r['fwd_ratio']:.2f} "
-            f"| {r['triton_bwd_tflops']:.0f} | {r['sdpa_bwd_tflops']:.0f} | {r['bwd_ratio']:.2f} "
-            f"| {r['max_diff']:.1e} |")
+            f"| {r['d']} | {r['n']} | {r['batch']} x {r['heads']} | {'yes' if r['causal'] else 'no'} | {r['dtype']} "
+            f"| {r['triton_fwd_tflops']:.0f} | {_best(r, 'fwd')} | {_ratio(r, 'fwd')} "
+            f"| {r['triton_bwd_tflops']:.0f} | {_best(r, 'bwd')} | {_ratio(r, 'bwd')} | {r['max_diff']:.1e} |")
     lines += ["", "TFLOP/s; forward FLOPs 4·B·H·N²·D (halved if causal), backward 2.5× that; "
-              "ratio = Triton / SDPA flash."]
+              "ratio = Triton / the fastest peer of the row.", ""]
+    peers = [p for p in PEERS if any(p in r["peers"] or p in r["not_run"] for r in rows)]
+    lines += ["Every peer (forward / backward TFLOP/s; - where it did not run):", "",
+              "| D | N | causal | dtype | triton | " + " | ".join(peers) + " |",
+              "| ---: | ---: | :---: | :---: | ---: | " + " | ".join("---:" for _ in peers) + " |"]
+    for r in rows:
+        cells = [f"{r[f'{p}_fwd_tflops']:.0f} / {r[f'{p}_bwd_tflops']:.0f}" if p in r["peers"] else "-"
+                 for p in peers]
+        lines.append(f"| {r['d']} | {r['n']} | {'yes' if r['causal'] else 'no'} | {r['dtype']} "
+                     f"| {r['triton_fwd_tflops']:.0f} / {r['triton_bwd_tflops']:.0f} | " + " | ".join(cells) + " |")
+    reasons = sorted({(p, why) for r in rows for p, why in r["not_run"].items()})
+    if reasons:
+        lines += ["", "Not run:", ""] + [f"- {p}: {why}" for p, why in reasons]
     return "\n".join(lines)
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Replace ``path`` by ``text``: written to a temporary file beside it, then renamed over it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".bench-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="also write the Markdown table to this file")
+    parser.add_argument("--out", help="the Markdown tables, replaced after each row")
+    parser.add_argument("--jsonl", help="one JSON line per row, appended as each is measured")
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp16", "bf16"])
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS),
+                        help="the peers to time (default: all; none: Triton alone)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels.bench needs a CUDA GPU (SDPA's flash backend and compiled Triton kernels)", file=sys.stderr)
+        print("kernels.bench needs a CUDA GPU (the compiled Triton kernels and the peers run on one)",
+              file=sys.stderr)
         return 2
     import triton
 
+    header = (f"Triton FA2 beside the fastest attention on {torch.cuda.get_device_name()} "
+              f"(torch {torch.__version__}, triton {triton.__version__})")
     causal_flags = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     rows = []
     for d in args.dims:
         for causal in causal_flags:
             for dtype in args.dtypes:
                 for n in args.lengths:
-                    row = bench_one(d, n, causal, DTYPES[dtype])
+                    row = bench_one(d, n, causal, DTYPES[dtype], peers=args.peers)
                     rows.append(row)
                     print(f"D={d} N={n} causal={causal} {dtype}: fwd {row['triton_fwd_tflops']:.0f} vs "
-                          f"{row['sdpa_fwd_tflops']:.0f}, bwd {row['triton_bwd_tflops']:.0f} vs "
-                          f"{row['sdpa_bwd_tflops']:.0f} TFLOP/s", file=sys.stderr, flush=True)
-    header = (f"Triton FA2 vs SDPA flash on {torch.cuda.get_device_name()} "
-              f"(torch {torch.__version__}, triton {triton.__version__})")
-    table = markdown(rows, header)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(table + "\n")
+                          f"{_best(row, 'fwd')}, bwd {row['triton_bwd_tflops']:.0f} vs {_best(row, 'bwd')} "
+                          "TFLOP/s", file=sys.stderr, flush=True)
+                    if args.jsonl:
+                        with open(args.jsonl, "a") as fh:
+                            fh.write(json.dumps(row) + "\n")
+                    if args.out:
+                        write_atomically(args.out, markdown(rows, header) + "\n")
+    print(markdown(rows, header))
     return 0
 
 

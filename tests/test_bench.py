@@ -1,0 +1,57 @@
+"""kernels.bench's arithmetic and tables on made-up timings (the timing itself needs a GPU: its figures
+are in docs/benchmarks.md, with the card named)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels import bench
+
+
+def _row(**ms):
+    row = {"d": 128, "n": 4096, "causal": True, "dtype": "fp16", "batch": 4, "heads": 16, "peers": [],
+           "not_run": {"sdpa_cudnn": "RuntimeError: No available kernel."}, "max_diff": 1e-3}
+    for name, (fwd, bwd) in ms.items():
+        row[f"{name}_fwd_ms"], row[f"{name}_bwd_ms"] = fwd, bwd
+        if name != "triton":
+            row["peers"].append(name)
+    return bench.finish_row(row)
+
+
+def test_the_ratio_is_to_the_fastest_peer_of_each_kind():
+    r = _row(triton=(1.0, 3.0), sdpa_flash=(1.5, 2.0), flex=(0.8, 4.0))
+    flops = 4.0 * 4 * 16 * 4096 * 4096 * 128 / 2  # causal halves the forward
+    assert r["triton_fwd_tflops"] == pytest.approx(flops / 1e-3 / 1e12)
+    assert r["triton_bwd_tflops"] == pytest.approx(2.5 * flops / 3e-3 / 1e12)
+    assert (r["best_fwd"], r["best_bwd"]) == ("flex", "sdpa_flash")  # each kind its own fastest
+    assert r["fwd_ratio"] == pytest.approx(0.8) and r["bwd_ratio"] == pytest.approx(2.0 / 3.0)
+
+
+def test_a_row_without_peers_has_no_ratio_and_the_table_says_so():
+    r = _row(triton=(1.0, 3.0))
+    assert r["best_fwd"] is None and r["fwd_ratio"] is None
+    text = bench.markdown([r], "header")
+    line = next(l for l in text.splitlines() if l.startswith("| 128 | 4096 | 4 x 16 |"))
+    assert "| - | - |" in line
+
+
+def test_the_tables_name_the_fastest_peer_every_peer_and_why_one_did_not_run():
+    r = _row(triton=(1.0, 3.0), sdpa_flash=(1.5, 2.0), flex=(0.8, 4.0))
+    text = bench.markdown([r], "Triton FA2 beside the fastest attention on a card")
+    first = next(l for l in text.splitlines() if l.startswith("| 128 | 4096 | 4 x 16 |"))
+    assert f"{r['flex_fwd_tflops']:.0f} (flex) | 0.80 |" in first and "(sdpa_flash) | 0.67 |" in first
+    assert "| triton | sdpa_flash | sdpa_cudnn | flex |" in text  # the peers' table, cudnn as not run
+    assert "- sdpa_cudnn: RuntimeError: No available kernel." in text
+
+
+def test_the_table_file_is_replaced_whole(tmp_path):
+    path = tmp_path / "bench.md"
+    bench.write_atomically(str(path), "one\n")
+    bench.write_atomically(str(path), "two\n")
+    assert path.read_text() == "two\n" and [p.name for p in tmp_path.iterdir()] == ["bench.md"]
+
+
+@pytest.mark.skipif(bench.torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_a_gpu_it_says_so_and_exits_2(capsys):
+    assert bench.main(["--dims", "64"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
