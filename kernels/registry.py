@@ -26,6 +26,8 @@ and either add it to ``SHIPPED`` below (a shipped kernel lives in its own module
 which holds the kernel only, and is declared here) or point the suite at it with
 ``pytest verify --impl package.module:MY_KERNEL`` or ``--impl path/to/file.py:MY_KERNEL``. A plain
 callable also works: ``--impl path/to/file.py:my_forward`` gets the defaults of :func:`from_callable`.
+A function written in flash_attn's or xformers' calling convention needs no glue: ``--impl
+path/to/file.py:my_func --convention flash_attn`` (or ``...:my_func@flash_attn``; :mod:`kernels.calling_conventions`).
 
 Optional capabilities a declaration may add (each unlocks the properties that need it):
 
@@ -55,7 +57,7 @@ from typing import Any
 
 import torch
 
-from kernels import adapters, blocked, online_softmax
+from kernels import adapters, blocked, calling_conventions, online_softmax
 from kernels.declaration import ALIGNMENTS, ALL_DTYPES, DECLARED, KINDS, Implementation, ImplementationError, declare
 
 try:
@@ -64,7 +66,7 @@ except ImportError:  # Triton is an optional extra: without it the Triton kernel
     triton_attention = triton_decode = triton_softmax = None
 
 __all__ = ["ALIGNMENTS", "ALL_DTYPES", "KINDS", "SHIPPED", "Implementation", "ImplementationError",
-           "declare", "default_selection", "from_callable", "load", "registry"]
+           "declare", "default_selection", "from_callable", "load", "registry", "split_convention"]
 
 # ------------------------------------------------------------------------------------ online softmax
 _SOFTMAX_BLOCKS = (1, 2, 3, 5, 8, 16, 64)
@@ -300,9 +302,43 @@ def _load_attr(spec: str, names: Sequence[str] = ()) -> Any:
         raise ImplementationError(f"--impl {spec!r}: module {target!r} has no attribute {attr!r}") from None
 
 
-def load(spec: str, *, device: str) -> Implementation:
-    """Resolve one ``--impl`` value: a registry name, ``package.module:attr`` or ``path/file.py:attr``."""
+def split_convention(spec: str) -> tuple[str, str | None]:
+    """``("mypkg:fn", "flash_attn")`` for ``"mypkg:fn@flash_attn"``; ``(spec, None)`` when it names none
+    (an ``@`` inside a path or before the attribute is part of the spec)."""
+    head, at, tail = spec.rpartition("@")
+    return (head, tail) if at and head and tail.isidentifier() else (spec, None)
+
+
+def _load_in_convention(spec: str, convention: str, *, device: str, shipped) -> Implementation:
+    """A callable written in another API's calling convention (:mod:`kernels.calling_conventions`),
+    declared with the convention's defaults on the suite's device; named ``spec@convention``."""
+    selector = f"{spec}@{convention}"
+    if convention not in calling_conventions.CONVENTIONS:
+        raise ImplementationError(f"--impl {selector!r}: {convention!r} is not a calling convention; known: "
+                                  + ", ".join(calling_conventions.CONVENTIONS))
+    words = (f"it speaks the suite's contract already: name it without a convention (--convention applies to "
+             f"every --impl without its own @convention; to mix, write mypkg:fn@{convention} on the ones in "
+             f"that convention)")
+    if spec in shipped:
+        raise ImplementationError(f"--impl {selector!r}: {spec!r} is a shipped implementation; {words}")
+    obj = _load_attr(spec, names=list(shipped))
+    if isinstance(obj, Implementation):
+        raise ImplementationError(f"--impl {selector!r}: {spec!r} names an Implementation; {words}")
+    if not callable(obj):
+        raise ImplementationError(f"--impl {selector!r} names a {type(obj).__name__}, but should name a function "
+                                  f"written in the {convention} convention")
+    fields = {"devices": (torch.device(device).type,), "selector": selector, **getattr(obj, DECLARED, {})}
+    return calling_conventions.adapt(obj, convention, name=selector, **fields)
+
+
+def load(spec: str, *, device: str, convention: str | None = None) -> Implementation:
+    """Resolve one ``--impl`` value: a registry name, ``package.module:attr`` or ``path/file.py:attr``;
+    ``...:attr@CONVENTION``, or ``convention`` given (``--convention``, for a value without its own), for a
+    callable written in another API's calling convention (:mod:`kernels.calling_conventions`)."""
     shipped = registry()
+    spec, own = split_convention(spec)
+    if own or convention:
+        return _load_in_convention(spec, own or convention, device=device, shipped=shipped)
     if spec in shipped:
         return shipped[spec]
     obj = _load_attr(spec, names=list(shipped))

@@ -38,6 +38,10 @@ def pytest_addoption(parser):
                     help="implementation to verify: a registry name, package.module:attr or "
                          "path/to/file.py:attr (repeatable; default: every shipped implementation "
                          "that runs on the device)")
+    group.addoption("--convention", default=None, metavar="NAME",
+                    help="the calling convention of every --impl that names a plain function without its own "
+                         "@NAME: flash_attn, flash_attn_varlen, flash_attn_kvcache or xformers "
+                         "(kernels/calling_conventions.py; default: the suite's own contract)")
     group.addoption("--report-dir", default=DEFAULT_REPORT_DIR, metavar="DIR",
                     help=f"where the error report is written (default: ./{DEFAULT_REPORT_DIR})")
     group.addoption("--device", default=None, metavar="DEVICE",
@@ -179,10 +183,13 @@ def _selection(config):
     if cached is not None:
         return cached
     device = _device(config)
-    specs = config.getoption("--impl")
+    specs, convention = config.getoption("--impl"), config.getoption("--convention")
+    if convention is not None and not specs:
+        raise pytest.UsageError(f"--convention {convention} applies to the kernels named with --impl, and none was "
+                                "given: add --impl package.module:fn or --impl path/to/file.py:fn")
     if specs:
         try:
-            impls = [kernel_registry.load(spec, device=device) for spec in specs]
+            impls = [kernel_registry.load(spec, device=device, convention=convention) for spec in specs]
         except kernel_registry.ImplementationError as exc:
             raise pytest.UsageError(str(exc)) from None
     else:
