@@ -8,6 +8,7 @@ wrong shape, a field the API fixes) is refused with words naming what was wrong 
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -216,16 +217,17 @@ def test_a_failure_replays_through_its_convention(capsys):
     context = Context(impl=impl, prop="out_matches_reference", case=CASE)
     with pytest.raises(PropertyFailure) as info:
         properties.out_matches_reference(context, CASE)
-    argv = info.value.replay.split()[3:]  # python -m verify.replay <arguments>
+    argv = shlex.split(info.value.replay)[3:]  # python -m verify.replay <arguments>
     assert argv[:2] == ["--impl", impl.cli_name]
-    assert replay.main([a.strip("'") for a in argv]) == 1
+    assert replay.main(argv) == 1
     assert "out differs from the float64 reference" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------ bad input
 def test_an_unknown_convention_is_refused_with_the_known_ones():
     known = "known: flash_attn (flash_attn_func), flash_attn_varlen (flash_attn_varlen_func), flash_attn_kvcache"
-    with pytest.raises(ImplementationError, match=re.escape(f"convention 'flash' is not a calling convention; {known}")):
+    words = f"convention 'flash' is not a calling convention; {known}"
+    with pytest.raises(ImplementationError, match=re.escape(words)):
         cc.adapt(standins.flash_attn_func, "flash")
     for spec, convention in ((f"{STANDINS}:flash_attn_func@flashattn", None), (f"{STANDINS}:flash_attn_func", "fa")):
         with pytest.raises(ImplementationError, match="is not a calling convention; known: flash_attn, "):
