@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "error/bound, error/eager for O, LSE, dQ, dK, dV).",
                        epilog=ACCURACY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("--impl", action="append", metavar="IMPL",
-                   help="implementation (repeatable): registry name, package.module:attr or path/file.py:attr "
+                   help="implementation (repeatable): registry name, package.module:attr or path/file.py:attr, "
+                        "...:attr@CONVENTION for a function in flash_attn's or xformers' calling convention "
                         "(default: every shipped attention kernel that runs on the device)")
     a.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     a.add_argument("--preset", choices=sorted(accuracy.PRESETS),

@@ -24,7 +24,9 @@ def replay_command(*, impl: str, prop: str, case: dict, device: str) -> str:
 
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="python -m verify.replay", description=__doc__.splitlines()[0])
-    parser.add_argument("--impl", help="implementation: registry name, package.module:attr or file.py:attr")
+    parser.add_argument("--impl", help="implementation: registry name, package.module:attr or file.py:attr; a function "
+                                             "in another API's calling convention as ...:attr@CONVENTION "
+                                             "(kernels/calling_conventions.py)")
     parser.add_argument("--property", dest="prop", help="property name (see verify/properties.py)")
     parser.add_argument("--case", help="the case as JSON")
     parser.add_argument("--case-file", help="a failure file from a report's failures/ folder")
