@@ -27,7 +27,10 @@ CASE = {"batch": 1, "heads_q": 1, "heads_kv": 1, "len_q": 3, "len_k": 5, "head_d
 
 
 def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
+    """The environment of the subprocesses; the replay commands they print start with ``python``, which is
+    this interpreter (its folder first on PATH), as it is in an activated virtual environment."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path}
 
 
 def _measurement(impl="k", op="out", ratio=0.5, passed=True, len_k=5, dtype="float16"):
