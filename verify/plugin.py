@@ -24,7 +24,6 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from kernels import registry as kernel_registry  # noqa: E402
 from strategies.attention import Limits  # noqa: E402
 from strategies.cases import dtype_name  # noqa: E402
 from verify import failures, gpu, watchdog  # noqa: E402
@@ -182,6 +181,11 @@ def _selection(config):
     cached = getattr(config, "_flashverify_selection", None)
     if cached is not None:
         return cached
+    # Imported here, not when the plugin loads: the registry imports the Triton kernels, and Triton reads
+    # TRITON_INTERPRET when it is imported; tests/conftest.py, loaded after the plugins, sets it on a machine
+    # without a GPU.
+    from kernels import registry as kernel_registry
+
     device = _device(config)
     specs, convention = config.getoption("--impl"), config.getoption("--convention")
     if convention is not None and not specs:
