@@ -1,9 +1,51 @@
 """The mutation self-check: every deliberately broken FA2 variant fails ``pytest verify`` under the
-ci profile, with a replayable minimal case, while the unchanged kernel (loaded the same way) passes."""
+ci profile, with a replayable minimal case, while the unchanged kernel (loaded the same way) passes. The
+mutants of the attention variants (varlen, paged KV, split-KV, sinks, windows, chunks, softcap, ALiBi) are
+also held to the shape of their shrunk case (``MINIMAL``)."""
+
+import json
 
 import pytest
 
 from tests import mutants
+
+
+# What the shrunk case of each variant mutant must look like: the variant's field present (the bug lives only
+# there) and the fewest, shortest sequences, the smallest page, the fewest splits, the narrowest window. Every
+# failure file the run wrote is held to it.
+def _small(case: dict, most: int = 3) -> bool:
+    return max(case["len_q"], case["len_k"], case["batch"], case["heads_q"], case["head_dim"]) <= most
+
+
+def _narrow_window(spec: dict) -> bool:
+    """A window side of 0 or 1 (-1, or no side, is unbounded)."""
+    return any(spec.get(side, -1) in (0, 1) for side in ("window_left", "window_right"))
+
+
+MINIMAL = {
+    "varlen_keys_from_cu_seqlens_q": ("packed, 2 or 3 sequences of at most 2 queries and 2 keys",
+                                      lambda c, s: s.get("sequences") == "packed" and 2 <= len(s["seqlens_q"]) <= 3
+                                      and max(s["seqlens_q"] + s["seqlens_k"]) <= 2),
+    "paged_logical_pages": ("paged, one or two sequences of at most 2 keys, in pages of 1 key",
+                            lambda c, s: s.get("sequences") == "paged" and len(s["seqlens_k"]) <= 2
+                            and max(s["seqlens_k"]) <= 2 and s["page_size"] == 1),
+    "split_merge_log2": ("2 splits of at most 3 keys", lambda c, s: s.get("num_splits") == 2 and c["len_k"] <= 3),
+    "sink_missing_from_denominator": ("one sink, one query, at most 2 keys",
+                                      lambda c, s: len(s.get("sinks") or ()) == 1 and c["len_q"] == 1
+                                      and c["len_k"] <= 2),
+    "chunks_top_left": ("chunks of 1 or 2 positions", lambda c, s: s.get("attention_chunk") in (1, 2)),
+    "window_off_by_one": ("a window side of 0 or 1",
+                          lambda c, s: _narrow_window(s)),
+    "window_top_left": ("a window side of 0 or 1",
+                        lambda c, s: _narrow_window(s)),
+    "alibi_top_left": ("ALiBi on one head", lambda c, s: len(s.get("alibi_slopes") or ()) == 1),
+    "alibi_slope_of_wrong_head": ("ALiBi on 2 heads", lambda c, s: len(s.get("alibi_slopes") or ()) == 2),
+    "softcap_wrong_sign": ("a softcap", lambda c, s: s.get("softcap", 0) > 0),
+    "softcap_backward_no_chain_rule": ("a softcap", lambda c, s: s.get("softcap", 0) > 0),
+    "softcap_after_masking": ("a softcap and a mask that hides a key",
+                              lambda c, s: s.get("softcap", 0) > 0 and (s["causal"] or "window_left" in s
+                                                                        or "window_right" in s)),
+}
 
 
 @pytest.mark.slow
@@ -23,3 +65,10 @@ def test_mutant_fails_the_suite(name, tmp_path):
     assert "replay: python -m verify.replay" in out.output, f"mutant {name}: the failure shows no replay command"
     failures = list((tmp_path / "failures").glob("*.json"))
     assert failures, f"mutant {name}: the report holds no failure file"
+    for path in sorted(failures):
+        case = json.loads(path.read_text(encoding="utf-8"))["case"]
+        if name in MINIMAL:
+            what, holds = MINIMAL[name]
+            assert _small(case) and holds(case, case.get("spec") or {}), (
+                f"mutant {name}: {path.name} holds a case that is not minimal (expected {what}, and every length, "
+                f"the batch, the head count and the head dim at most 3): {json.dumps(case)}")
