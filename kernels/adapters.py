@@ -241,14 +241,19 @@ def _flex_mods(len_q: int, len_k: int, *, spans, causal: bool, bottom_right: boo
             seen = seen & (kv_idx < ints[4])
         return seen
 
+    # The score_mod reads copies of the tensors the mask_mod reads: a block mask is reused for a later call
+    # of the same geometry (_flex_block_mask) with that call's score_mod, and had the two functions shared a
+    # tensor in one call and not in the next, Dynamo's guard on that sharing would fail and recompile.
+    score_ints, score_diag = ints.clone(), diag_t.clone()
+
     def score_mod(score, b, h, q_idx, kv_idx):
         if capped:
             score = cap[0] * torch.tanh(score / cap[0])
         if biased:
-            diag = diag_t[q_idx] if packed else q_idx + ints[0]
+            diag = score_diag[q_idx] if packed else q_idx + score_ints[0]
             score = score - bias[h] * (diag - kv_idx).abs()
         if has_sink:
-            score = torch.where(kv_idx == ints[4], logits[h], score)
+            score = torch.where(kv_idx == score_ints[4], logits[h], score)
         return score
 
     return mask_mod, score_mod

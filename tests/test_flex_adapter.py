@@ -318,3 +318,33 @@ def test_the_uncompiled_declaration_is_the_same_adapter_on_any_device_and_not_sh
     assert all(getattr(FLEX, f) == getattr(FLEX_ATTENTION, f) for f in fields)
     assert FLEX.devices == ("cpu", "cuda") and torch.float64 in FLEX.dtypes and FLEX.head_dims is None
     assert FLEX.name not in registry()
+
+
+def test_compiled_calls_of_one_geometry_make_one_graph(monkeypatch):
+    """The compiled path's Dynamo guards (checked with Dynamo's eager backend, which needs no GPU): calls of one
+    shape and one variant make one graph, the later ones reusing the first call's block mask with their own
+    mask and score functions. Had the score_mod read a tensor the mask_mod also reads, the first call (a new
+    block mask) would share it and the next (a reused one) would not, and each alternation recompiled (Dynamo
+    guards on that sharing; a Hypothesis run of value_linearity made 24 graphs in 43 calls, now 16)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    adapters._flex_compiled_function()  # the recompilation settings of the real compiled function
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(adapters, "_flex_compiled", torch.compile(flex_attention, backend="eager"))
+    monkeypatch.setattr(adapters, "_flex_masks", {})
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 16, generator=g) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25])
+    results = [adapters._flex(q, k, v * (i + 1), kernel="flex_attention", compiled=True, devices=("cpu",),
+                              dtypes=(torch.float32,), head_dims=adapters.FLEX_HEAD_DIMS, causal=True, scale=None,
+                              window_size=(2, -1), attention_chunk=0, softcap=3.0, alibi_slopes=slopes, sinks=None,
+                              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                              causal_alignment="bottom_right")
+               for i in range(3)]
+    assert len(adapters._flex_masks) == 1, "the three calls should share one block mask"
+    assert counters["stats"]["unique_graphs"] == 1, (
+        f"three calls of one geometry made {counters['stats']['unique_graphs']} graphs (TORCH_LOGS=recompiles says why)")
+    assert torch.allclose(results[2][0], 3 * results[0][0], atol=1e-5) and torch.equal(results[2][1], results[0][1])
