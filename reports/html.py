@@ -31,7 +31,7 @@ tr.fail td { background: #fdecea; }
 .bad { background: #fdecea; border-color: #ef9a9a; }
 code, pre { font: 12px/1.4 ui-monospace, "SFMono-Regular", Menlo, Consolas, monospace; }
 pre { background: #f6f8fa; padding: 8px; overflow-x: auto; white-space: pre-wrap; word-break: break-all; }
-td code { overflow-wrap: anywhere; } td.below { border-top: none; padding-left: 24px; }
+td code { overflow-wrap: anywhere; } td code.name { overflow-wrap: normal; } td.below { border-top: none; padding-left: 24px; }
 figure { margin: 12px 0 24px; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { color: #555; font-size: 13px; max-width: 1000px; }
 .muted { color: #666; }
@@ -48,8 +48,9 @@ class Raw(str):
     """Markup built here from escaped parts: :func:`table` inserts it as is."""
 
 
-def code(text: Any) -> Raw:
-    return Raw(f"<code>{esc(text)}</code>")
+def code(text: Any, *, name: bool = False) -> Raw:
+    """``text`` as code; ``name=True`` for an identifier (an --impl), which is not broken inside a word."""
+    return Raw(f"<code class=\"name\">{esc(text)}</code>" if name else f"<code>{esc(text)}</code>")
 
 
 def cell(value: Any) -> str:
@@ -174,7 +175,7 @@ def _run_section(summary: dict) -> list[str]:
         out += ["<h3>Implementations under test</h3>", table(
             ("name", "--impl", "kind", "dtypes", "causal alignment", "gqa", "backward+Delta", "description",
              "not covered (declared unsupported)"),
-            ([i.get("name"), code(i.get("spec")), i.get("kind"), ", ".join(map(str, i.get("dtypes") or [])),
+            ([i.get("name"), code(i.get("spec"), name=True), i.get("kind"), ", ".join(map(str, i.get("dtypes") or [])),
               i.get("causal_alignment"), i.get("gqa"), i.get("backward"), i.get("description"),
               "; ".join(w.removesuffix(": not covered, declared unsupported") for w in i.get("not_covered") or [])
               or "-"] for i in impls))]
@@ -341,7 +342,7 @@ def accuracy_html(result: dict) -> str:
             "plus a tiny floor).</p>",
             "<h3>Implementations</h3>",
             table(("name", "--impl", "causal alignment", "returns LSE", "dtypes", "description"),
-                  ([i.get("name"), code(i.get("spec")), i.get("causal_alignment"), i.get("returns_lse"),
+                  ([i.get("name"), code(i.get("spec"), name=True), i.get("causal_alignment"), i.get("returns_lse"),
                     ", ".join(map(str, i.get("dtypes") or [])), i.get("description")]
                    for i in result.get("implementations") or []))]
     protocol = result.get("fa3_protocol")
