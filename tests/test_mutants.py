@@ -34,10 +34,8 @@ MINIMAL = {
                                       lambda c, s: len(s.get("sinks") or ()) == 1 and c["len_q"] == 1
                                       and c["len_k"] <= 2),
     "chunks_top_left": ("chunks of 1 or 2 positions", lambda c, s: s.get("attention_chunk") in (1, 2)),
-    "window_off_by_one": ("a window side of 0 or 1",
-                          lambda c, s: _narrow_window(s)),
-    "window_top_left": ("a window side of 0 or 1",
-                        lambda c, s: _narrow_window(s)),
+    "window_off_by_one": ("a window side of 0 or 1", lambda c, s: _narrow_window(s)),
+    "window_top_left": ("a window side of 0 or 1", lambda c, s: _narrow_window(s)),
     "alibi_top_left": ("ALiBi on one head", lambda c, s: len(s.get("alibi_slopes") or ()) == 1),
     "alibi_slope_of_wrong_head": ("ALiBi on 2 heads", lambda c, s: len(s.get("alibi_slopes") or ()) == 2),
     "softcap_wrong_sign": ("a softcap", lambda c, s: s.get("softcap", 0) > 0),
@@ -46,6 +44,11 @@ MINIMAL = {
                               lambda c, s: s.get("softcap", 0) > 0 and (s["causal"] or "window_left" in s
                                                                         or "window_right" in s)),
 }
+
+
+def test_minimal_shapes_name_mutants():
+    unknown = set(MINIMAL) - {m.name for m in mutants.MUTATIONS}
+    assert not unknown, f"MINIMAL names no mutant called {sorted(unknown)} (tests/mutants.py MUTATIONS)"
 
 
 @pytest.mark.slow
