@@ -87,3 +87,14 @@ def test_broken_outside_callable_fails_with_a_shrunk_case_that_replays(tmp_path)
                            capture_output=True, text=True)
     assert again.returncode == 1, again.stdout + again.stderr
     assert "FAILED" in again.stdout
+
+
+def test_loading_the_plugin_does_not_import_triton():
+    """The installed plugin loads before tests/conftest.py sets TRITON_INTERPRET=1, and Triton reads the variable
+    when it is imported: were Triton imported with the plugin, a one-process ``pytest tests/...`` on a machine
+    without a GPU would get Triton without its interpreter and skip every Triton test (this test lives outside
+    tests/test_triton_smoke.py, whose tests that very failure would skip)."""
+    probe = "import sys, verify.plugin; print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton')[:3])"
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", f"importing verify.plugin imported Triton modules: {proc.stdout.strip()}"

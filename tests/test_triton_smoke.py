@@ -161,17 +161,3 @@ def test_declarations():
     assert (fa2.environment_limit(torch.bfloat16) is not None) == ta.INTERPRET
     assert os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda"
 
-
-def test_loading_the_plugin_does_not_import_triton():
-    """The installed plugin loads before tests/conftest.py sets TRITON_INTERPRET=1, and Triton reads the variable
-    when it is imported: were Triton imported with the plugin, a one-process ``pytest tests/...`` on a machine
-    without a GPU would get Triton without its interpreter and skip every Triton test."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    probe = "import sys, verify.plugin; print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton')[:3])"
-    proc = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parent.parent,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "[]", f"importing verify.plugin imported Triton modules: {proc.stdout.strip()}"
