@@ -187,13 +187,12 @@ if triton_attention is not None and triton_softmax is not None:
         """The fields the Triton FA1 and FA2 share: their dtypes, devices and head dims, GQA, the variants
         (windows, chunks, softcap, ALiBi, sinks, packed sequences), the drawn tiles, the FA2 backward,
         deterministic, out= buffers, the interpreter's limits."""
+        fields = {"block_m": _ATTENTION_BLOCKS, "block_n": _ATTENTION_BLOCKS, "max_examples": _MAX_EXAMPLES, **fields}
         return Implementation(backward=triton_attention.fa2_backward, dtypes=triton_attention.DTYPES,
                               devices=triton_attention.DEVICES, head_dims=triton_attention.HEAD_DIMS, gqa=True,
                               windows=True, chunks=True, softcap=True, alibi=True, sinks=True,
-                              sequences=("dense", "packed"),
-                              block_m=_ATTENTION_BLOCKS, block_n=_ATTENTION_BLOCKS, deterministic=True,
-                              out_buffers=True, environment_limits=_ENVIRONMENT_LIMITS,
-                              max_examples=_MAX_EXAMPLES, **fields)
+                              sequences=("dense", "packed"), deterministic=True,
+                              out_buffers=True, environment_limits=_ENVIRONMENT_LIMITS, **fields)
 
     TRITON_FA2 = _triton_attention(
         name="triton_fa2", forward=triton_attention.fa2_forward, sibling="triton_fa1",
@@ -203,6 +202,16 @@ if triton_attention is not None and triton_softmax is not None:
         name="triton_fa1", forward=triton_attention.fa1_forward,
         description="Triton FlashAttention-1: inner-scaled forward (renormalised every KV step); FA2 backward",
     )
+    # The FA2 kernels as a caller gets them without block sizes: tiles, warps and stages autotuned per head
+    # dim, dtype, causal flag, variant and length class (the configurations kernels.bench times). On the GPU
+    # only (the interpreter always runs its small fixed tiles) and named, not in the default selection: every
+    # new autotuning key compiles and times several configurations of three kernels (a minute per example
+    # with 16 workers on one H100), hence few examples per property.
+    _AUTOTUNED = () if _INTERPRET else (_triton_attention(
+        name="triton_fa2_autotuned", forward=triton_attention.fa2_forward, block_m=None, block_n=None,
+        in_default=False, max_examples=4,
+        description="Triton FlashAttention-2 with autotuned tiles (no block_m/block_n: what kernels.bench times)",
+    ),)
     TRITON_DECODE = Implementation(
         name="triton_decode", forward=triton_decode.decode_forward, dtypes=triton_decode.DTYPES,
         devices=triton_decode.DEVICES, head_dims=triton_decode.HEAD_DIMS, gqa=True, windows=True, softcap=True,
@@ -210,7 +219,7 @@ if triton_attention is not None and triton_softmax is not None:
         autograd=False, deterministic=True, environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
         description="Triton split-KV decoding from a paged KV cache (1..16 queries per sequence) and its combine",
     )
-    _TRITON: tuple[Implementation, ...] = (TRITON_SOFTMAX, TRITON_FA2, TRITON_FA1, TRITON_DECODE)
+    _TRITON: tuple[Implementation, ...] = (TRITON_SOFTMAX, TRITON_FA2, TRITON_FA1, *_AUTOTUNED, TRITON_DECODE)
 else:
     _TRITON = ()
 

@@ -152,6 +152,40 @@ def _split_stages(dtype: torch.dtype) -> bool:
     return dtype != torch.float32
 
 
+def _tma_capable(device: torch.device) -> bool:
+    """Tensor descriptors (TMA) on this device: the interpreter (which emulates them, so the CPU runs the
+    same code path) or an NVIDIA GPU of compute capability 9.0 or above (Hopper)."""
+    if INTERPRET:
+        return True
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_rows(*tensors) -> bool:
+    """Whether ``[B, H, N, D]`` tensors can be read through a descriptor of one (batch, head)'s ``[N, D]``
+    rows: unit column stride, and the base address and every other stride multiples of 16 bytes."""
+    return all(t.stride(3) == 1 and t.data_ptr() % 16 == 0
+               and all((t.stride(dim) * t.element_size()) % 16 == 0 for dim in (0, 1, 2)) for t in tensors)
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Global memory Triton asks for at launch (the kernels' tensor descriptors are built on the device)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Give Triton an allocator for the device-built descriptors, unless the caller has set one."""
+    if INTERPRET:
+        return
+    try:
+        from triton.runtime import _allocation
+        current = _allocation._allocator.get()
+        unset = isinstance(current, _allocation.NullAllocator)
+    except (ImportError, AttributeError):  # pragma: no cover - another Triton layout: set ours
+        unset = True
+    if unset:
+        triton.set_allocator(_scratch)
+
+
 def _check_blocks(block_m, block_n, *, kernel: str) -> tuple[int | None, int | None]:
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None:
@@ -318,32 +352,38 @@ def _modified(qk, sm_scale, softcap, slope, q_idx, k_idx, causal_offset,
 
 
 @triton.jit
-def _attn_fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, stride_kn, stride_vn, offs_m, offs_n, offs_d,
                     lo, hi, kv_end, causal_offset, qk_scale, sm_scale, softcap, slope,
                     window_left, window_right, chunk, len_q,
                     head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, MASKED: tl.constexpr, INNER_SCALED: tl.constexpr,
                     WINDOW: tl.constexpr, CHUNK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                    NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr):
+                    NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr, TMA: tl.constexpr):
     """Consume the KV blocks lo, lo + BLOCK_N, ... < hi into the running (acc, m, l) of one Q tile;
-    ``qk_scale = scale * log2(e)``; ``m`` is the running max of ``sign(scale) * q.k`` (raw units), or,
-    NATURAL (a softcap, ALiBi or sinks), of the modified scores ``s'`` in natural units.
+    ``qk_scale = scale * log2(e)``; ``m`` is the running max of ``q.k`` with ``q`` already multiplied by
+    ``sign(scale)`` (raw units), or, NATURAL (a softcap, ALiBi or sinks: ``q`` as given), of the modified
+    scores ``s'`` in natural units.
 
     MASKED: keys at or past ``kv_end`` are loaded as 0 and their scores (and those of keys a row may not
     see: CAUSAL, WINDOW, CHUNK) are set to -inf; otherwise every key in [lo, hi) is visible to every row.
+    TMA (unmasked blocks only): K and V tiles come through the tensor descriptors ``desc_k``, ``desc_v``.
     """
     sign = tl.where(qk_scale < 0, -1.0, 1.0)
     c_abs = qk_scale * sign
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = _load_rows(K + cols[:, None] * stride_kn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
-        v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
+        if TMA:
+            k = desc_k.load([start_n, 0])
+            v = desc_v.load([start_n, 0])
+        else:
+            k = _load_rows(K + cols[:, None] * stride_kn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
+            v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
         if NATURAL:  # -- the modified scores s' in natural units
             qk, _ = _modified(tl.dot(q, tl.trans(k), input_precision="ieee"), sm_scale, softcap, slope,
                               offs_m[:, None], cols[None, :], causal_offset, SOFTCAP, ALIBI, LIBDEVICE)
-        else:  # -- raw scores q.k in float32, sign-adjusted so that the largest is the largest scaled score
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sign
+        else:  # -- raw scores q.k in float32 (q carries sign(scale): the largest is the largest scaled score)
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         if MASKED:
             visible = _visible(offs_m[:, None], cols[None, :], kv_end, causal_offset, window_left, window_right,
                                chunk, len_q, CAUSAL, WINDOW, CHUNK)
@@ -418,7 +458,8 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale, sm_scale, Slopes, Sinks, CuQ, CuK,
               head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
               INNER_SCALED: tl.constexpr, ALIGNED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, VARLEN: tl.constexpr,
-              NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
     stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
     stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
     stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
@@ -447,9 +488,19 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale, sm_scale, Slopes, Sinks, CuQ, CuK,
         q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
                        + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                        offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
+        if not NATURAL:  # raw units: q times sign(scale) (exact), so that the loop's largest q.k is the max
+            q = (q * tl.where(qk_scale < 0, -1.0, 1.0)).to(Q.dtype.element_ty)
         # [1, BLOCK_D] pointers to the head-dim columns of this (batch, kv head); the loop adds the key rows.
         K_cols = K + off_b * stride_kb + off_hkv * stride_kh + k_start * stride_kn + offs_d[None, :] * stride_kd
         V_cols = V + off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn + offs_d[None, :] * stride_vd
+        desc_k = K
+        desc_v = V
+        if TMA:  # dense rows of this (batch, kv head), unit column stride (the launcher checked): the
+            # descriptor reads the rows past len_k as 0, and is used where every key of a tile is visible.
+            desc_k = tl.make_tensor_descriptor(K + off_b * stride_kb + off_hkv * stride_kh, shape=[len_k, BLOCK_D],
+                                               strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
+            desc_v = tl.make_tensor_descriptor(V + off_b * stride_vb + off_hkv * stride_vh, shape=[len_k, BLOCK_D],
+                                               strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D])
         slope = 0.0
         if ALIBI:
             slope = tl.load(Slopes + off_b * stride_sb + off_h).to(tl.float32)
@@ -470,20 +521,20 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale, sm_scale, Slopes, Sinks, CuQ, CuK,
         if SPLIT and not WINDOW and not CHUNK:
             # Stage 1: blocks visible to every row, no masks.
             full_end = (full_end // BLOCK_N) * BLOCK_N
-            acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K_cols, V_cols, stride_kn, stride_vn, offs_m, offs_n,
-                                            offs_d, 0, full_end, kv_end, causal_offset, qk_scale, sm_scale, softcap,
-                                            slope, window_left, window_right, chunk, len_q,
+            acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K_cols, V_cols, desc_k, desc_v, stride_kn, stride_vn,
+                                            offs_m, offs_n, offs_d, 0, full_end, kv_end, causal_offset, qk_scale,
+                                            sm_scale, softcap, slope, window_left, window_right, chunk, len_q,
                                             head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, False, INNER_SCALED,
-                                            WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
+                                            WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA)
         else:
             full_end = lo
         # Stage 2: blocks crossing the diagonal, a window's or chunk's edges or the end of the keys, masked
         # (every block the tile sees if not SPLIT).
-        acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K_cols, V_cols, stride_kn, stride_vn, offs_m, offs_n,
-                                        offs_d, full_end, kv_end, kv_end, causal_offset, qk_scale, sm_scale, softcap,
-                                        slope, window_left, window_right, chunk, len_q,
+        acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K_cols, V_cols, desc_k, desc_v, stride_kn, stride_vn,
+                                        offs_m, offs_n, offs_d, full_end, kv_end, kv_end, causal_offset, qk_scale,
+                                        sm_scale, softcap, slope, window_left, window_right, chunk, len_q,
                                         head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, True, INNER_SCALED,
-                                        WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
+                                        WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False)
 
         # Epilogue: rows with no visible key have l = 0, acc = 0: out = 0, lse = -inf (with a sink l = 1 and
         # m = t there: out = 0, lse = t). Natural-log LSE.
@@ -512,7 +563,7 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale, sm_scale, Slopes, Sinks, CuQ, CuK,
 _VARIANT_KEY = ["WINDOW", "CHUNK", "SOFTCAP", "ALIBI", "SINKS", "VARLEN"]
 _attn_fwd_tuned = triton.autotune(
     configs=_configs(_FWD_TILES),
-    key=["BLOCK_D", "CAUSAL", "INNER_SCALED", "seq_bucket", *_VARIANT_KEY],
+    key=["BLOCK_D", "CAUSAL", "INNER_SCALED", "seq_bucket", "TMA", *_VARIANT_KEY],
     prune_configs_by={"early_config_prune": _pruner(_FWD_TILES)},
 )(_attn_fwd)
 
@@ -553,22 +604,27 @@ def _attn_bwd_delta(Out, DOut, Delta, CuQ,
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, stride_qm, stride_gm, stride_lm,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, desc_q, desc_do, stride_qm, stride_gm, stride_lm,
                          offs_n, offs_d, lo, hi, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap, slope,
                          window_left, window_right, chunk,
                          head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          CAUSAL: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
                          SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, NATURAL: tl.constexpr,
-                         LIBDEVICE: tl.constexpr):
+                         LIBDEVICE: tl.constexpr, TMA: tl.constexpr):
     """Add the Q blocks lo, lo + BLOCK_M, ... < hi of one query head to a KV tile's dK, dV (transposed
     form: rows are keys, columns queries). MASKED: rows past len_q are read as 0, and scores of keys a
     query may not see (CAUSAL, WINDOW, CHUNK) are set to -inf. NATURAL: the scores are the modified
-    ones (softcap, ALiBi), and a softcap's 1 - tanh^2 multiplies dS."""
+    ones (softcap, ALiBi), and a softcap's 1 - tanh^2 multiplies dS. TMA (unmasked blocks only): the Q
+    and dO tiles come through the descriptors ``desc_q``, ``desc_do``."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(Q + rows[:, None] * stride_qm, rows, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
-        do = _load_rows(DO + rows[:, None] * stride_gm, rows, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
+        if TMA:
+            q = desc_q.load([start_m, 0])
+            do = desc_do.load([start_m, 0])
+        else:
+            q = _load_rows(Q + rows[:, None] * stride_qm, rows, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
+            do = _load_rows(DO + rows[:, None] * stride_gm, rows, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
         if MASKED:
             lse = tl.load(Lse + rows * stride_lm, mask=rows < len_q, other=float("inf"))
             delta = tl.load(Delta + rows, mask=rows < len_q, other=0.0)
@@ -643,7 +699,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, Slopes, 
                    head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                    ALIGNED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, VARLEN: tl.constexpr, NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
     stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
     stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
@@ -691,29 +747,37 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, Slopes, 
             DOh = DO + off_b * stride_gb + off_h * stride_gh + q_start * stride_gm + offs_d[None, :] * stride_gd
             Lseh = Lse + off_b * stride_lb + off_h * stride_lh + q_start * stride_lm
             Deltah = Delta + off_b * stride_db + off_h * stride_dh + q_start
+            desc_q = Q
+            desc_do = DO
+            if TMA:  # dense rows of this (batch, query head), unit column stride (the launcher checked)
+                desc_q = tl.make_tensor_descriptor(Q + off_b * stride_qb + off_h * stride_qh, shape=[len_q, BLOCK_D],
+                                                   strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
+                desc_do = tl.make_tensor_descriptor(DO + off_b * stride_gb + off_h * stride_gh,
+                                                    shape=[len_q, BLOCK_D], strides=[stride_gm, 1],
+                                                    block_shape=[BLOCK_M, BLOCK_D])
             if SPLIT and not WINDOW and not CHUNK:
                 # Q blocks crossing the diagonal (masked), those seeing the whole tile, then the ragged tail.
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
-                                              offs_n, offs_d, lo, diag_end, len_q, len_k, causal_offset, qk_scale,
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, desc_q, desc_do,
+                                              stride_qm, stride_gm, stride_lm, offs_n, offs_d, lo, diag_end, len_q, len_k, causal_offset, qk_scale,
                                               sm_scale, softcap, slope, window_left, window_right, chunk,
                                               head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True, WINDOW, CHUNK,
-                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
-                                              offs_n, offs_d, diag_end, even_end, len_q, len_k, causal_offset,
+                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False)
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, desc_q, desc_do,
+                                              stride_qm, stride_gm, stride_lm, offs_n, offs_d, diag_end, even_end, len_q, len_k, causal_offset,
                                               qk_scale, sm_scale, softcap, slope, window_left, window_right, chunk,
                                               head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, False, WINDOW, CHUNK,
-                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
-                                              offs_n, offs_d, even_end, len_q, len_q, len_k, causal_offset, qk_scale,
+                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA)
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, desc_q, desc_do,
+                                              stride_qm, stride_gm, stride_lm, offs_n, offs_d, even_end, len_q, len_q, len_k, causal_offset, qk_scale,
                                               sm_scale, softcap, slope, window_left, window_right, chunk,
                                               head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True, WINDOW, CHUNK,
-                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
+                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False)
             else:
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, stride_qm, stride_gm, stride_lm,
-                                              offs_n, offs_d, lo, hi, len_q, len_k, causal_offset, qk_scale,
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, desc_q, desc_do,
+                                              stride_qm, stride_gm, stride_lm, offs_n, offs_d, lo, hi, len_q, len_k, causal_offset, qk_scale,
                                               sm_scale, softcap, slope, window_left, window_right, chunk,
                                               head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True, WINDOW, CHUNK,
-                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
+                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False)
 
         dk = dk * sm_scale
         _store_rows(DK + off_b * stride_dkb + off_hkv * stride_dkh + k_start * stride_dkn
@@ -725,19 +789,25 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, Slopes, 
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, desc_k, desc_v, stride_kn, stride_vn, offs_m, offs_n, offs_d,
                        lo, hi, kv_end, len_q, causal_offset, qk_scale, sm_scale, softcap, slope,
                        window_left, window_right, chunk,
                        head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
-                       SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr):
+                       SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr,
+                       TMA: tl.constexpr):
     """Add the KV blocks lo, lo + BLOCK_N, ... < hi to a Q tile's dQ (masking as in the forward);
-    ``lse2 = log2(e) * lse`` (+inf for rows that see no key), ``qk_scale = log2(e) * scale``."""
+    ``lse2 = log2(e) * lse`` (+inf for rows that see no key), ``qk_scale = log2(e) * scale``. TMA
+    (unmasked blocks only): the K and V tiles come through the descriptors ``desc_k``, ``desc_v``."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = _load_rows(K + cols[:, None] * stride_kn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
-        v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
+        if TMA:
+            k = desc_k.load([start_n, 0])
+            v = desc_v.load([start_n, 0])
+        else:
+            k = _load_rows(K + cols[:, None] * stride_kn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
+            v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         if NATURAL:
             s, t = _modified(qk, sm_scale, softcap, slope, offs_m[:, None], cols[None, :], causal_offset,
@@ -770,7 +840,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, Slopes, CuQ, C
                  head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                  ALIGNED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, SOFTCAP: tl.constexpr,
                  ALIBI: tl.constexpr, VARLEN: tl.constexpr, NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
     stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
     stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
@@ -812,6 +882,13 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, Slopes, CuQ, C
             slope = tl.load(Slopes + off_b * stride_sb + off_h).to(tl.float32)
         K_cols = K + off_b * stride_kb + off_hkv * stride_kh + k_start * stride_kn + offs_d[None, :] * stride_kd
         V_cols = V + off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn + offs_d[None, :] * stride_vd
+        desc_k = K
+        desc_v = V
+        if TMA:  # as in the forward
+            desc_k = tl.make_tensor_descriptor(K + off_b * stride_kb + off_hkv * stride_kh, shape=[len_k, BLOCK_D],
+                                               strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
+            desc_v = tl.make_tensor_descriptor(V + off_b * stride_vb + off_hkv * stride_vh, shape=[len_k, BLOCK_D],
+                                               strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D])
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
         causal_offset = len_k - len_q
@@ -820,23 +897,24 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, Slopes, CuQ, C
                                           window_right, chunk, CAUSAL, WINDOW, CHUNK, BLOCK_N)
         if SPLIT and not WINDOW and not CHUNK:
             full_end = (full_end // BLOCK_N) * BLOCK_N
-            dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_cols, V_cols, stride_kn, stride_vn, offs_m, offs_n,
-                                    offs_d, 0, full_end, kv_end, len_q, causal_offset, qk_scale, sm_scale, softcap, slope,
-                                    window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_N,
-                                    CAUSAL, False, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
+            dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_cols, V_cols, desc_k, desc_v, stride_kn, stride_vn,
+                                    offs_m, offs_n, offs_d, 0, full_end, kv_end, len_q, causal_offset, qk_scale,
+                                    sm_scale, softcap, slope, window_left, window_right, chunk, head_dim, BLOCK_D,
+                                    EVEN_D, BLOCK_N, CAUSAL, False, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE,
+                                    TMA)
         else:
             full_end = lo
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_cols, V_cols, stride_kn, stride_vn, offs_m, offs_n,
-                                offs_d, full_end, kv_end, kv_end, len_q, causal_offset, qk_scale, sm_scale, softcap, slope,
-                                window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_N,
-                                CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_cols, V_cols, desc_k, desc_v, stride_kn, stride_vn,
+                                offs_m, offs_n, offs_d, full_end, kv_end, kv_end, len_q, causal_offset, qk_scale,
+                                sm_scale, softcap, slope, window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D,
+                                BLOCK_N, CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False)
         dq = dq * sm_scale
         _store_rows(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm
                     + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
                     dq.to(DQ.dtype.element_ty), offs_m, len_q, offs_d, head_dim)
 
 
-_bwd_key = ["BLOCK_D", "CAUSAL", "seq_bucket", "WINDOW", "CHUNK", "SOFTCAP", "ALIBI", "VARLEN"]
+_bwd_key = ["BLOCK_D", "CAUSAL", "seq_bucket", "TMA", "WINDOW", "CHUNK", "SOFTCAP", "ALIBI", "VARLEN"]
 _attn_bwd_dkdv_tuned = triton.autotune(configs=_configs(_BWD_TILES), key=_bwd_key,
                                        prune_configs_by={"early_config_prune": _pruner(_BWD_TILES)})(_attn_bwd_dkdv)
 _attn_bwd_dq_tuned = triton.autotune(configs=_configs(_BWD_TILES), key=_bwd_key,
@@ -985,9 +1063,15 @@ def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bo
                 *call.batch_strides(q4), *call.batch_strides(k4), *call.batch_strides(v4), *call.batch_strides(out4),
                 *call.batch_strides(lse4), call.stride_sb,
                 hq, hq // hkv, q4.shape[2], k4.shape[2], call.seq_bucket(), *call.scalars)
+        # Descriptors (TMA) for the unmasked KV tiles: dense float16/bfloat16 rows, head dim a power of two
+        # up to 128, Hopper or later (the descriptor's shape bounds the keys of one (batch, head)).
+        tma = (_split_stages(q.dtype) and not call.varlen and d == block_d <= 128 and _tma_capable(q.device)
+               and _tma_rows(k4, v4))
+        if tma:
+            _ensure_allocator()
         meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype),
                 "INNER_SCALED": inner_scaled, "ALIGNED": _aligned(q4, k4, v4, out4), **flags,
-                "SINKS": call.sinks is not None,
+                "SINKS": call.sinks is not None, "TMA": tma,
                 "NATURAL": flags["SOFTCAP"] or flags["ALIBI"] or call.sinks is not None}
         _run(_attn_fwd, _attn_fwd_tuned, lambda bm, bn: (triton.cdiv(call.max_q, bm), call.batch * hq), args, meta,
              _fixed_blocks(block_m, block_n), block_d, q.dtype, name=kernel)
@@ -1058,7 +1142,13 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     common = (call.scale, call.scale * LOG2E, pointers[0], pointers[2], pointers[3],
               *call.batch_strides(q4), *call.batch_strides(k4), *call.batch_strides(v4), *call.batch_strides(dout4),
               *stride_lse, *stride_delta[:2], call.stride_sb)
-    meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), **variant_meta}
+    # Descriptors for the unmasked tiles (Q and dO in dK/dV, K and V in dQ): as in the forward.
+    tma = (_split_stages(q.dtype) and not call.varlen and d == block_d <= 128 and _tma_capable(q.device)
+           and _tma_rows(q4, k4, v4, dout4))
+    if tma:
+        _ensure_allocator()
+    meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), "TMA": tma,
+            **variant_meta}
     if call.batch * hkv * call.max_k > 0:
         meta["ALIGNED"] = _aligned(q4, k4, v4, dout4, dk4, dv4)
         _run(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, lambda bm, bn: (triton.cdiv(call.max_k, bn), call.batch * hkv),

@@ -49,13 +49,21 @@ _BWD_FLAGS = {k: v for k, v in _flags(True).items() if k != "SINKS"}  # dsinks a
 # case id -> (module, kernel, compile-time constants)
 CASES = {
     # NATURAL: the running max in natural units, which a softcap, ALiBi or sinks need
+    # TMA: the unmasked tiles through tensor descriptors built on the device (dense rows only)
     **{f"fwd_{name}": ("triton_attention", "_attn_fwd",
                        {**TILE, **_flags(on), "ALIGNED": True, "CAUSAL": True, "SPLIT": True, "INNER_SCALED": False,
-                        "NATURAL": on, "LIBDEVICE": True})
+                        "NATURAL": on, "LIBDEVICE": True, "TMA": not on})
        for name, on in (("plain", False), ("every_variant", True))},
-    **{kernel: ("triton_attention", kernel, {**TILE, **_BWD_FLAGS, "ALIGNED": True, "CAUSAL": True, "SPLIT": True,
-                                             "NATURAL": True, "LIBDEVICE": True})
-       for kernel in ("_attn_bwd_dkdv", "_attn_bwd_dq")},
+    "fwd_scores_modified_tma": ("triton_attention", "_attn_fwd",
+                                {**TILE, **_flags(False), "SOFTCAP": True, "ALIBI": True, "SINKS": True, "ALIGNED": True,
+                                 "CAUSAL": True, "SPLIT": True, "INNER_SCALED": False, "NATURAL": True,
+                                 "LIBDEVICE": True, "TMA": True}),
+    **{f"{kernel}{suffix}": ("triton_attention", kernel,
+                             {**TILE, **flags, "ALIGNED": True, "CAUSAL": True, "SPLIT": True, "NATURAL": True,
+                              "LIBDEVICE": True, "TMA": tma})
+       for kernel in ("_attn_bwd_dkdv", "_attn_bwd_dq")
+       for suffix, flags, tma in (("", _BWD_FLAGS, False),
+                                  ("_tma", {**_BWD_FLAGS, "WINDOW": False, "CHUNK": False, "VARLEN": False}, True))},
     "_attn_bwd_delta": ("triton_attention", "_attn_bwd_delta",
                         dict(BLOCK_D=64, EVEN_D=True, ALIGNED=True, VARLEN=True, BLOCK_M=64)),
     "_decode_split": ("triton_decode", "_decode_split",
