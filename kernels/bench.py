@@ -84,7 +84,17 @@ def _flex(q, k, v, causal: bool):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention)
+        import torch._dynamo
+        import torch._functorch.config
+
+        # One compiled graph per shape and mask, and never the unfused fallback Dynamo takes past its
+        # recompile limit (it materialises the scores: a peer timed that way would be meaningless).
+        torch._dynamo.config.recompile_limit = 256
+        if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+            torch._dynamo.config.fail_on_recompile_limit_hit = True
+        # The backward is timed with retain_graph=True, which donated buffers forbid.
+        torch._functorch.config.donated_buffer = False
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     mask = None
     if causal:
         n_q, n_k = q.shape[-2], k.shape[-2]
