@@ -54,6 +54,14 @@ are loaded as zero, and their scores are masked, so such values never reach the 
 through their strides (no copies); grouped-query attention maps query head ``h`` to key/value head
 ``h // (Hq // Hkv)``.
 
+Tensor descriptors: on Hopper (and under the interpreter, which emulates them) the tiles of the unmasked
+loops, where every key of a tile is visible to every row (forward and dQ: K and V; dK/dV: Q and dO), are
+read through descriptors built on the device over one (batch, head)'s ``[N, D]`` rows (TMA), for dense
+float16/bfloat16 rows with unit column stride and 16-byte aligned strides, a head dim that is a power of two
+up to 128 and a sequence of at least :data:`TMA_MIN_LENGTH`. Masked tiles keep pointer loads (keys past a
+tile's last visible one read as 0, not as the tensor's next rows). The descriptors need global scratch
+memory at launch: without an allocator of the caller's, ``triton.set_allocator`` gets one from torch.
+
 Block sizes are powers of two >= 16. With ``block_m=None, block_n=None`` the tiles, warps and pipeline
 stages are autotuned on the GPU (per padded head dim, dtype, causal flag and a coarse sequence-length
 bucket); under the Triton interpreter one small fixed configuration is used.
@@ -165,6 +173,20 @@ def _tma_rows(*tensors) -> bool:
     rows: unit column stride, and the base address and every other stride multiples of 16 bytes."""
     return all(t.stride(3) == 1 and t.data_ptr() % 16 == 0
                and all((t.stride(dim) * t.element_size()) % 16 == 0 for dim in (0, 1, 2)) for t in tensors)
+
+
+# The shortest sequence (the longer of Nq, Nk) read through descriptors on the GPU: each program builds its
+# descriptors in global memory first, a cost short programs do not earn back (one H100, fp16, N = 1024,
+# kernels.bench: causal forward 169 against 182 TFLOP/s with pointers at D = 64, 206 against 217 at D = 128;
+# non-causal within 2%). The interpreter uses them at every length (its runs check the code path, not speed).
+TMA_MIN_LENGTH = 0 if INTERPRET else 2048
+
+
+def _use_tma(call: "_Call", head_dim: int, block_d: int, *tensors) -> bool:
+    """Descriptors for a call's unmasked tiles: dense float16/bfloat16 rows (``tensors`` readable through
+    them), head dim a power of two up to 128, a sequence of at least :data:`TMA_MIN_LENGTH`, Hopper or later."""
+    return (_split_stages(call.q.dtype) and not call.varlen and head_dim == block_d <= 128
+            and max(call.max_q, call.max_k) >= TMA_MIN_LENGTH and _tma_capable(call.q.device) and _tma_rows(*tensors))
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -1065,8 +1087,7 @@ def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bo
                 hq, hq // hkv, q4.shape[2], k4.shape[2], call.seq_bucket(), *call.scalars)
         # Descriptors (TMA) for the unmasked KV tiles: dense float16/bfloat16 rows, head dim a power of two
         # up to 128, Hopper or later (the descriptor's shape bounds the keys of one (batch, head)).
-        tma = (_split_stages(q.dtype) and not call.varlen and d == block_d <= 128 and _tma_capable(q.device)
-               and _tma_rows(k4, v4))
+        tma = _use_tma(call, d, block_d, k4, v4)
         if tma:
             _ensure_allocator()
         meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype),
@@ -1143,8 +1164,7 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
               *call.batch_strides(q4), *call.batch_strides(k4), *call.batch_strides(v4), *call.batch_strides(dout4),
               *stride_lse, *stride_delta[:2], call.stride_sb)
     # Descriptors for the unmasked tiles (Q and dO in dK/dV, K and V in dQ): as in the forward.
-    tma = (_split_stages(q.dtype) and not call.varlen and d == block_d <= 128 and _tma_capable(q.device)
-           and _tma_rows(q4, k4, v4, dout4))
+    tma = _use_tma(call, d, block_d, q4, k4, v4, dout4)
     if tma:
         _ensure_allocator()
     meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), "TMA": tma,
