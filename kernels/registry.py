@@ -46,6 +46,8 @@ Optional capabilities a declaration may add (each unlocks the properties that ne
 
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 import importlib
 import importlib.util
@@ -191,10 +193,11 @@ if triton_attention is not None and triton_softmax is not None:
         (windows, chunks, softcap, ALiBi, sinks, packed sequences), the drawn tiles, the FA2 backward,
         deterministic, out= buffers, the interpreter's limits."""
         fields = {"block_m": _ATTENTION_BLOCKS, "block_n": _ATTENTION_BLOCKS, "max_examples": _MAX_EXAMPLES, **fields}
-        return Implementation(backward=triton_attention.fa2_backward, dtypes=triton_attention.DTYPES,
+        fields = {"backward": triton_attention.fa2_backward, "deterministic": True, **fields}
+        return Implementation(dtypes=triton_attention.DTYPES,
                               devices=triton_attention.DEVICES, head_dims=triton_attention.HEAD_DIMS, gqa=True,
                               windows=True, chunks=True, softcap=True, alibi=True, sinks=True,
-                              sequences=("dense", "packed"), deterministic=True,
+                              sequences=("dense", "packed"),
                               out_buffers=True, environment_limits=_ENVIRONMENT_LIMITS, **fields)
 
     TRITON_FA2 = _triton_attention(
@@ -215,6 +218,14 @@ if triton_attention is not None and triton_softmax is not None:
         in_default=False, max_examples=4,
         description="Triton FlashAttention-2 with autotuned tiles (no block_m/block_n: what kernels.bench times)",
     ),)
+    # The FA2 kernels with deterministic=False: the dK/dV kernel adds dQ with atomics (5 tile products per
+    # pair of tiles, not 7; no dQ kernel), so dQ's last bits may change from run to run. Run when named.
+    TRITON_FA2_ATOMIC_DQ = _triton_attention(
+        name="triton_fa2_atomic_dq", forward=functools.partial(triton_attention.fa2_forward, deterministic=False),
+        backward=functools.partial(triton_attention.fa2_backward, deterministic=False), deterministic=False,
+        in_default=False,
+        description="Triton FlashAttention-2, backward with dQ added by atomics in the dK/dV kernel (no dQ kernel)",
+    )
     TRITON_DECODE = Implementation(
         name="triton_decode", forward=triton_decode.decode_forward, dtypes=triton_decode.DTYPES,
         devices=triton_decode.DEVICES, head_dims=triton_decode.HEAD_DIMS, gqa=True, windows=True, softcap=True,
@@ -222,7 +233,8 @@ if triton_attention is not None and triton_softmax is not None:
         autograd=False, deterministic=True, environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
         description="Triton split-KV decoding from a paged KV cache (1..16 queries per sequence) and its combine",
     )
-    _TRITON: tuple[Implementation, ...] = (TRITON_SOFTMAX, TRITON_FA2, TRITON_FA1, *_AUTOTUNED, TRITON_DECODE)
+    _TRITON: tuple[Implementation, ...] = (TRITON_SOFTMAX, TRITON_FA2, TRITON_FA1, *_AUTOTUNED, TRITON_FA2_ATOMIC_DQ,
+                                           TRITON_DECODE)
 else:
     _TRITON = ()
 

@@ -46,6 +46,9 @@ Backward (three launches, no atomics, so it is deterministic)::
            finally dQ *= scale
 
 ``p`` and ``dS`` are cast to the input dtype before their dots. A row with ``lse = -inf`` gets ``p = 0``.
+With ``deterministic=False`` there is no dQ launch: the dK/dV program also forms ``dQ_rows += scale dS K``
+for each Q block it visits and adds it to a float32 buffer with atomics (five tile products per pair of
+tiles instead of seven; the order of the additions, and so dQ's last bits, vary from run to run).
 
 Boundaries: any ``Nq``, ``Nk``; head dims 16 to 256 in steps of 8, padded inside the kernel to a power of
 two with masked loads (the scale uses the true head dim). Every load of a row past the end of a tensor,
@@ -626,18 +629,20 @@ def _attn_bwd_delta(Out, DOut, Delta, CuQ,
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, desc_q, desc_do, stride_qm, stride_gm, stride_lm,
-                         offs_n, offs_d, lo, hi, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap, slope,
-                         window_left, window_right, chunk,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, desc_q, desc_do, stride_qm, stride_gm, stride_lm,
+                         stride_dqm, stride_dqd, offs_n, offs_d, lo, hi, len_q, len_k, causal_offset, qk_scale,
+                         sm_scale, softcap, slope, window_left, window_right, chunk,
                          head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          CAUSAL: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
                          SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, NATURAL: tl.constexpr,
-                         LIBDEVICE: tl.constexpr, TMA: tl.constexpr):
+                         LIBDEVICE: tl.constexpr, TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Add the Q blocks lo, lo + BLOCK_M, ... < hi of one query head to a KV tile's dK, dV (transposed
     form: rows are keys, columns queries). MASKED: rows past len_q are read as 0, and scores of keys a
     query may not see (CAUSAL, WINDOW, CHUNK) are set to -inf. NATURAL: the scores are the modified
     ones (softcap, ALiBi), and a softcap's 1 - tanh^2 multiplies dS. TMA (unmasked blocks only): the Q
-    and dO tiles come through the descriptors ``desc_q``, ``desc_do``."""
+    and dO tiles come through the descriptors ``desc_q``, ``desc_do``. ATOMIC_DQ: each Q block's share of dQ,
+    ``scale * dS K``, is added to the float32 rows at ``DQ`` with atomics (the fifth tile product; no dQ
+    kernel then)."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -676,7 +681,12 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, desc_q, desc_do, strid
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:  # the chain rule through c tanh(s / c), where p > 0 (a hidden key may hold NaN)
             ds_t = tl.where(p_t > 0, ds_t * (1.0 - t * t), 0.0)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")
+        ds_low = ds_t.to(q.dtype)
+        dk = tl.dot(ds_low, q, dk, input_precision="ieee")
+        if ATOMIC_DQ:  # dQ_rows += scale * dS K, summed over the KV tiles in whatever order they arrive
+            dq_part = tl.dot(tl.trans(ds_low), k, input_precision="ieee") * sm_scale
+            tl.atomic_add(DQ + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq_part,
+                          mask=(rows[:, None] < len_q) & (offs_d[None, :] < head_dim), sem="relaxed")
     return dk, dv
 
 
@@ -709,7 +719,7 @@ def _q_window(start_n, len_q, len_k, causal_offset, window_left, window_right, c
 
 
 @_kernel
-def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, Slopes, CuQ, CuK,
+def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, sm_scale, qk_scale, Slopes, CuQ, CuK,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
@@ -717,11 +727,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, Slopes, 
                    stride_lb, stride_lh, stride_lm, stride_db, stride_dh, stride_sb,
                    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                   stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                    heads_q, heads_kv, group, len_q, len_k, seq_bucket, window_left, window_right, chunk, softcap,
                    head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                    ALIGNED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, VARLEN: tl.constexpr, NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr,
-                   TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
     stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
     stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
@@ -769,6 +780,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, Slopes, 
             DOh = DO + off_b * stride_gb + off_h * stride_gh + q_start * stride_gm + offs_d[None, :] * stride_gd
             Lseh = Lse + off_b * stride_lb + off_h * stride_lh + q_start * stride_lm
             Deltah = Delta + off_b * stride_db + off_h * stride_dh + q_start
+            DQh = DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm
             desc_q = Q
             desc_do = DO
             if TMA:  # dense rows of this (batch, query head), unit column stride (the launcher checked)
@@ -779,27 +791,31 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, qk_scale, Slopes, 
                                                     block_shape=[BLOCK_M, BLOCK_D])
             if SPLIT and not WINDOW and not CHUNK:
                 # Q blocks crossing the diagonal (masked), those seeing the whole tile, then the ragged tail.
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, desc_q, desc_do,
-                                              stride_qm, stride_gm, stride_lm, offs_n, offs_d, lo, diag_end, len_q, len_k, causal_offset, qk_scale,
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do,
+                                              stride_qm, stride_gm, stride_lm, stride_dqm, stride_dqd,
+                                              offs_n, offs_d, lo, diag_end, len_q, len_k, causal_offset, qk_scale,
                                               sm_scale, softcap, slope, window_left, window_right, chunk,
                                               head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True, WINDOW, CHUNK,
-                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False)
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, desc_q, desc_do,
-                                              stride_qm, stride_gm, stride_lm, offs_n, offs_d, diag_end, even_end, len_q, len_k, causal_offset,
+                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False, ATOMIC_DQ)
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do,
+                                              stride_qm, stride_gm, stride_lm, stride_dqm, stride_dqd,
+                                              offs_n, offs_d, diag_end, even_end, len_q, len_k, causal_offset,
                                               qk_scale, sm_scale, softcap, slope, window_left, window_right, chunk,
                                               head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, False, WINDOW, CHUNK,
-                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA)
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, desc_q, desc_do,
-                                              stride_qm, stride_gm, stride_lm, offs_n, offs_d, even_end, len_q, len_q, len_k, causal_offset, qk_scale,
+                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA, ATOMIC_DQ)
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do,
+                                              stride_qm, stride_gm, stride_lm, stride_dqm, stride_dqd,
+                                              offs_n, offs_d, even_end, len_q, len_q, len_k, causal_offset, qk_scale,
                                               sm_scale, softcap, slope, window_left, window_right, chunk,
                                               head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True, WINDOW, CHUNK,
-                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False)
+                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False, ATOMIC_DQ)
             else:
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, desc_q, desc_do,
-                                              stride_qm, stride_gm, stride_lm, offs_n, offs_d, lo, hi, len_q, len_k, causal_offset, qk_scale,
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do,
+                                              stride_qm, stride_gm, stride_lm, stride_dqm, stride_dqd,
+                                              offs_n, offs_d, lo, hi, len_q, len_k, causal_offset, qk_scale,
                                               sm_scale, softcap, slope, window_left, window_right, chunk,
                                               head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True, WINDOW, CHUNK,
-                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False)
+                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False, ATOMIC_DQ)
 
         dk = dk * sm_scale
         _store_rows(DK + off_b * stride_dkb + off_hkv * stride_dkh + k_start * stride_dkn
@@ -937,8 +953,10 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, Slopes, CuQ, C
 
 
 _bwd_key = ["BLOCK_D", "CAUSAL", "seq_bucket", "TMA", "WINDOW", "CHUNK", "SOFTCAP", "ALIBI", "VARLEN"]
-_attn_bwd_dkdv_tuned = triton.autotune(configs=_configs(_BWD_TILES), key=_bwd_key,
-                                       prune_configs_by={"early_config_prune": _pruner(_BWD_TILES)})(_attn_bwd_dkdv)
+# ATOMIC_DQ adds into DQ: each configuration timed while autotuning starts from zeros, and so does the real run.
+_attn_bwd_dkdv_tuned = triton.autotune(configs=_configs(_BWD_TILES), key=[*_bwd_key, "ATOMIC_DQ"],
+                                       prune_configs_by={"early_config_prune": _pruner(_BWD_TILES)},
+                                       reset_to_zero=["DQ"])(_attn_bwd_dkdv)
 _attn_bwd_dq_tuned = triton.autotune(configs=_configs(_BWD_TILES), key=_bwd_key,
                                      prune_configs_by={"early_config_prune": _pruner(_BWD_TILES)})(_attn_bwd_dq)
 
@@ -1118,17 +1136,22 @@ def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
 
 
 def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
-                 block_m: int | None = None, block_n: int | None = None, sinks=None, **variant):
+                 block_m: int | None = None, block_n: int | None = None, sinks=None, deterministic: bool = True,
+                 **variant):
     """Triton FA2 backward: returns ``(dq, dk, dv, delta)`` with ``delta = rowsum(dO * O)`` (float32, the
     LSE's layout), and with ``sinks`` their gradient ``dsinks`` fifth (``-sum_{b, i} P_sink Delta``, a
     fixed-order torch sum).
 
     ``dk`` and ``dv`` have ``k``'s shape (summed over the query heads of each group). Deterministic:
-    no atomics, and every sum runs in a fixed order. ``block_m``/``block_n`` are the Q and KV tiles of
+    no atomics, and every sum runs in a fixed order. ``deterministic=False``: no dQ kernel; the dK/dV
+    kernel also adds each tile's share of dQ to a float32 buffer with atomics (5 tile products per (Q, KV)
+    tile pair instead of 7), so dQ's last bits depend on the order the additions arrive in. ``block_m``/``block_n`` are the Q and KV tiles of
     both kernels (see :func:`_bwd_tiles` for the float32 cap at head dims above 128); both ``None``
     autotunes each kernel's tiles on the GPU. The variant keywords are the forward's.
     """
     kernel = "triton_fa2 backward"
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"{kernel}: deterministic={deterministic!r}, but should be a bool")
     call = _Call(q, k, v, kernel=kernel, causal=causal, scale=scale, block_m=block_m, block_n=block_n, sinks=sinks,
                  **variant)
     q4, k4, v4 = call.q, call.k, call.v
@@ -1169,13 +1192,21 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
         _ensure_allocator()
     meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), "TMA": tma,
             **variant_meta}
+    atomic = not deterministic
+    # float32 dQ sums for the atomics (zeros), or one unused element
+    dq_sum = torch.zeros(dq4.shape, dtype=torch.float32, device=q.device) if atomic else \
+        torch.zeros(1, dtype=torch.float32, device=q.device)
+    dq_sum_strides = call.batch_strides(dq_sum) if atomic else (0, 0, 0, 0)
     if call.batch * hkv * call.max_k > 0:
         meta["ALIGNED"] = _aligned(q4, k4, v4, dout4, dk4, dv4)
         _run(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, lambda bm, bn: (triton.cdiv(call.max_k, bn), call.batch * hkv),
-             (q4, k4, v4, dout4, lse4, delta, dk4, dv4, *common, *call.batch_strides(dk4), *call.batch_strides(dv4),
-              hq, hkv, group, q4.shape[2], k4.shape[2], bucket, *call.scalars),
-             meta, dkdv_blocks, block_d, q.dtype, name=kernel)
-    if call.batch * hq * call.max_q > 0:
+             (q4, k4, v4, dout4, lse4, delta, dk4, dv4, dq_sum, *common, *call.batch_strides(dk4),
+              *call.batch_strides(dv4), *dq_sum_strides, hq, hkv, group, q4.shape[2], k4.shape[2], bucket,
+              *call.scalars),
+             {**meta, "ATOMIC_DQ": atomic}, dkdv_blocks, block_d, q.dtype, name=kernel)
+    if atomic:
+        dq4.copy_(dq_sum)
+    elif call.batch * hq * call.max_q > 0:
         meta["ALIGNED"] = _aligned(q4, k4, v4, dout4, dq4)
         _run(_attn_bwd_dq, _attn_bwd_dq_tuned, lambda bm, bn: (triton.cdiv(call.max_q, bm), call.batch * hq),
              (q4, k4, v4, dout4, lse4, delta, dq4, *common, *call.batch_strides(dq4), hq, group, q4.shape[2],
@@ -1195,8 +1226,11 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
 # Autograd and the public functions
 # --------------------------------------------------------------------------------------------------
 
-def _apply(q, k, v, causal, scale, block_m, block_n, inner_scaled: bool, out, lse, sinks, variant):
+def _apply(q, k, v, causal, scale, block_m, block_n, inner_scaled: bool, out, lse, sinks, variant,
+           deterministic: bool = True):
     kernel = "triton_fa1" if inner_scaled else "triton_fa2"
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"{kernel}: deterministic={deterministic!r}, but should be a bool")
     buffers = None
     if out is not None or lse is not None:
         if variant.get("cu_seqlens_q") is not None or variant.get("cu_seqlens_k") is not None:
@@ -1205,13 +1239,15 @@ def _apply(q, k, v, causal, scale, block_m, block_n, inner_scaled: bool, out, ls
         buffers = _outputs(q, k, v, out, lse, kernel=kernel)
     return _autograd.apply(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
                            forward=functools.partial(_forward, inner_scaled=inner_scaled, kernel=kernel, **variant),
-                           backward=functools.partial(fa2_backward, **variant), buffers=buffers, sinks=sinks)
+                           backward=functools.partial(fa2_backward, deterministic=deterministic, **variant),
+                           buffers=buffers, sinks=sinks)
 
 
 def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
                 block_m: int | None = None, block_n: int | None = None, out=None, lse=None,
                 window_size=(-1, -1), attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes=None, sinks=None,
-                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                deterministic: bool = True):
     """Triton FlashAttention-2 forward: ``(out, lse)``; gradients flow through ``out`` (and to ``sinks``).
 
     ``q`` is ``[B, Hq, Nq, D]``, ``k`` and ``v`` ``[B, Hkv, Nk, D]`` (``Hq % Hkv == 0``), any strides;
@@ -1225,21 +1261,23 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     ``softcap`` (0.0: none), ``alibi_slopes`` (float32 ``[Hq]`` or ``[B, Hq]``), ``sinks`` (``[Hq]``
     logits, float32) and packed variable-length sequences: ``q [total_q, Hq, D]``, ``k``, ``v [total_k,
     Hkv, D]`` with ``cu_seqlens_q``, ``cu_seqlens_k`` (int32) and ``max_seqlen_q``, ``max_seqlen_k``,
-    returning ``out [total_q, Hq, D]`` and ``lse [Hq, total_q]``.
+    returning ``out [total_q, Hq, D]`` and ``lse [Hq, total_q]``. ``deterministic=False``: the backward adds
+    dQ with atomics (see :func:`fa2_backward`), faster and not bitwise reproducible.
     """
     variant = dict(window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
                    alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    return _apply(q, k, v, causal, scale, block_m, block_n, False, out, lse, sinks, variant)
+    return _apply(q, k, v, causal, scale, block_m, block_n, False, out, lse, sinks, variant, deterministic)
 
 
 def fa1_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
                 block_m: int | None = None, block_n: int | None = None, out=None, lse=None,
                 window_size=(-1, -1), attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes=None, sinks=None,
-                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                deterministic: bool = True):
     """Triton FlashAttention-1 forward (inner-scaled), same contract and variants as :func:`fa2_forward`;
     its backward is the FA2 backward, which needs only ``out`` and the LSE."""
     variant = dict(window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
                    alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    return _apply(q, k, v, causal, scale, block_m, block_n, True, out, lse, sinks, variant)
+    return _apply(q, k, v, causal, scale, block_m, block_n, True, out, lse, sinks, variant, deterministic)

@@ -58,12 +58,18 @@ CASES = {
                                 {**TILE, **_flags(False), "SOFTCAP": True, "ALIBI": True, "SINKS": True, "ALIGNED": True,
                                  "CAUSAL": True, "SPLIT": True, "INNER_SCALED": False, "NATURAL": True,
                                  "LIBDEVICE": True, "TMA": True}),
+    # ATOMIC_DQ (dK/dV only): dQ added with atomics from the dK/dV kernel (deterministic=False)
     **{f"{kernel}{suffix}": ("triton_attention", kernel,
                              {**TILE, **flags, "ALIGNED": True, "CAUSAL": True, "SPLIT": True, "NATURAL": True,
-                              "LIBDEVICE": True, "TMA": tma})
+                              "LIBDEVICE": True, "TMA": tma, **({"ATOMIC_DQ": atomic} if kernel == "_attn_bwd_dkdv"
+                                                                 else {})})
        for kernel in ("_attn_bwd_dkdv", "_attn_bwd_dq")
-       for suffix, flags, tma in (("", _BWD_FLAGS, False),
-                                  ("_tma", {**_BWD_FLAGS, "WINDOW": False, "CHUNK": False, "VARLEN": False}, True))},
+       for suffix, flags, tma, atomic in (
+           ("", _BWD_FLAGS, False, False),
+           ("_tma", {**_BWD_FLAGS, "WINDOW": False, "CHUNK": False, "VARLEN": False}, True, False),
+           ("_atomic_dq", _BWD_FLAGS, False, True),
+           ("_tma_atomic_dq", {**_BWD_FLAGS, "WINDOW": False, "CHUNK": False, "VARLEN": False}, True, True))
+       if kernel == "_attn_bwd_dkdv" or not atomic},
     "_attn_bwd_delta": ("triton_attention", "_attn_bwd_delta",
                         dict(BLOCK_D=64, EVEN_D=True, ALIGNED=True, VARLEN=True, BLOCK_M=64)),
     "_decode_split": ("triton_decode", "_decode_split",

@@ -1,0 +1,74 @@
+"""The Triton FA2 backward with ``deterministic=False``: dQ added with atomics by the dK/dV kernel.
+
+The dK/dV kernel forms the same ``dS`` the dQ kernel forms, so dK and dV are bitwise those of the
+deterministic backward, and dQ differs only by the order (and float32 rounding) of its additions. Runs in
+Triton's interpreter (tests/conftest.py sets it) or on a GPU; the property suite checks the implementation
+``triton_fa2_atomic_dq`` in depth (``pytest verify --impl triton_fa2_atomic_dq``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kernels import triton_attention as ta  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and not ta.INTERPRET else "cpu"
+pytestmark = pytest.mark.skipif(DEVICE not in ta.DEVICES, reason="the Triton kernels need a GPU or "
+                                                                 "TRITON_INTERPRET=1 set before triton is imported")
+
+CASES = {
+    "causal GQA": dict(shape=(2, 4, 2, 40, 70, 32), kw=dict(causal=True)),
+    "non-causal Nq > Nk": dict(shape=(1, 2, 2, 50, 20, 24), kw=dict(causal=False)),
+    "window softcap ALiBi": dict(shape=(1, 2, 1, 33, 33, 16),
+                                 kw=dict(causal=True, window_size=(5, 0), softcap=3.0,
+                                         alibi_slopes=torch.tensor([0.5, 0.25]))),
+    "packed sequences": dict(shape=None, kw=dict(causal=True)),
+}
+
+
+def _inputs(name, dtype):
+    g = torch.Generator().manual_seed(7)
+    case = CASES[name]
+    kw = dict(case["kw"])
+    if case["shape"] is None:  # packed: lengths (q, k) = (5, 9), (0, 3), (20, 20)
+        cu_q, cu_k = torch.tensor([0, 5, 5, 25], dtype=torch.int32), torch.tensor([0, 9, 12, 32], dtype=torch.int32)
+        q, k, v = (torch.randn(n, 2, 16, generator=g) for n in (25, 32, 32))
+        kw.update(cu_seqlens_q=cu_q.to(DEVICE), cu_seqlens_k=cu_k.to(DEVICE), max_seqlen_q=20, max_seqlen_k=20)
+    else:
+        b, hq, hkv, nq, nk, d = case["shape"]
+        q, k, v = torch.randn(b, hq, nq, d, generator=g), torch.randn(b, hkv, nk, d, generator=g), \
+            torch.randn(b, hkv, nk, d, generator=g)
+    if "alibi_slopes" in kw:
+        kw["alibi_slopes"] = kw["alibi_slopes"].to(DEVICE)
+    return [t.to(dtype=dtype, device=DEVICE) for t in (q, k, v)], kw
+
+
+def _grads(q, k, v, kw, deterministic):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = ta.fa2_forward(*leaves, block_m=16, block_n=16, deterministic=deterministic, **kw)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out)
+    return torch.autograd.grad(out, leaves, dout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_atomic_dq_equals_the_deterministic_backward(name, dtype):
+    (q, k, v), kw = _inputs(name, dtype)
+    dq, dk, dv = _grads(q, k, v, kw, deterministic=True)
+    adq, adk, adv = _grads(q, k, v, kw, deterministic=False)
+    assert torch.equal(adk, dk) and torch.equal(adv, dv), "dK, dV come from the same kernel: they must not change"
+    # dQ: the same products, summed in another order (float32, then one rounding to the dtype)
+    unit = torch.finfo(dtype).eps * dq.float().abs().max().item()
+    assert (adq.float() - dq.float()).abs().max().item() <= 2 * unit, name
+    assert dq.abs().max() > 0
+
+
+def test_deterministic_must_be_a_bool():
+    (q, k, v), kw = _inputs("causal GQA", torch.float32)
+    with pytest.raises(TypeError, match="triton_fa2: deterministic='no', but should be a bool"):
+        ta.fa2_forward(q, k, v, deterministic="no", **kw)
+    with pytest.raises(TypeError, match="backward: deterministic=1, but should be a bool"):
+        ta.fa2_backward(q, k, v, q, torch.zeros(q.shape[:3]), q, deterministic=1, **kw)
