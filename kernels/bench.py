@@ -2,6 +2,7 @@
 
     python -m kernels.bench [--out FILE] [--jsonl FILE] [--dims 64 128] [--lengths 1024 ... 16384]
                             [--dtypes fp16 bf16] [--causal both|yes|no] [--peers sdpa_flash sdpa_cudnn ...]
+                            [--atomic-dq]
 
 For each head dim, sequence length N (Nq = Nk), causal flag and dtype it times, in one process, the
 forward and the backward of ``kernels.triton_attention.fa2_forward`` (autotuned tiles) and of each peer
@@ -12,8 +13,10 @@ this card and torch build offer:
 ``sdpa_efficient``  the same under ``SDPBackend.EFFICIENT_ATTENTION``
 ``flex``            ``torch.compile(flex_attention)`` with a causal block mask (none when not causal)
 
-with ``triton.testing.do_bench`` (CUDA events, median). A peer that cannot run a configuration (no
-cuDNN, a head dim a backend refuses) is listed with torch's reason and left out of that row. The table
+with ``triton.testing.do_bench`` (CUDA events, median). ``--atomic-dq`` times the Triton backward with
+``deterministic=False`` (dQ added with atomics by the dK/dV kernel) instead of the deterministic one.
+A peer that cannot run a configuration (no cuDNN, a head dim a backend refuses) is listed with torch's
+reason and left out of that row. The table
 gives TFLOP/s, the fastest peer of each row and the ratio Triton / fastest peer, forward and backward
 apart, and a second table every peer's figures. With Nq == Nk SDPA's top-left and the Triton kernel's
 bottom-right causal masks coincide; ``max|dout|`` is the largest difference of any peer's output from
@@ -125,7 +128,7 @@ def finish_row(row: dict) -> dict:
 
 
 def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, peers=PEERS, tokens: int = 16384,
-              width: int = 2048) -> dict:
+              width: int = 2048, deterministic: bool = True) -> dict:
     """Time one configuration; returns a dict of times (ms), TFLOP/s, the fastest peers and ratios, the
     peers that could not run (with torch's reason) and the largest output difference from Triton's."""
     from kernels import triton_attention
@@ -147,7 +150,7 @@ def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, peers=PEERS, 
         row[f"{name}_bwd_ms"] = _time(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
 
     reference = triton_attention.fa2_forward(q, k, v, causal=causal)[0]
-    measure("triton", lambda: triton_attention.fa2_forward(q, k, v, causal=causal)[0])
+    measure("triton", lambda: triton_attention.fa2_forward(q, k, v, causal=causal, deterministic=deterministic)[0])
     for name in peers:
         try:
             measure(name, PEER_MAKERS[name](q, k, v, causal))
@@ -220,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp16", "bf16"])
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    parser.add_argument("--atomic-dq", action="store_true",
+                        help="time Triton's backward with deterministic=False (dQ added with atomics, no dQ kernel)")
     parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS),
                         help="the peers to time (default: all; none: Triton alone)")
     args = parser.parse_args(argv)
@@ -230,14 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     header = (f"Triton FA2 beside the fastest attention on {torch.cuda.get_device_name()} "
-              f"(torch {torch.__version__}, triton {triton.__version__})")
+              f"(torch {torch.__version__}, triton {triton.__version__})"
+              + (", Triton backward with dQ added by atomics (deterministic=False)" if args.atomic_dq else ""))
     causal_flags = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     rows = []
     for d in args.dims:
         for causal in causal_flags:
             for dtype in args.dtypes:
                 for n in args.lengths:
-                    row = bench_one(d, n, causal, DTYPES[dtype], peers=args.peers)
+                    row = bench_one(d, n, causal, DTYPES[dtype], peers=args.peers, deterministic=not args.atomic_dq)
                     rows.append(row)
                     print(f"D={d} N={n} causal={causal} {dtype}: fwd {row['triton_fwd_tflops']:.0f} vs "
                           f"{_best(row, 'fwd')}, bwd {row['triton_bwd_tflops']:.0f} vs {_best(row, 'bwd')} "
