@@ -16,9 +16,8 @@ this card and torch build offer:
 with ``triton.testing.do_bench`` (CUDA events, median). ``--atomic-dq`` times the Triton backward with
 ``deterministic=False`` (dQ added with atomics by the dK/dV kernel) instead of the deterministic one.
 A peer that cannot run a configuration (no cuDNN, a head dim a backend refuses) is listed with torch's
-reason and left out of that row. The table
-gives TFLOP/s, the fastest peer of each row and the ratio Triton / fastest peer, forward and backward
-apart, and a second table every peer's figures. With Nq == Nk SDPA's top-left and the Triton kernel's
+reason and left out of that row. The table gives TFLOP/s, the fastest peer of each row and the ratio
+Triton / fastest peer, forward and backward apart, and a second table every peer's figures. With Nq == Nk SDPA's top-left and the Triton kernel's
 bottom-right causal masks coincide; ``max|dout|`` is the largest difference of any peer's output from
 Triton's.
 

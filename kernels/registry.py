@@ -46,9 +46,8 @@ Optional capabilities a declaration may add (each unlocks the properties that ne
 
 from __future__ import annotations
 
-import functools
-
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import os
@@ -192,8 +191,8 @@ if triton_attention is not None and triton_softmax is not None:
         """The fields the Triton FA1 and FA2 share: their dtypes, devices and head dims, GQA, the variants
         (windows, chunks, softcap, ALiBi, sinks, packed sequences), the drawn tiles, the FA2 backward,
         deterministic, out= buffers, the interpreter's limits."""
-        fields = {"block_m": _ATTENTION_BLOCKS, "block_n": _ATTENTION_BLOCKS, "max_examples": _MAX_EXAMPLES, **fields}
-        fields = {"backward": triton_attention.fa2_backward, "deterministic": True, **fields}
+        fields = {"backward": triton_attention.fa2_backward, "deterministic": True, "block_m": _ATTENTION_BLOCKS,
+                  "block_n": _ATTENTION_BLOCKS, "max_examples": _MAX_EXAMPLES, **fields}
         return Implementation(dtypes=triton_attention.DTYPES,
                               devices=triton_attention.DEVICES, head_dims=triton_attention.HEAD_DIMS, gqa=True,
                               windows=True, chunks=True, softcap=True, alibi=True, sinks=True,
