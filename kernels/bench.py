@@ -13,8 +13,9 @@ this card and torch build offer:
 ``sdpa_efficient``  the same under ``SDPBackend.EFFICIENT_ATTENTION``
 ``flex``            ``torch.compile(flex_attention)`` with a causal block mask (none when not causal)
 
-with ``triton.testing.do_bench`` (CUDA events, median). ``--atomic-dq`` times the Triton backward with
-``deterministic=False`` (dQ added with atomics by the dK/dV kernel) instead of the deterministic one.
+with ``triton.testing.do_bench`` (CUDA events, median). ``--atomic-dq`` also times the Triton backward
+with ``deterministic=False`` (dQ added with atomics by the dK/dV kernel), beside the deterministic one,
+in two more columns.
 A peer that cannot run a configuration (no cuDNN, a head dim a backend refuses) is listed with torch's
 reason and left out of that row. The table gives TFLOP/s, the fastest peer of each row and the ratio
 Triton / fastest peer, forward and backward apart, and a second table every peer's figures. With Nq == Nk SDPA's top-left and the Triton kernel's
@@ -123,13 +124,19 @@ def finish_row(row: dict) -> dict:
         best = max(row["peers"], key=lambda p: row[f"{p}_{kind}_tflops"], default=None)
         row[f"best_{kind}"] = best
         row[f"{kind}_ratio"] = row[f"triton_{kind}_tflops"] / row[f"{best}_{kind}_tflops"] if best else None
+    if "triton_atomic_bwd_ms" in row:
+        row["triton_atomic_bwd_tflops"] = _tflops(_flops(row["batch"], row["heads"], row["n"], row["d"], row["causal"],
+                                                         True), row["triton_atomic_bwd_ms"])
+        best = row["best_bwd"]
+        row["atomic_bwd_ratio"] = row["triton_atomic_bwd_tflops"] / row[f"{best}_bwd_tflops"] if best else None
     return row
 
 
 def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, peers=PEERS, tokens: int = 16384,
-              width: int = 2048, deterministic: bool = True) -> dict:
+              width: int = 2048, atomic_dq: bool = False) -> dict:
     """Time one configuration; returns a dict of times (ms), TFLOP/s, the fastest peers and ratios, the
-    peers that could not run (with torch's reason) and the largest output difference from Triton's."""
+    peers that could not run (with torch's reason) and the largest output difference from Triton's.
+    ``atomic_dq``: also the backward with ``deterministic=False`` (``triton_atomic_bwd_ms``)."""
     from kernels import triton_attention
 
     batch, heads = max(1, tokens // n), max(1, width // d)
@@ -149,7 +156,11 @@ def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, peers=PEERS, 
         row[f"{name}_bwd_ms"] = _time(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
 
     reference = triton_attention.fa2_forward(q, k, v, causal=causal)[0]
-    measure("triton", lambda: triton_attention.fa2_forward(q, k, v, causal=causal, deterministic=deterministic)[0])
+    measure("triton", lambda: triton_attention.fa2_forward(q, k, v, causal=causal)[0])
+    if atomic_dq:
+        out = triton_attention.fa2_forward(q, k, v, causal=causal, deterministic=False)[0]
+        row["triton_atomic_bwd_ms"] = _time(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+        del out
     for name in peers:
         try:
             measure(name, PEER_MAKERS[name](q, k, v, causal))
@@ -173,16 +184,24 @@ def _best(r: dict, kind: str) -> str:
 
 
 def markdown(rows: list[dict], header: str) -> str:
-    """The two tables: Triton against the fastest peer of each row, then every peer's TFLOP/s."""
+    """The two tables: Triton against the fastest peer of each row (with ``--atomic-dq``'s two columns
+    when a row has them), then every peer's TFLOP/s."""
+    atomic = any("triton_atomic_bwd_tflops" in r for r in rows)
     lines = [header, "",
              "| D | N | B x H | causal | dtype | fwd Triton | fwd fastest peer | fwd ratio "
-             "| bwd Triton | bwd fastest peer | bwd ratio | max\\|dout\\| |",
-             "| ---: | ---: | ---: | :---: | :---: | ---: | :--- | ---: | ---: | :--- | ---: | ---: |"]
+             "| bwd Triton | bwd fastest peer | bwd ratio |" + (" bwd Triton atomic dQ | its ratio |" if atomic else "")
+             + " max\\|dout\\| |",
+             "| ---: | ---: | ---: | :---: | :---: | ---: | :--- | ---: | ---: | :--- | ---: |"
+             + (" ---: | ---: |" if atomic else "") + " ---: |"]
     for r in rows:
+        extra = ""
+        if atomic:
+            extra = (f" {r['triton_atomic_bwd_tflops']:.0f} | {_ratio(r, 'atomic_bwd')} |"
+                     if "triton_atomic_bwd_tflops" in r else " - | - |")
         lines.append(
             f"| {r['d']} | {r['n']} | {r['batch']} x {r['heads']} | {'yes' if r['causal'] else 'no'} | {r['dtype']} "
             f"| {r['triton_fwd_tflops']:.0f} | {_best(r, 'fwd')} | {_ratio(r, 'fwd')} "
-            f"| {r['triton_bwd_tflops']:.0f} | {_best(r, 'bwd')} | {_ratio(r, 'bwd')} | {r['max_diff']:.1e} |")
+            f"| {r['triton_bwd_tflops']:.0f} | {_best(r, 'bwd')} | {_ratio(r, 'bwd')} |{extra} {r['max_diff']:.1e} |")
     lines += ["", "TFLOP/s; forward FLOPs 4·B·H·N²·D (halved if causal), backward 2.5× that; "
               "ratio = Triton / the fastest peer of the row.", ""]
     peers = [p for p in PEERS if any(p in r["peers"] or p in r["not_run"] for r in rows)]
@@ -223,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp16", "bf16"])
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--atomic-dq", action="store_true",
-                        help="time Triton's backward with deterministic=False (dQ added with atomics, no dQ kernel)")
+                        help="also time Triton's backward with deterministic=False (dQ added with atomics, no dQ "
+                             "kernel), in two more columns")
     parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS),
                         help="the peers to time (default: all; none: Triton alone)")
     args = parser.parse_args(argv)
@@ -235,17 +255,18 @@ def main(argv: list[str] | None = None) -> int:
 
     header = (f"Triton FA2 beside the fastest attention on {torch.cuda.get_device_name()} "
               f"(torch {torch.__version__}, triton {triton.__version__})"
-              + (", Triton backward with dQ added by atomics (deterministic=False)" if args.atomic_dq else ""))
+              + (", and its backward with dQ added by atomics (deterministic=False)" if args.atomic_dq else ""))
     causal_flags = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     rows = []
     for d in args.dims:
         for causal in causal_flags:
             for dtype in args.dtypes:
                 for n in args.lengths:
-                    row = bench_one(d, n, causal, DTYPES[dtype], peers=args.peers, deterministic=not args.atomic_dq)
+                    row = bench_one(d, n, causal, DTYPES[dtype], peers=args.peers, atomic_dq=args.atomic_dq)
                     rows.append(row)
+                    atomic = f" (atomic dQ {row['triton_atomic_bwd_tflops']:.0f})" if args.atomic_dq else ""
                     print(f"D={d} N={n} causal={causal} {dtype}: fwd {row['triton_fwd_tflops']:.0f} vs "
-                          f"{_best(row, 'fwd')}, bwd {row['triton_bwd_tflops']:.0f} vs {_best(row, 'bwd')} "
+                          f"{_best(row, 'fwd')}, bwd {row['triton_bwd_tflops']:.0f}{atomic} vs {_best(row, 'bwd')} "
                           "TFLOP/s", file=sys.stderr, flush=True)
                     if args.jsonl:
                         with open(args.jsonl, "a") as fh:

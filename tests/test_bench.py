@@ -55,3 +55,17 @@ def test_the_table_file_is_replaced_whole(tmp_path):
 def test_without_a_gpu_it_says_so_and_exits_2(capsys):
     assert bench.main(["--dims", "64"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_atomic_dq_backward_gets_its_own_columns_and_ratio_to_the_same_peer():
+    r = _row(triton=(1.0, 3.0), sdpa_flash=(1.5, 2.0))
+    plain = bench.markdown([r], "header")
+    assert "atomic dQ" not in plain
+    r["triton_atomic_bwd_ms"] = 2.5
+    r = bench.finish_row(r)
+    assert r["atomic_bwd_ratio"] == pytest.approx(2.0 / 2.5)  # against the fastest peer's backward
+    text = bench.markdown([r], "header")
+    assert "| bwd Triton atomic dQ | its ratio |" in text
+    line = next(l for l in text.splitlines() if l.startswith("| 128 | 4096 | 4 x 16 |"))
+    assert f"| {r['triton_atomic_bwd_tflops']:.0f} | 0.80 |" in line
+    assert line.count("|") == text.splitlines()[3].count("|")  # as many cells as the header's rule
