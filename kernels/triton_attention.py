@@ -183,6 +183,9 @@ def _tma_rows(*tensors) -> bool:
 # kernels.bench: causal forward 169 against 182 TFLOP/s with pointers at D = 64, 206 against 217 at D = 128;
 # non-causal within 2%). The interpreter uses them at every length (its runs check the code path, not speed).
 TMA_MIN_LENGTH = 0 if INTERPRET else 2048
+# Bulk reduce-add through a descriptor (the atomic dQ's tiles): compiled for the GPU; Triton's interpreter
+# has no descriptor reductions, so there the same tiles take the per-element atomics.
+_DESC_REDUCE = tl.constexpr(not INTERPRET)
 
 
 def _use_tma(call: "_Call", head_dim: int, block_d: int, *tensors) -> bool:
@@ -629,7 +632,7 @@ def _attn_bwd_delta(Out, DOut, Delta, CuQ,
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, desc_q, desc_do, stride_qm, stride_gm, stride_lm,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, desc_q, desc_do, desc_dq, stride_qm, stride_gm, stride_lm,
                          stride_dqm, stride_dqd, offs_n, offs_d, lo, hi, len_q, len_k, causal_offset, qk_scale,
                          sm_scale, softcap, slope, window_left, window_right, chunk,
                          head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -642,7 +645,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, desc_q, desc_do, s
     ones (softcap, ALiBi), and a softcap's 1 - tanh^2 multiplies dS. TMA (unmasked blocks only): the Q
     and dO tiles come through the descriptors ``desc_q``, ``desc_do``. ATOMIC_DQ: each Q block's share of dQ,
     ``scale * dS K``, is added to the float32 rows at ``DQ`` with atomics (the fifth tile product; no dQ
-    kernel then)."""
+    kernel then), with TMA as one reduce-add of the tile through ``desc_dq``."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -685,8 +688,11 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, desc_q, desc_do, s
         dk = tl.dot(ds_low, q, dk, input_precision="ieee")
         if ATOMIC_DQ:  # dQ_rows += scale * dS K, summed over the KV tiles in whatever order they arrive
             dq_part = tl.dot(tl.trans(ds_low), k, input_precision="ieee") * sm_scale
-            tl.atomic_add(DQ + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq_part,
-                          mask=(rows[:, None] < len_q) & (offs_d[None, :] < head_dim), sem="relaxed")
+            if TMA and _DESC_REDUCE:  # one bulk reduce-add of the whole tile (TMA), not an atomic per element
+                desc_dq.atomic_add([start_m, 0], dq_part)
+            else:
+                tl.atomic_add(DQ + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq_part,
+                              mask=(rows[:, None] < len_q) & (offs_d[None, :] < head_dim), sem="relaxed")
     return dk, dv
 
 
@@ -783,34 +789,38 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, sm_scale, qk_scale, Slop
             DQh = DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm
             desc_q = Q
             desc_do = DO
+            desc_dq = DQ
             if TMA:  # dense rows of this (batch, query head), unit column stride (the launcher checked)
                 desc_q = tl.make_tensor_descriptor(Q + off_b * stride_qb + off_h * stride_qh, shape=[len_q, BLOCK_D],
                                                    strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
                 desc_do = tl.make_tensor_descriptor(DO + off_b * stride_gb + off_h * stride_gh,
                                                     shape=[len_q, BLOCK_D], strides=[stride_gm, 1],
                                                     block_shape=[BLOCK_M, BLOCK_D])
+                if ATOMIC_DQ and _DESC_REDUCE:  # this (batch, query head)'s float32 dQ sums (contiguous, ours)
+                    desc_dq = tl.make_tensor_descriptor(DQh, shape=[len_q, BLOCK_D], strides=[stride_dqm, 1],
+                                                        block_shape=[BLOCK_M, BLOCK_D])
             if SPLIT and not WINDOW and not CHUNK:
                 # Q blocks crossing the diagonal (masked), those seeing the whole tile, then the ragged tail.
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do,
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do, desc_dq,
                                               stride_qm, stride_gm, stride_lm, stride_dqm, stride_dqd,
                                               offs_n, offs_d, lo, diag_end, len_q, len_k, causal_offset, qk_scale,
                                               sm_scale, softcap, slope, window_left, window_right, chunk,
                                               head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True, WINDOW, CHUNK,
                                               SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False, ATOMIC_DQ)
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do,
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do, desc_dq,
                                               stride_qm, stride_gm, stride_lm, stride_dqm, stride_dqd,
                                               offs_n, offs_d, diag_end, even_end, len_q, len_k, causal_offset,
                                               qk_scale, sm_scale, softcap, slope, window_left, window_right, chunk,
                                               head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, False, WINDOW, CHUNK,
                                               SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA, ATOMIC_DQ)
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do,
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do, desc_dq,
                                               stride_qm, stride_gm, stride_lm, stride_dqm, stride_dqd,
                                               offs_n, offs_d, even_end, len_q, len_q, len_k, causal_offset, qk_scale,
                                               sm_scale, softcap, slope, window_left, window_right, chunk,
                                               head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True, WINDOW, CHUNK,
                                               SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False, ATOMIC_DQ)
             else:
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do,
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do, desc_dq,
                                               stride_qm, stride_gm, stride_lm, stride_dqm, stride_dqd,
                                               offs_n, offs_d, lo, hi, len_q, len_k, causal_offset, qk_scale,
                                               sm_scale, softcap, slope, window_left, window_right, chunk,
