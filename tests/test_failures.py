@@ -180,3 +180,36 @@ def test_without_xdist_a_sticky_cuda_error_stops_the_run_after_its_test():
                                            "reason": f"sticky CUDA error: RuntimeError: {STICKY}"}
     assert session.shouldfail.startswith(f"flashverify: sticky CUDA error in {items[1].nodeid}")
     assert session.shouldfail.endswith("1 test(s) not run (listed in the report)")
+
+
+def test_a_flaky_failure_says_the_case_did_not_fail_again_and_what_that_means(context):
+    from hypothesis.errors import FlakyFailure
+
+    def out_matches_reference(ctx, case):
+        raise RuntimeError("LoweringException: NoValidChoicesError")
+
+    try:
+        run_example(out_matches_reference, context, CASE, types.SimpleNamespace(device="cpu"))
+    except RuntimeError as exc:
+        kernel = exc
+    flaky = FlakyFailure("Hypothesis test_x(data=...) produces unreliable results: Failed on the first call but did "
+                         "not on a subsequent one", [kernel])
+    (fields,) = failures.explain_failure(_item(), flaky, worker=None)
+    assert fields["message"].startswith("hypothesis.errors.FlakyFailure: Hypothesis test_x(data=...) produces "
+                                        "unreliable results")
+    assert "the kernel did not raise the same way: the RuntimeError depends on what ran before it" in fields["message"]
+    assert "the replay command alone may pass" in fields["message"]
+    assert fields["replay"] == context.replay_command() and fields["case"] == CASE.to_dict()
+    assert any("depends on what ran before it" in n for n in kernel.__notes__)
+
+    try:
+        context.fail("out is wrong")
+    except PropertyFailure as exc:
+        own = exc
+    (fields,) = failures.explain_failure(_item(), FlakyFailure("unreliable", [own]), worker=None)
+    assert "the kernel's result for the same input changed from one call to the next" in fields["message"]
+    assert fields["replay"] == context.replay_command()
+
+    # any other group of one: no such words
+    (fields,) = failures.explain_failure(_item(), ExceptionGroup("one", [_raised(RuntimeError("x"))]), worker=None)
+    assert "Hypothesis ran this case again" not in fields["message"]

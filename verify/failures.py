@@ -83,6 +83,24 @@ def _add_note(exc, text: str) -> None:
         pass
 
 
+def unreliable_note(exc, leaf, own: bool) -> str | None:
+    """What a Hypothesis ``FlakyFailure`` means for ``leaf``, one of its failures: the example failed, and
+    when Hypothesis ran the same case again it did not fail that way. None for any other ``exc``."""
+    try:
+        from hypothesis.errors import FlakyFailure
+    except ImportError:  # pragma: no cover - a Hypothesis without it has no such failure
+        return None
+    if not isinstance(exc, FlakyFailure):
+        return None
+    if own:
+        return ("Hypothesis ran this case again and it did not fail the same way: the kernel's result for the "
+                "same input changed from one call to the next (not deterministic, or dependent on what ran "
+                "before it in this process)")
+    return (f"Hypothesis ran this case again and the kernel did not raise the same way: the {type(leaf).__name__} "
+            "depends on what ran before it in this process (a compile cache or a recompilation, autotuning, "
+            "device state), so the replay command alone may pass; rerun the test to see it again")
+
+
 def failure_fields(f) -> dict:
     """Failure-file fields of one of the suite's own failures (:func:`property_failures`)."""
     return {"message": str(f), "replay": f.replay, "case": f.case.to_dict() if hasattr(f.case, "to_dict") else None,
@@ -206,6 +224,9 @@ def explain_failure(item, exc, *, worker: str | None) -> list[dict]:
                 extra.append("the error surfaced outside the kernel's forward call, so Hypothesis went on in the "
                              "broken context: this case may be a smaller one than the first that hit it (every "
                              "later example fails there); replay it in a fresh process to confirm")
+        unreliable = unreliable_note(exc, leaf, own)
+        if unreliable is not None:
+            extra.append(unreliable)
         if len(leaves) > 1:
             fields["message"] = (f"distinct failure {i + 1} of {len(leaves)} ({exception_line(exc)})\n"
                                  + fields["message"])
