@@ -11,15 +11,28 @@ the time is that of the longest program: equal times there are expected (the fir
 sees every Q row either way); with many waves the causal time should follow the work. Then the compiled
 kernels' registers, spills and shared memory.
 
+``EXP_MODULE=path/to/triton_attention.py`` times another version of the kernels' module instead (one
+that has ``fa2_forward_raw``, ``fa2_backward`` and the two backward kernels), e.g. the one of c21c35b,
+whose H200 figures at N = 1024 were far above today's H100 ones: ``git show
+c21c35b:kernels/triton_attention.py > .exp/old.py`` in a folder git ignores, carried to the GPU machine.
+
 A record of an experiment, not tested code.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 import triton
 
-from kernels import triton_attention as ta
+if os.environ.get("EXP_MODULE"):
+    _spec = importlib.util.spec_from_file_location("exp_triton_attention", os.environ["EXP_MODULE"])
+    ta = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(ta)
+else:
+    from kernels import triton_attention as ta
 
 
 def _kernel_us(fn, reps: int = 10) -> dict[str, float]:
@@ -56,6 +69,7 @@ def _compiled(fn) -> None:
 
 
 def main() -> None:
+    print(f"module {ta.__file__}")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs")
     block_m, block_n, d = 64, 128, 128
