@@ -173,13 +173,22 @@ def _run_section(summary: dict) -> list[str]:
     impls = [i for i in run.get("implementations") or [] if isinstance(i, dict)]
     if impls:
         out += ["<h3>Implementations under test</h3>", table(
-            ("name", "--impl", "kind", "dtypes", "causal alignment", "gqa", "backward+Delta", "description",
+            ("name", "--impl", "kind", "dtypes", "causal alignment", "gqa", "gradients", "description",
              "not covered (declared unsupported)"),
             ([i.get("name"), code(i.get("spec"), name=True), i.get("kind"), ", ".join(map(str, i.get("dtypes") or [])),
-              i.get("causal_alignment"), i.get("gqa"), i.get("backward"), i.get("description"),
+              i.get("causal_alignment"), i.get("gqa"), _gradients(i), i.get("description"),
               "; ".join(w.removesuffix(": not covered, declared unsupported") for w in i.get("not_covered") or [])
               or "-"] for i in impls))]
     return out
+
+
+def _gradients(impl: dict) -> str:
+    """How an implementation gives gradients: through autograd, and its own backward (with Delta) or not."""
+    backward = "its backward function (dQ, dK, dV, Delta)"
+    if "autograd" not in impl:  # a run recorded before the field: only whether it exposes its backward
+        return backward if impl.get("backward") else "no backward function"
+    ways = (["autograd"] if impl["autograd"] else []) + ([backward] if impl.get("backward") else [])
+    return " and ".join(ways) or "none"
 
 
 def report_html(summary: dict, rows: list[dict]) -> str:

@@ -340,3 +340,21 @@ def test_failures_are_counted_by_kind_so_a_limit_is_not_read_as_a_wrong_answer()
     text = summary.markdown({"status": "complete", "measurements": 0, "unreadable_lines": 0,
                              "by_implementation_op_dtype": [], "failures": failures})
     assert "## Failures (5: 2 wrong answer," in text and "### a (resource limit (not a wrong answer))" in text
+
+
+def test_the_implementations_table_says_how_each_gives_gradients(tmp_path):
+    impls = [{"name": "flexlike", "spec": "flexlike", "autograd": True, "backward": False},
+             {"name": "triton", "spec": "triton", "autograd": True, "backward": True},
+             {"name": "fwd_only", "spec": "fwd_only", "autograd": False, "backward": False},
+             {"name": "old_record", "spec": "old_record", "backward": False}]
+    session = ReportSession(tmp_path, header={"device": "cpu", "implementations": impls})
+    session.record(_measurement(ratio=0.5, passed=True))
+    summary.write_summary(tmp_path)
+    page = (tmp_path / "report.html").read_text()
+    assert "<th>gradients</th>" in page and "backward+Delta" not in page
+    cells = {name: page.split(f"<td>{name}</td>", 1)[1].split("</tr>", 1)[0] for name in
+             ("flexlike", "triton", "fwd_only", "old_record")}
+    assert "<td>autograd</td>" in cells["flexlike"]
+    assert "<td>autograd and its backward function (dQ, dK, dV, Delta)</td>" in cells["triton"]
+    assert "<td>none</td>" in cells["fwd_only"]
+    assert "<td>no backward function</td>" in cells["old_record"]

@@ -248,7 +248,8 @@ def _header_data(config) -> dict:
         "implementations": [{"name": i.name, "kind": i.kind, "spec": i.cli_name, "description": i.description,
                              "dtypes": [dtype_name(d) for d in i.dtypes],
                              "causal_alignment": i.causal_alignment, "gqa": i.gqa, "tunable": i.tunable,
-                             "backward": i.backward is not None, "deterministic": i.deterministic,
+                             "autograd": i.autograd, "backward": i.backward is not None,
+                             "deterministic": i.deterministic,
                              "not_covered": i.not_covered()}
                             for i in impls],
         "device": device,
