@@ -64,7 +64,8 @@ def _compiled(fn) -> None:
     for device, entry in getattr(fn, "device_caches", {}).items():
         for key, kernel in entry[0].items():
             meta = kernel.metadata
-            print(f"    {kernel.name}: regs {getattr(kernel, 'n_regs', '?')}, spills {getattr(kernel, 'n_spills', '?')}, "
+            regs, spills = getattr(kernel, "n_regs", "?"), getattr(kernel, "n_spills", "?")
+            print(f"    {kernel.name}: regs {regs}, spills {spills}, "
                   f"shared {getattr(meta, 'shared', '?')} B, warps {meta.num_warps}, stages {meta.num_stages}")
 
 

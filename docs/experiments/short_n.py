@@ -104,8 +104,10 @@ def main() -> None:
                         print(f"  {label}: no CUDA graph ({type(exc).__name__}: {exc})")
                 host = _host_us(fn)
                 g = f", graph {graph * 1e3:.0f} us = {f / (graph * 1e-3) / 1e12:.0f} TFLOP/s" if graph else ""
-                print(f"  {label}: events {ev * 1e3:.0f} us = {f / (ev * 1e-3) / 1e12:.0f} TFLOP/s{g}, host {host:.0f} us")
-            for label, fn in (("forward", raw_fwd), ("backward", raw_bwd), ("backward atomic dQ", lambda: raw_bwd(False))):
+                rate = f / (ev * 1e-3) / 1e12
+                print(f"  {label}: events {ev * 1e3:.0f} us = {rate:.0f} TFLOP/s{g}, host {host:.0f} us")
+            for label, fn in (("forward", raw_fwd), ("backward", raw_bwd),
+                              ("backward atomic dQ", lambda: raw_bwd(False))):
                 print(f"  kernels of the {label} (us per call):")
                 for name, us in _kernels(fn):
                     print(f"    {us:8.1f}  {name}")
