@@ -36,21 +36,12 @@ else:
 
 
 def _kernel_us(fn, reps: int = 10) -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile
+    """The two backward kernels' mean times (us) per call of ``fn`` (the profiler reading of short_n.py,
+    this script's neighbour: run as a script, its folder is on the import path)."""
+    from short_n import _kernels
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for evt in prof.key_averages():
-        total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-        for name in ("_attn_bwd_dkdv", "_attn_bwd_dq"):
-            if evt.key.startswith(name):
-                out[name] = total / reps
-    return out
+    return {name: us for key, us in _kernels(fn, reps) for name in ("_attn_bwd_dkdv", "_attn_bwd_dq")
+            if key.startswith(name)}
 
 
 def _pairs(n: int, block_m: int, block_n: int, causal: bool) -> int:
