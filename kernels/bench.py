@@ -15,11 +15,10 @@ this card and torch build offer:
 
 with ``triton.testing.do_bench`` (CUDA events, median). ``--atomic-dq`` also times the Triton backward
 with ``deterministic=False`` (dQ added with atomics by the dK/dV kernel), beside the deterministic one,
-in two more columns.
-A peer that cannot run a configuration (no cuDNN, a head dim a backend refuses) is listed with torch's
-reason and left out of that row. The table gives TFLOP/s, the fastest peer of each row and the ratio
-Triton / fastest peer, forward and backward apart, and a second table every peer's figures. With Nq == Nk SDPA's top-left and the Triton kernel's
-bottom-right causal masks coincide; ``max|dout|`` is the largest difference of any peer's output from
+in two more columns. A peer that cannot run a configuration (no cuDNN, a head dim a backend refuses) is
+listed with torch's reason and left out of that row. The table gives TFLOP/s, the fastest peer of each
+row and the ratio Triton / fastest peer, forward and backward apart, and a second table every peer's
+figures. With Nq == Nk SDPA's top-left and the Triton kernel's bottom-right causal masks coincide; ``max|dout|`` is the largest difference of any peer's output from
 Triton's.
 
 FLOPs: forward ``4 * B * H * N * N * D`` (two matrix products), halved for causal; backward 2.5 times
@@ -117,16 +116,16 @@ def finish_row(row: dict) -> dict:
     """Add TFLOP/s, each kind's fastest peer and the ratio Triton / fastest peer to ``row`` (which holds
     ``{name}_{kind}_ms`` for triton and the peers that ran)."""
     names = ["triton", *row["peers"]]
+    flops = {kind: _flops(row["batch"], row["heads"], row["n"], row["d"], row["causal"], kind == "bwd")
+             for kind in KINDS}
     for kind in KINDS:
-        flops = _flops(row["batch"], row["heads"], row["n"], row["d"], row["causal"], kind == "bwd")
         for name in names:
-            row[f"{name}_{kind}_tflops"] = _tflops(flops, row[f"{name}_{kind}_ms"])
+            row[f"{name}_{kind}_tflops"] = _tflops(flops[kind], row[f"{name}_{kind}_ms"])
         best = max(row["peers"], key=lambda p: row[f"{p}_{kind}_tflops"], default=None)
         row[f"best_{kind}"] = best
         row[f"{kind}_ratio"] = row[f"triton_{kind}_tflops"] / row[f"{best}_{kind}_tflops"] if best else None
-    if "triton_atomic_bwd_ms" in row:
-        row["triton_atomic_bwd_tflops"] = _tflops(_flops(row["batch"], row["heads"], row["n"], row["d"], row["causal"],
-                                                         True), row["triton_atomic_bwd_ms"])
+    if "triton_atomic_bwd_ms" in row:  # --atomic-dq: against the same fastest backward peer
+        row["triton_atomic_bwd_tflops"] = _tflops(flops["bwd"], row["triton_atomic_bwd_ms"])
         best = row["best_bwd"]
         row["atomic_bwd_ratio"] = row["triton_atomic_bwd_tflops"] / row[f"{best}_bwd_tflops"] if best else None
     return row
