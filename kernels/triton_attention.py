@@ -129,7 +129,10 @@ def _launch_options(block_m: int, block_n: int, block_d: int, dtype: torch.dtype
 
 # Integer arguments Triton would otherwise compile a variant for by value (divisible by 16, equal to 1):
 # the head dim and the lengths and head counts only bound masks and loops, so one compiled kernel per
-# padded head dim serves them all (31 accepted head dims, 5 padded ones). EVEN_D (head dim = padded
+# padded head dim serves them all (31 accepted head dims, 5 padded ones). The GQA group size stays
+# specialised: at group = 1 the dK/dV kernel's loop over the group's query heads compiles away, and
+# without that the accumulators carried through the nested loops spilled (sm_90, D = 128, 64 x 128
+# tiles: 1448-1912 bytes of local memory per thread against 32-176 specialised). EVEN_D (head dim = padded
 # head dim) keeps the unmasked column loads of the common head dims. The batch and head strides change
 # with every length (Nq * D, Hq * Nq * D): one flag, ALIGNED (every one of them a multiple of 16), tells
 # the kernel what the per-stride specialisation did, so that aligned tiles still load in vectors; the
@@ -137,8 +140,8 @@ def _launch_options(block_m: int, block_n: int, block_d: int, dtype: torch.dtype
 _ALIGNABLE = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb", "stride_vh", "stride_ob", "stride_oh",
               "stride_gb", "stride_gh", "stride_dkb", "stride_dkh", "stride_dvb", "stride_dvh", "stride_dqb",
               "stride_dqh")
-_NOT_SPECIALIZED = ("head_dim", "len_q", "len_k", "heads_q", "heads_kv", "group", "stride_lb", "stride_lh",
-                    "stride_db", "stride_dh", "stride_sb", "window_left", "window_right", "chunk", *_ALIGNABLE)
+_NOT_SPECIALIZED = ("head_dim", "len_q", "len_k", "heads_q", "heads_kv", "stride_lb", "stride_lh", "stride_db",
+                    "stride_dh", "stride_sb", "window_left", "window_right", "chunk", *_ALIGNABLE)
 
 
 def _kernel(fn):
@@ -295,8 +298,12 @@ def _bwd_tiles(block_m: int, block_n: int, block_d: int, dtype: torch.dtype):
 @triton.jit
 def _load_rows(ptrs, rows, row_end, offs_d, head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                CHECK_ROWS: tl.constexpr):
-    """Load a [rows, BLOCK_D] tile; rows >= row_end and columns >= head_dim read as 0."""
-    if CHECK_ROWS:
+    """Load a [rows, BLOCK_D] tile; rows >= row_end and columns >= head_dim read as 0. EVEN_D: every
+    column is read, without a column mask (a mask against the runtime head dim, even one that is all
+    true, costs registers: the dK/dV kernel spilled with it)."""
+    if CHECK_ROWS and EVEN_D:
+        tile = tl.load(ptrs, mask=rows[:, None] < row_end, other=0.0)
+    elif CHECK_ROWS:
         tile = tl.load(ptrs, mask=(rows[:, None] < row_end) & (offs_d[None, :] < head_dim), other=0.0)
     elif EVEN_D:
         tile = tl.load(ptrs)
@@ -314,8 +321,12 @@ def _hint16(stride, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(ptrs, tile, rows, row_end, offs_d, head_dim):
-    tl.store(ptrs, tile, mask=(rows[:, None] < row_end) & (offs_d[None, :] < head_dim))
+def _store_rows(ptrs, tile, rows, row_end, offs_d, head_dim, EVEN_D: tl.constexpr):
+    """Store a [rows, BLOCK_D] tile's rows < row_end and columns < head_dim (EVEN_D: every column)."""
+    if EVEN_D:
+        tl.store(ptrs, tile, mask=rows[:, None] < row_end)
+    else:
+        tl.store(ptrs, tile, mask=(rows[:, None] < row_end) & (offs_d[None, :] < head_dim))
 
 
 @triton.jit
@@ -583,7 +594,7 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale, sm_scale, Slopes, Sinks, CuQ, CuK,
         lse = tl.where(empty, float("-inf"), (m_i * c_abs + tl.log2(l_safe)) * _LN2)
         _store_rows(Out + off_b * stride_ob + off_h * stride_oh + q_start * stride_om
                     + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-                    out.to(Out.dtype.element_ty), offs_m, len_q, offs_d, head_dim)
+                    out.to(Out.dtype.element_ty), offs_m, len_q, offs_d, head_dim, EVEN_D)
         tl.store(Lse + off_b * stride_lb + off_h * stride_lh + (q_start + offs_m) * stride_lm, lse,
                  mask=offs_m < len_q)
 
@@ -830,10 +841,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, sm_scale, qk_scale, Slop
         dk = dk * sm_scale
         _store_rows(DK + off_b * stride_dkb + off_hkv * stride_dkh + k_start * stride_dkn
                     + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-                    dk.to(DK.dtype.element_ty), offs_n, len_k, offs_d, head_dim)
+                    dk.to(DK.dtype.element_ty), offs_n, len_k, offs_d, head_dim, EVEN_D)
         _store_rows(DV + off_b * stride_dvb + off_hkv * stride_dvh + k_start * stride_dvn
                     + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
-                    dv.to(DV.dtype.element_ty), offs_n, len_k, offs_d, head_dim)
+                    dv.to(DV.dtype.element_ty), offs_n, len_k, offs_d, head_dim, EVEN_D)
 
 
 @triton.jit
@@ -959,7 +970,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, Slopes, CuQ, C
         dq = dq * sm_scale
         _store_rows(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm
                     + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-                    dq.to(DQ.dtype.element_ty), offs_m, len_q, offs_d, head_dim)
+                    dq.to(DQ.dtype.element_ty), offs_m, len_q, offs_d, head_dim, EVEN_D)
 
 
 _bwd_key = ["BLOCK_D", "CAUSAL", "seq_bucket", "TMA", "WINDOW", "CHUNK", "SOFTCAP", "ALIBI", "VARLEN"]
