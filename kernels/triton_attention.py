@@ -129,10 +129,7 @@ def _launch_options(block_m: int, block_n: int, block_d: int, dtype: torch.dtype
 
 # Integer arguments Triton would otherwise compile a variant for by value (divisible by 16, equal to 1):
 # the head dim and the lengths and head counts only bound masks and loops, so one compiled kernel per
-# padded head dim serves them all (31 accepted head dims, 5 padded ones). The GQA group size stays
-# specialised: at group = 1 the dK/dV kernel's loop over the group's query heads compiles away, and
-# without that the accumulators carried through the nested loops spilled (sm_90, D = 128, 64 x 128
-# tiles: 1448-1912 bytes of local memory per thread against 32-176 specialised). EVEN_D (head dim = padded
+# padded head dim serves them all (31 accepted head dims, 5 padded ones). EVEN_D (head dim = padded
 # head dim) keeps the unmasked column loads of the common head dims. The batch and head strides change
 # with every length (Nq * D, Hq * Nq * D): one flag, ALIGNED (every one of them a multiple of 16), tells
 # the kernel what the per-stride specialisation did, so that aligned tiles still load in vectors; the
@@ -140,8 +137,8 @@ def _launch_options(block_m: int, block_n: int, block_d: int, dtype: torch.dtype
 _ALIGNABLE = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb", "stride_vh", "stride_ob", "stride_oh",
               "stride_gb", "stride_gh", "stride_dkb", "stride_dkh", "stride_dvb", "stride_dvh", "stride_dqb",
               "stride_dqh")
-_NOT_SPECIALIZED = ("head_dim", "len_q", "len_k", "heads_q", "heads_kv", "stride_lb", "stride_lh", "stride_db",
-                    "stride_dh", "stride_sb", "window_left", "window_right", "chunk", *_ALIGNABLE)
+_NOT_SPECIALIZED = ("head_dim", "len_q", "len_k", "heads_q", "heads_kv", "group", "stride_lb", "stride_lh",
+                    "stride_db", "stride_dh", "stride_sb", "window_left", "window_right", "chunk", *_ALIGNABLE)
 
 
 def _kernel(fn):
@@ -643,40 +640,58 @@ def _attn_bwd_delta(Out, DOut, Delta, CuQ,
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, desc_q, desc_do, desc_dq, stride_qm, stride_gm, stride_lm,
-                         stride_dqm, stride_dqd, offs_n, offs_d, lo, hi, len_q, len_k, causal_offset, qk_scale,
-                         sm_scale, softcap, slope, window_left, window_right, chunk,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, Slopes, desc_q, desc_do, desc_dq,
+                         stride_qh, stride_qm, stride_gh, stride_gm, stride_lh, stride_lm, stride_dh, stride_dqh,
+                         stride_dqm, stride_dqd, off_hkv, group, offs_n, offs_d, lo, hi, len_q, len_k, causal_offset,
+                         qk_scale, sm_scale, softcap, window_left, window_right, chunk,
                          head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          CAUSAL: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
                          SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, NATURAL: tl.constexpr,
                          LIBDEVICE: tl.constexpr, TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
-    """Add the Q blocks lo, lo + BLOCK_M, ... < hi of one query head to a KV tile's dK, dV (transposed
-    form: rows are keys, columns queries). MASKED: rows past len_q are read as 0, and scores of keys a
-    query may not see (CAUSAL, WINDOW, CHUNK) are set to -inf. NATURAL: the scores are the modified
-    ones (softcap, ALiBi), and a softcap's 1 - tanh^2 multiplies dS. TMA (unmasked blocks only): the Q
-    and dO tiles come through the descriptors ``desc_q``, ``desc_do``. ATOMIC_DQ: each Q block's share of dQ,
-    ``scale * dS K``, is added to the float32 rows at ``DQ`` with atomics (the fifth tile product; no dQ
-    kernel then), with TMA as one reduce-add of the tile through ``desc_dq``."""
-    for start_m in range(lo, hi, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
+    """Add the Q blocks lo, lo + BLOCK_M, ... < hi of each of the ``group`` query heads of KV head
+    ``off_hkv`` to a KV tile's dK, dV (transposed form: rows are keys, columns queries), head by head in
+    one loop: no loop nested in another carries the accumulators (with one, the compiled kernel spilled).
+    ``Q``, ``DO``, ``Lse``, ``Delta``, ``DQ`` and ``Slopes`` point at the batch's rows (head 0); MASKED:
+    rows past len_q are read as 0, and scores of keys a query may not see (CAUSAL, WINDOW, CHUNK) are
+    set to -inf. NATURAL: the scores are the modified ones (softcap, ALiBi), and a softcap's 1 - tanh^2
+    multiplies dS. TMA (unmasked blocks only): the Q and dO tiles come through the [heads, rows, D]
+    descriptors ``desc_q``, ``desc_do``. ATOMIC_DQ: each Q block's share of dQ, ``scale * dS K``, is
+    added to the float32 rows at ``DQ`` with atomics (the fifth tile product; no dQ kernel then), with
+    TMA as one reduce-add of the tile through ``desc_dq``."""
+    blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
+    # The divisor is kept >= 1: a pipelined loop computes its first iterations' addresses before it
+    # tests the trip count, and with no block, step // 0 (undefined on the GPU) made them point outside the
+    # tensor (an illegal memory access on the H100, non-causal, whose diagonal loop is empty).
+    blocks_nonzero = tl.maximum(blocks, 1)
+    for step in range(0, group * blocks):
+        g = step // blocks_nonzero
+        start_m = tl.multiple_of(lo + (step - g * blocks_nonzero) * BLOCK_M, BLOCK_M)
+        off_h = off_hkv * group + g
         rows = start_m + tl.arange(0, BLOCK_M)
         if TMA:
-            q = desc_q.load([start_m, 0])
-            do = desc_do.load([start_m, 0])
+            q = desc_q.load([off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+            do = desc_do.load([off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
         else:
-            q = _load_rows(Q + rows[:, None] * stride_qm, rows, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
-            do = _load_rows(DO + rows[:, None] * stride_gm, rows, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
+            q = _load_rows(Q + off_h * stride_qh + rows[:, None] * stride_qm, rows, len_q, offs_d, head_dim,
+                           BLOCK_D, EVEN_D, MASKED)
+            do = _load_rows(DO + off_h * stride_gh + rows[:, None] * stride_gm, rows, len_q, offs_d, head_dim,
+                            BLOCK_D, EVEN_D, MASKED)
+        lse_ptrs = Lse + off_h * stride_lh + rows * stride_lm
+        delta_ptrs = Delta + off_h * stride_dh + rows
         if MASKED:
-            lse = tl.load(Lse + rows * stride_lm, mask=rows < len_q, other=float("inf"))
-            delta = tl.load(Delta + rows, mask=rows < len_q, other=0.0)
+            lse = tl.load(lse_ptrs, mask=rows < len_q, other=float("inf"))
+            delta = tl.load(delta_ptrs, mask=rows < len_q, other=0.0)
         else:
-            lse = tl.load(Lse + rows * stride_lm)
-            delta = tl.load(Delta + rows)
+            lse = tl.load(lse_ptrs)
+            delta = tl.load(delta_ptrs)
         # A row that sees no key has lse = -inf: use +inf so that p = exp2(-inf) = 0, not exp2(NaN).
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
         # -- p^T = exp(s^T - lse) = exp2(qk_scale * k q^T - log2(e) * lse)
         kq = tl.dot(k, tl.trans(q), input_precision="ieee")
         if NATURAL:
+            slope = 0.0
+            if ALIBI:
+                slope = tl.load(Slopes + off_h).to(tl.float32)
             s, t = _modified(kq, sm_scale, softcap, slope, rows[None, :], offs_n[:, None], causal_offset,
                              SOFTCAP, ALIBI, LIBDEVICE)
             arg = s * _LOG2E - lse2[None, :]
@@ -700,10 +715,10 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, desc_q, desc_do, d
         if ATOMIC_DQ:  # dQ_rows += scale * dS K, summed over the KV tiles in whatever order they arrive
             dq_part = tl.dot(tl.trans(ds_low), k, input_precision="ieee") * sm_scale
             if TMA and _DESC_REDUCE:  # one bulk reduce-add of the whole tile (TMA), not an atomic per element
-                desc_dq.atomic_add([start_m, 0], dq_part)
+                desc_dq.atomic_add([off_h.to(tl.int32), start_m, 0], dq_part.reshape(1, BLOCK_M, BLOCK_D))
             else:
-                tl.atomic_add(DQ + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq_part,
-                              mask=(rows[:, None] < len_q) & (offs_d[None, :] < head_dim), sem="relaxed")
+                tl.atomic_add(DQ + off_h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+                              dq_part, mask=(rows[:, None] < len_q) & (offs_d[None, :] < head_dim), sem="relaxed")
     return dk, dv
 
 
@@ -787,56 +802,57 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, sm_scale, qk_scale, Slop
                                      CAUSAL, WINDOW, CHUNK, BLOCK_M, BLOCK_N)
         even_end = tl.maximum((len_q // BLOCK_M) * BLOCK_M, diag_end)
 
-        # Sum over the query heads of the group, in a fixed order (deterministic, no atomics).
-        for g in range(0, group):
-            off_h = off_hkv * group + g
-            slope = 0.0
-            if ALIBI:
-                slope = tl.load(Slopes + off_b * stride_sb + off_h).to(tl.float32)
-            Qh = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm + offs_d[None, :] * stride_qd
-            DOh = DO + off_b * stride_gb + off_h * stride_gh + q_start * stride_gm + offs_d[None, :] * stride_gd
-            Lseh = Lse + off_b * stride_lb + off_h * stride_lh + q_start * stride_lm
-            Deltah = Delta + off_b * stride_db + off_h * stride_dh + q_start
-            DQh = DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm
-            desc_q = Q
-            desc_do = DO
-            desc_dq = DQ
-            if TMA:  # dense rows of this (batch, query head), unit column stride (the launcher checked)
-                desc_q = tl.make_tensor_descriptor(Q + off_b * stride_qb + off_h * stride_qh, shape=[len_q, BLOCK_D],
-                                                   strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
-                desc_do = tl.make_tensor_descriptor(DO + off_b * stride_gb + off_h * stride_gh,
-                                                    shape=[len_q, BLOCK_D], strides=[stride_gm, 1],
-                                                    block_shape=[BLOCK_M, BLOCK_D])
-                if ATOMIC_DQ and _DESC_REDUCE:  # this (batch, query head)'s float32 dQ sums (contiguous, ours)
-                    desc_dq = tl.make_tensor_descriptor(DQh, shape=[len_q, BLOCK_D], strides=[stride_dqm, 1],
-                                                        block_shape=[BLOCK_M, BLOCK_D])
-            if SPLIT and not WINDOW and not CHUNK:
-                # Q blocks crossing the diagonal (masked), those seeing the whole tile, then the ragged tail.
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do, desc_dq,
-                                              stride_qm, stride_gm, stride_lm, stride_dqm, stride_dqd,
-                                              offs_n, offs_d, lo, diag_end, len_q, len_k, causal_offset, qk_scale,
-                                              sm_scale, softcap, slope, window_left, window_right, chunk,
-                                              head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True, WINDOW, CHUNK,
-                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False, ATOMIC_DQ)
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do, desc_dq,
-                                              stride_qm, stride_gm, stride_lm, stride_dqm, stride_dqd,
-                                              offs_n, offs_d, diag_end, even_end, len_q, len_k, causal_offset,
-                                              qk_scale, sm_scale, softcap, slope, window_left, window_right, chunk,
-                                              head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, False, WINDOW, CHUNK,
-                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA, ATOMIC_DQ)
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do, desc_dq,
-                                              stride_qm, stride_gm, stride_lm, stride_dqm, stride_dqd,
-                                              offs_n, offs_d, even_end, len_q, len_q, len_k, causal_offset, qk_scale,
-                                              sm_scale, softcap, slope, window_left, window_right, chunk,
-                                              head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True, WINDOW, CHUNK,
-                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False, ATOMIC_DQ)
-            else:
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah, DQh, desc_q, desc_do, desc_dq,
-                                              stride_qm, stride_gm, stride_lm, stride_dqm, stride_dqd,
-                                              offs_n, offs_d, lo, hi, len_q, len_k, causal_offset, qk_scale,
-                                              sm_scale, softcap, slope, window_left, window_right, chunk,
-                                              head_dim, BLOCK_D, EVEN_D, BLOCK_M, CAUSAL, True, WINDOW, CHUNK,
-                                              SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False, ATOMIC_DQ)
+        # The batch's rows (query head 0); the inner loops step through the group's query heads, each in
+        # a fixed order (deterministic, no atomics).
+        Qb = Q + off_b * stride_qb + q_start * stride_qm + offs_d[None, :] * stride_qd
+        DOb = DO + off_b * stride_gb + q_start * stride_gm + offs_d[None, :] * stride_gd
+        Lseb = Lse + off_b * stride_lb + q_start * stride_lm
+        Deltab = Delta + off_b * stride_db + q_start
+        DQb = DQ + off_b * stride_dqb + q_start * stride_dqm
+        Slopesb = Slopes + off_b * stride_sb
+        desc_q = Q
+        desc_do = DO
+        desc_dq = DQ
+        if TMA:  # dense [heads, rows, D] of this batch, unit column stride (the launcher checked)
+            desc_q = tl.make_tensor_descriptor(Q + off_b * stride_qb, shape=[heads_q, len_q, BLOCK_D],
+                                               strides=[stride_qh, stride_qm, 1], block_shape=[1, BLOCK_M, BLOCK_D])
+            desc_do = tl.make_tensor_descriptor(DO + off_b * stride_gb, shape=[heads_q, len_q, BLOCK_D],
+                                                strides=[stride_gh, stride_gm, 1], block_shape=[1, BLOCK_M, BLOCK_D])
+            if ATOMIC_DQ and _DESC_REDUCE:  # this batch's float32 dQ sums (contiguous, ours)
+                desc_dq = tl.make_tensor_descriptor(DQ + off_b * stride_dqb, shape=[heads_q, len_q, BLOCK_D],
+                                                    strides=[stride_dqh, stride_dqm, 1],
+                                                    block_shape=[1, BLOCK_M, BLOCK_D])
+        if SPLIT and not WINDOW and not CHUNK:
+            # Q blocks crossing the diagonal (masked), those seeing the whole tile, then the ragged tail.
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb, desc_q, desc_do, desc_dq,
+                                          stride_qh, stride_qm, stride_gh, stride_gm, stride_lh, stride_lm, stride_dh,
+                                          stride_dqh, stride_dqm, stride_dqd, off_hkv, group, offs_n, offs_d,
+                                          lo, diag_end, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
+                                          window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
+                                          CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False,
+                                          ATOMIC_DQ)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb, desc_q, desc_do, desc_dq,
+                                          stride_qh, stride_qm, stride_gh, stride_gm, stride_lh, stride_lm, stride_dh,
+                                          stride_dqh, stride_dqm, stride_dqd, off_hkv, group, offs_n, offs_d,
+                                          diag_end, even_end, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
+                                          window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
+                                          CAUSAL, False, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA,
+                                          ATOMIC_DQ)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb, desc_q, desc_do, desc_dq,
+                                          stride_qh, stride_qm, stride_gh, stride_gm, stride_lh, stride_lm, stride_dh,
+                                          stride_dqh, stride_dqm, stride_dqd, off_hkv, group, offs_n, offs_d,
+                                          even_end, len_q, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
+                                          window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
+                                          CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False,
+                                          ATOMIC_DQ)
+        else:
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb, desc_q, desc_do, desc_dq,
+                                          stride_qh, stride_qm, stride_gh, stride_gm, stride_lh, stride_lm, stride_dh,
+                                          stride_dqh, stride_dqm, stride_dqd, off_hkv, group, offs_n, offs_d,
+                                          lo, hi, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
+                                          window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
+                                          CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False,
+                                          ATOMIC_DQ)
 
         dk = dk * sm_scale
         _store_rows(DK + off_b * stride_dkb + off_hkv * stride_dkh + k_start * stride_dkn

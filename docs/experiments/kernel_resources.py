@@ -12,7 +12,8 @@ variant; ``BM``/``BN`` (default 64 x 128), ``GROUP`` (query heads per KV head, d
 The stack figure (bytes of local memory per thread) is what the GPU reports as ``n_spills * 4``. Found this way (and confirmed on an
 H100): from 2368ffc the dK/dV kernel spilled (1448-1912 bytes per thread against 0-128 before), because
 its loop over the group's query heads, no longer compiled away at group = 1, carried the accumulators
-around the inner loops. Another Triton (3.9 here) gives other figures: use the GPU's.
+around the inner loops (3363f45 specialised the group again; the commit after it folded the group into
+the inner loops, which removed that loop). Another Triton (3.9 here) gives other figures: use the GPU's.
 
 A record of an experiment, not tested code.
 """
