@@ -59,11 +59,9 @@ through their strides (no copies); grouped-query attention maps query head ``h``
 
 Tensor descriptors: on Hopper (and under the interpreter, which emulates them) the tiles of the unmasked
 loops, where every key of a tile is visible to every row (forward and dQ: K and V; dK/dV: Q and dO), are
-read through descriptors built on the device over one (batch, head)'s ``[N, D]`` rows (TMA), for dense
-float16/bfloat16 rows with unit column stride and 16-byte aligned strides, a head dim that is a power of two
-up to 128 and a sequence of at least :data:`TMA_MIN_LENGTH`. Masked tiles keep pointer loads (keys past a
-tile's last visible one read as 0, not as the tensor's next rows). The descriptors need global scratch
-memory at launch: without an allocator of the caller's, ``triton.set_allocator`` gets one from torch.
+read through ``[B, H, N, D]`` descriptors built once per launch on the host (TMA), for dense
+float16/bfloat16 rows with unit column stride and 16-byte aligned strides and a head dim that is a power of
+two up to 128. Masked tiles keep pointer loads (keys past a tile's last visible one read as 0).
 
 Block sizes are powers of two >= 16. With ``block_m=None, block_n=None`` the tiles, warps and pipeline
 stages are autotuned on the GPU (per padded head dim, dtype, causal flag and a coarse sequence-length
@@ -80,6 +78,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 try:  # the portable entry point (CUDA's libdevice on NVIDIA GPUs)
     from triton.language.extra import libdevice
@@ -172,17 +171,14 @@ def _tma_capable(device: torch.device) -> bool:
 
 
 def _tma_rows(*tensors) -> bool:
-    """Whether ``[B, H, N, D]`` tensors can be read through a descriptor of one (batch, head)'s ``[N, D]``
-    rows: unit column stride, and the base address and every other stride multiples of 16 bytes."""
-    return all(t.stride(3) == 1 and t.data_ptr() % 16 == 0
-               and all((t.stride(dim) * t.element_size()) % 16 == 0 for dim in (0, 1, 2)) for t in tensors)
+    """Whether ``[B, H, N, D]`` tensors can be read through a ``[B, H, N, D]`` descriptor: no empty
+    dimension, unit column stride, the base address and every other stride multiples of 16 bytes, and no
+    broadcast (stride 0) dimension of more than one element."""
+    return all(t.numel() > 0 and t.stride(3) == 1 and t.data_ptr() % 16 == 0
+               and all((t.stride(dim) * t.element_size()) % 16 == 0 and (t.stride(dim) > 0 or t.shape[dim] == 1)
+                       for dim in (0, 1, 2)) for t in tensors)
 
 
-# The shortest sequence (the longer of Nq, Nk) read through descriptors on the GPU: each program builds its
-# descriptors in global memory first, a cost short programs do not earn back (one H100, fp16, N = 1024,
-# kernels.bench: causal forward 169 against 182 TFLOP/s with pointers at D = 64, 206 against 217 at D = 128;
-# non-causal within 2%). The interpreter uses them at every length (its runs check the code path, not speed).
-TMA_MIN_LENGTH = 0 if INTERPRET else 2048
 # Bulk reduce-add through a descriptor (the atomic dQ's tiles): compiled for the GPU; Triton's interpreter
 # has no descriptor reductions, so there the same tiles take the per-element atomics.
 _DESC_REDUCE = tl.constexpr(not INTERPRET)
@@ -190,28 +186,32 @@ _DESC_REDUCE = tl.constexpr(not INTERPRET)
 
 def _use_tma(call: "_Call", head_dim: int, block_d: int, *tensors) -> bool:
     """Descriptors for a call's unmasked tiles: dense float16/bfloat16 rows (``tensors`` readable through
-    them), head dim a power of two up to 128, a sequence of at least :data:`TMA_MIN_LENGTH`, Hopper or later."""
+    them), head dim a power of two up to 128, Hopper or later."""
     return (_split_stages(call.q.dtype) and not call.varlen and head_dim == block_d <= 128
-            and max(call.max_q, call.max_k) >= TMA_MIN_LENGTH and _tma_capable(call.q.device) and _tma_rows(*tensors))
+            and _tma_capable(call.q.device) and _tma_rows(*tensors))
 
 
-def _scratch(size: int, alignment: int, stream):
-    """Global memory Triton asks for at launch (the kernels' tensor descriptors are built on the device)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+def _descriptors(tensors, tma: bool) -> tuple:
+    """Host-built ``[B, H, N, D]`` tensor descriptors of ``tensors`` (their tile shape is set per launch
+    by :func:`_set_tiles`), or, without TMA, the tensors themselves (never read through those arguments)."""
+    if not tma:
+        return tuple(tensors)
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, t.shape[3]]) for t in tensors)
 
 
-def _ensure_allocator() -> None:
-    """Give Triton an allocator for the device-built descriptors, unless the caller has set one."""
-    if INTERPRET:
-        return
-    try:
-        from triton.runtime import _allocation
-        current = _allocation._allocator.get()
-        unset = isinstance(current, _allocation.NullAllocator)
-    except (ImportError, AttributeError):  # pragma: no cover - another Triton layout: set ours
-        unset = True
-    if unset:
-        triton.set_allocator(_scratch)
+# Descriptor arguments and the tile dimension each one's tiles span: KV rows, or Q rows.
+_DESCRIPTOR_TILES = {"DescK": "BLOCK_N", "DescV": "BLOCK_N", "DescQ": "BLOCK_M", "DescDO": "BLOCK_M",
+                     "DescDQ": "BLOCK_M"}
+
+
+def _set_tiles(nargs: dict) -> None:
+    """Give a launch's descriptors (``nargs``: the kernel's arguments by name, tile sizes included) the
+    ``[1, 1, rows, BLOCK_D]`` tile of its configuration: an autotuning configuration's pre-hook, and
+    called before a launch with fixed tiles."""
+    for name, rows in _DESCRIPTOR_TILES.items():
+        desc = nargs.get(name)
+        if isinstance(desc, TensorDescriptor):
+            desc.block_shape = [1, 1, nargs[rows], nargs["BLOCK_D"]]
 
 
 def _check_blocks(block_m, block_n, *, kernel: str) -> tuple[int | None, int | None]:
@@ -260,7 +260,8 @@ def _tile_class(block_d: int, dtype: torch.dtype) -> str:
 
 def _configs(table: dict) -> list[triton.Config]:
     tiles = sorted({t for tiles in table.values() for t in tiles})
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=_set_tiles)
+            for bm, bn, w, s in tiles]
 
 
 def _pruner(table: dict):
@@ -388,7 +389,7 @@ def _modified(qk, sm_scale, softcap, slope, q_idx, k_idx, causal_offset,
 
 
 @triton.jit
-def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, tma_b, tma_h, stride_kn, stride_vn, offs_m, offs_n, offs_d,
                     lo, hi, kv_end, causal_offset, qk_scale, sm_scale, softcap, slope,
                     window_left, window_right, chunk, len_q,
                     head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -402,7 +403,8 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, stride_kn, stride_vn
 
     MASKED: keys at or past ``kv_end`` are loaded as 0 and their scores (and those of keys a row may not
     see: CAUSAL, WINDOW, CHUNK) are set to -inf; otherwise every key in [lo, hi) is visible to every row.
-    TMA (unmasked blocks only): K and V tiles come through the tensor descriptors ``desc_k``, ``desc_v``.
+    TMA (unmasked blocks only): K and V tiles come through the ``[B, Hkv, Nk, D]`` tensor descriptors
+    ``desc_k``, ``desc_v``, at batch ``tma_b`` and KV head ``tma_h``.
     """
     sign = tl.where(qk_scale < 0, -1.0, 1.0)
     c_abs = qk_scale * sign
@@ -410,8 +412,8 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, stride_kn, stride_vn
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         if TMA:
-            k = desc_k.load([start_n, 0])
-            v = desc_v.load([start_n, 0])
+            k = desc_k.load([tma_b, tma_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = desc_v.load([tma_b, tma_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         else:
             k = _load_rows(K + cols[:, None] * stride_kn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
             v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
@@ -484,7 +486,7 @@ def _kv_window(start_m, last_row, len_k, len_q, causal_offset, window_left, wind
 
 
 @_kernel
-def _attn_fwd(Q, K, V, Out, Lse, qk_scale, sm_scale, Slopes, Sinks, CuQ, CuK,
+def _attn_fwd(Q, K, V, Out, Lse, DescK, DescV, qk_scale, sm_scale, Slopes, Sinks, CuQ, CuK,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
@@ -529,14 +531,6 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale, sm_scale, Slopes, Sinks, CuQ, CuK,
         # [1, BLOCK_D] pointers to the head-dim columns of this (batch, kv head); the loop adds the key rows.
         K_cols = K + off_b * stride_kb + off_hkv * stride_kh + k_start * stride_kn + offs_d[None, :] * stride_kd
         V_cols = V + off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn + offs_d[None, :] * stride_vd
-        desc_k = K
-        desc_v = V
-        if TMA:  # dense rows of this (batch, kv head), unit column stride (the launcher checked): the
-            # descriptor reads the rows past len_k as 0, and is used where every key of a tile is visible.
-            desc_k = tl.make_tensor_descriptor(K + off_b * stride_kb + off_hkv * stride_kh, shape=[len_k, BLOCK_D],
-                                               strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
-            desc_v = tl.make_tensor_descriptor(V + off_b * stride_vb + off_hkv * stride_vh, shape=[len_k, BLOCK_D],
-                                               strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D])
         slope = 0.0
         if ALIBI:
             slope = tl.load(Slopes + off_b * stride_sb + off_h).to(tl.float32)
@@ -557,7 +551,8 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale, sm_scale, Slopes, Sinks, CuQ, CuK,
         if SPLIT and not WINDOW and not CHUNK:
             # Stage 1: blocks visible to every row, no masks.
             full_end = (full_end // BLOCK_N) * BLOCK_N
-            acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K_cols, V_cols, desc_k, desc_v, stride_kn, stride_vn,
+            acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K_cols, V_cols, DescK, DescV, off_b.to(tl.int32),
+                                            off_hkv.to(tl.int32), stride_kn, stride_vn,
                                             offs_m, offs_n, offs_d, 0, full_end, kv_end, causal_offset, qk_scale,
                                             sm_scale, softcap, slope, window_left, window_right, chunk, len_q,
                                             head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, False, INNER_SCALED,
@@ -566,7 +561,8 @@ def _attn_fwd(Q, K, V, Out, Lse, qk_scale, sm_scale, Slopes, Sinks, CuQ, CuK,
             full_end = lo
         # Stage 2: blocks crossing the diagonal, a window's or chunk's edges or the end of the keys, masked
         # (every block the tile sees if not SPLIT).
-        acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K_cols, V_cols, desc_k, desc_v, stride_kn, stride_vn,
+        acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K_cols, V_cols, DescK, DescV, off_b.to(tl.int32),
+                                        off_hkv.to(tl.int32), stride_kn, stride_vn,
                                         offs_m, offs_n, offs_d, full_end, kv_end, kv_end, causal_offset, qk_scale,
                                         sm_scale, softcap, slope, window_left, window_right, chunk, len_q,
                                         head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, True, INNER_SCALED,
@@ -640,7 +636,7 @@ def _attn_bwd_delta(Out, DOut, Delta, CuQ,
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, Slopes, desc_q, desc_do, desc_dq,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, Slopes, desc_q, desc_do, desc_dq, tma_b,
                          stride_qh, stride_qm, stride_gh, stride_gm, stride_lh, stride_lm, stride_dh, stride_dqh,
                          stride_dqm, stride_dqd, off_hkv, group, offs_n, offs_d, lo, hi, len_q, len_k, causal_offset,
                          qk_scale, sm_scale, softcap, window_left, window_right, chunk,
@@ -654,8 +650,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, Slopes, desc_q, de
     ``Q``, ``DO``, ``Lse``, ``Delta``, ``DQ`` and ``Slopes`` point at the batch's rows (head 0); MASKED:
     rows past len_q are read as 0, and scores of keys a query may not see (CAUSAL, WINDOW, CHUNK) are
     set to -inf. NATURAL: the scores are the modified ones (softcap, ALiBi), and a softcap's 1 - tanh^2
-    multiplies dS. TMA (unmasked blocks only): the Q and dO tiles come through the [heads, rows, D]
-    descriptors ``desc_q``, ``desc_do``. ATOMIC_DQ: each Q block's share of dQ, ``scale * dS K``, is
+    multiplies dS. TMA (unmasked blocks only): the Q and dO tiles come through the ``[B, Hq, Nq, D]``
+    descriptors ``desc_q``, ``desc_do``, at batch ``tma_b``. ATOMIC_DQ: each Q block's share of dQ, ``scale * dS K``, is
     added to the float32 rows at ``DQ`` with atomics (the fifth tile product; no dQ kernel then), with
     TMA as one reduce-add of the tile through ``desc_dq``."""
     blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
@@ -669,8 +665,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, Slopes, desc_q, de
         off_h = off_hkv * group + g
         rows = start_m + tl.arange(0, BLOCK_M)
         if TMA:
-            q = desc_q.load([off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
-            do = desc_do.load([off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+            q = desc_q.load([tma_b, off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+            do = desc_do.load([tma_b, off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
         else:
             q = _load_rows(Q + off_h * stride_qh + rows[:, None] * stride_qm, rows, len_q, offs_d, head_dim,
                            BLOCK_D, EVEN_D, MASKED)
@@ -715,7 +711,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, Slopes, desc_q, de
         if ATOMIC_DQ:  # dQ_rows += scale * dS K, summed over the KV tiles in whatever order they arrive
             dq_part = tl.dot(tl.trans(ds_low), k, input_precision="ieee") * sm_scale
             if TMA and _DESC_REDUCE:  # one bulk reduce-add of the whole tile (TMA), not an atomic per element
-                desc_dq.atomic_add([off_h.to(tl.int32), start_m, 0], dq_part.reshape(1, BLOCK_M, BLOCK_D))
+                desc_dq.atomic_add([tma_b, off_h.to(tl.int32), start_m, 0], dq_part.reshape(1, 1, BLOCK_M, BLOCK_D))
             else:
                 tl.atomic_add(DQ + off_h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
                               dq_part, mask=(rows[:, None] < len_q) & (offs_d[None, :] < head_dim), sem="relaxed")
@@ -751,7 +747,7 @@ def _q_window(start_n, len_q, len_k, causal_offset, window_left, window_right, c
 
 
 @_kernel
-def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, sm_scale, qk_scale, Slopes, CuQ, CuK,
+def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, DescQ, DescDO, DescDQ, sm_scale, qk_scale, Slopes, CuQ, CuK,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
@@ -810,45 +806,38 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, sm_scale, qk_scale, Slop
         Deltab = Delta + off_b * stride_db + q_start
         DQb = DQ + off_b * stride_dqb + q_start * stride_dqm
         Slopesb = Slopes + off_b * stride_sb
-        desc_q = Q
-        desc_do = DO
-        desc_dq = DQ
-        if TMA:  # dense [heads, rows, D] of this batch, unit column stride (the launcher checked)
-            desc_q = tl.make_tensor_descriptor(Q + off_b * stride_qb, shape=[heads_q, len_q, BLOCK_D],
-                                               strides=[stride_qh, stride_qm, 1], block_shape=[1, BLOCK_M, BLOCK_D])
-            desc_do = tl.make_tensor_descriptor(DO + off_b * stride_gb, shape=[heads_q, len_q, BLOCK_D],
-                                                strides=[stride_gh, stride_gm, 1], block_shape=[1, BLOCK_M, BLOCK_D])
-            if ATOMIC_DQ and _DESC_REDUCE:  # this batch's float32 dQ sums (contiguous, ours)
-                desc_dq = tl.make_tensor_descriptor(DQ + off_b * stride_dqb, shape=[heads_q, len_q, BLOCK_D],
-                                                    strides=[stride_dqh, stride_dqm, 1],
-                                                    block_shape=[1, BLOCK_M, BLOCK_D])
+        tma_b = off_b.to(tl.int32)
         if SPLIT and not WINDOW and not CHUNK:
             # Q blocks crossing the diagonal (masked), those seeing the whole tile, then the ragged tail.
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb, desc_q, desc_do, desc_dq,
-                                          stride_qh, stride_qm, stride_gh, stride_gm, stride_lh, stride_lm, stride_dh,
-                                          stride_dqh, stride_dqm, stride_dqd, off_hkv, group, offs_n, offs_d,
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb,
+                                          DescQ, DescDO, DescDQ, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
+                                          stride_lh, stride_lm, stride_dh, stride_dqh, stride_dqm, stride_dqd,
+                                          off_hkv, group, offs_n, offs_d,
                                           lo, diag_end, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
                                           window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
                                           CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False,
                                           ATOMIC_DQ)
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb, desc_q, desc_do, desc_dq,
-                                          stride_qh, stride_qm, stride_gh, stride_gm, stride_lh, stride_lm, stride_dh,
-                                          stride_dqh, stride_dqm, stride_dqd, off_hkv, group, offs_n, offs_d,
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb,
+                                          DescQ, DescDO, DescDQ, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
+                                          stride_lh, stride_lm, stride_dh, stride_dqh, stride_dqm, stride_dqd,
+                                          off_hkv, group, offs_n, offs_d,
                                           diag_end, even_end, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
                                           window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
                                           CAUSAL, False, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA,
                                           ATOMIC_DQ)
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb, desc_q, desc_do, desc_dq,
-                                          stride_qh, stride_qm, stride_gh, stride_gm, stride_lh, stride_lm, stride_dh,
-                                          stride_dqh, stride_dqm, stride_dqd, off_hkv, group, offs_n, offs_d,
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb,
+                                          DescQ, DescDO, DescDQ, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
+                                          stride_lh, stride_lm, stride_dh, stride_dqh, stride_dqm, stride_dqd,
+                                          off_hkv, group, offs_n, offs_d,
                                           even_end, len_q, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
                                           window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
                                           CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False,
                                           ATOMIC_DQ)
         else:
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb, desc_q, desc_do, desc_dq,
-                                          stride_qh, stride_qm, stride_gh, stride_gm, stride_lh, stride_lm, stride_dh,
-                                          stride_dqh, stride_dqm, stride_dqd, off_hkv, group, offs_n, offs_d,
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb,
+                                          DescQ, DescDO, DescDQ, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
+                                          stride_lh, stride_lm, stride_dh, stride_dqh, stride_dqm, stride_dqd,
+                                          off_hkv, group, offs_n, offs_d,
                                           lo, hi, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
                                           window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
                                           CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False,
@@ -864,7 +853,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, sm_scale, qk_scale, Slop
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, desc_k, desc_v, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, desc_k, desc_v, tma_b, tma_h, stride_kn, stride_vn, offs_m,
+                       offs_n, offs_d,
                        lo, hi, kv_end, len_q, causal_offset, qk_scale, sm_scale, softcap, slope,
                        window_left, window_right, chunk,
                        head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -873,13 +863,14 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, desc_k, desc_v, stride_kn, 
                        TMA: tl.constexpr):
     """Add the KV blocks lo, lo + BLOCK_N, ... < hi to a Q tile's dQ (masking as in the forward);
     ``lse2 = log2(e) * lse`` (+inf for rows that see no key), ``qk_scale = log2(e) * scale``. TMA
-    (unmasked blocks only): the K and V tiles come through the descriptors ``desc_k``, ``desc_v``."""
+    (unmasked blocks only): the K and V tiles come through the descriptors ``desc_k``, ``desc_v`` (as in
+    the forward)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         if TMA:
-            k = desc_k.load([start_n, 0])
-            v = desc_v.load([start_n, 0])
+            k = desc_k.load([tma_b, tma_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = desc_v.load([tma_b, tma_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         else:
             k = _load_rows(K + cols[:, None] * stride_kn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
             v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
@@ -904,7 +895,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, desc_k, desc_v, stride_kn, 
 
 
 @_kernel
-def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, Slopes, CuQ, CuK,
+def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, sm_scale, qk_scale, Slopes, CuQ, CuK,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
@@ -957,13 +948,6 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, Slopes, CuQ, C
             slope = tl.load(Slopes + off_b * stride_sb + off_h).to(tl.float32)
         K_cols = K + off_b * stride_kb + off_hkv * stride_kh + k_start * stride_kn + offs_d[None, :] * stride_kd
         V_cols = V + off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn + offs_d[None, :] * stride_vd
-        desc_k = K
-        desc_v = V
-        if TMA:  # as in the forward
-            desc_k = tl.make_tensor_descriptor(K + off_b * stride_kb + off_hkv * stride_kh, shape=[len_k, BLOCK_D],
-                                               strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
-            desc_v = tl.make_tensor_descriptor(V + off_b * stride_vb + off_hkv * stride_vh, shape=[len_k, BLOCK_D],
-                                               strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D])
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
         causal_offset = len_k - len_q
@@ -972,14 +956,16 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, qk_scale, Slopes, CuQ, C
                                           window_right, chunk, CAUSAL, WINDOW, CHUNK, BLOCK_N)
         if SPLIT and not WINDOW and not CHUNK:
             full_end = (full_end // BLOCK_N) * BLOCK_N
-            dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_cols, V_cols, desc_k, desc_v, stride_kn, stride_vn,
+            dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_cols, V_cols, DescK, DescV, off_b.to(tl.int32),
+                                    off_hkv.to(tl.int32), stride_kn, stride_vn,
                                     offs_m, offs_n, offs_d, 0, full_end, kv_end, len_q, causal_offset, qk_scale,
                                     sm_scale, softcap, slope, window_left, window_right, chunk, head_dim, BLOCK_D,
                                     EVEN_D, BLOCK_N, CAUSAL, False, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE,
                                     TMA)
         else:
             full_end = lo
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_cols, V_cols, desc_k, desc_v, stride_kn, stride_vn,
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_cols, V_cols, DescK, DescV, off_b.to(tl.int32),
+                                off_hkv.to(tl.int32), stride_kn, stride_vn,
                                 offs_m, offs_n, offs_d, full_end, kv_end, kv_end, len_q, causal_offset, qk_scale,
                                 sm_scale, softcap, slope, window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D,
                                 BLOCK_N, CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False)
@@ -1012,6 +998,7 @@ def _run(kernel, tuned, grid_of, args: tuple, meta: dict, blocks, block_d: int, 
     if grid[0] * grid[1] == 0:
         return
     options = _launch_options(block_m, block_n, block_d, dtype)
+    _set_tiles({**dict(zip(kernel.arg_names, args)), **meta, "BLOCK_M": block_m, "BLOCK_N": block_n})
     try:
         kernel[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, **options)
     except triton.runtime.errors.OutOfResources as exc:
@@ -1136,15 +1123,14 @@ def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bo
     if call.batch * hq * call.max_q > 0:
         block_d = _padded_head_dim(d)
         flags = call.flags
-        args = (q4, k4, v4, out4, lse4, call.scale * LOG2E, call.scale, *call.pointers(q4),
+        # Descriptors (TMA) for the unmasked KV tiles: dense float16/bfloat16 rows, head dim a power of two
+        # up to 128, Hopper or later.
+        tma = _use_tma(call, d, block_d, k4, v4)
+        args = (q4, k4, v4, out4, lse4, *_descriptors((k4, v4), tma), call.scale * LOG2E, call.scale,
+                *call.pointers(q4),
                 *call.batch_strides(q4), *call.batch_strides(k4), *call.batch_strides(v4), *call.batch_strides(out4),
                 *call.batch_strides(lse4), call.stride_sb,
                 hq, hq // hkv, q4.shape[2], k4.shape[2], call.seq_bucket(), *call.scalars)
-        # Descriptors (TMA) for the unmasked KV tiles: dense float16/bfloat16 rows, head dim a power of two
-        # up to 128, Hopper or later (the descriptor's shape bounds the keys of one (batch, head)).
-        tma = _use_tma(call, d, block_d, k4, v4)
-        if tma:
-            _ensure_allocator()
         meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype),
                 "INNER_SCALED": inner_scaled, "ALIGNED": _aligned(q4, k4, v4, out4), **flags,
                 "SINKS": call.sinks is not None, "TMA": tma,
@@ -1225,8 +1211,6 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
               *stride_lse, *stride_delta[:2], call.stride_sb)
     # Descriptors for the unmasked tiles (Q and dO in dK/dV, K and V in dQ): as in the forward.
     tma = _use_tma(call, d, block_d, q4, k4, v4, dout4)
-    if tma:
-        _ensure_allocator()
     meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), "TMA": tma,
             **variant_meta}
     atomic = not deterministic
@@ -1237,7 +1221,9 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     if call.batch * hkv * call.max_k > 0:
         meta["ALIGNED"] = _aligned(q4, k4, v4, dout4, dk4, dv4)
         _run(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, lambda bm, bn: (triton.cdiv(call.max_k, bn), call.batch * hkv),
-             (q4, k4, v4, dout4, lse4, delta, dk4, dv4, dq_sum, *common, *call.batch_strides(dk4),
+             (q4, k4, v4, dout4, lse4, delta, dk4, dv4, dq_sum,
+              *_descriptors((q4, dout4), tma), *_descriptors((dq_sum,), tma and atomic and not INTERPRET),
+              *common, *call.batch_strides(dk4),
               *call.batch_strides(dv4), *dq_sum_strides, hq, hkv, group, q4.shape[2], k4.shape[2], bucket,
               *call.scalars),
              {**meta, "ATOMIC_DQ": atomic}, dkdv_blocks, block_d, q.dtype, name=kernel)
@@ -1246,7 +1232,8 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     elif call.batch * hq * call.max_q > 0:
         meta["ALIGNED"] = _aligned(q4, k4, v4, dout4, dq4)
         _run(_attn_bwd_dq, _attn_bwd_dq_tuned, lambda bm, bn: (triton.cdiv(call.max_q, bm), call.batch * hq),
-             (q4, k4, v4, dout4, lse4, delta, dq4, *common, *call.batch_strides(dq4), hq, group, q4.shape[2],
+             (q4, k4, v4, dout4, lse4, delta, dq4, *_descriptors((k4, v4), tma), *common, *call.batch_strides(dq4),
+              hq, group, q4.shape[2],
               k4.shape[2], bucket, *call.scalars),
              meta, dq_blocks, block_d, q.dtype, name=kernel)
     delta = delta[0] if call.varlen else delta

@@ -55,10 +55,9 @@ def _grads(q, k, v, kw, deterministic):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("name", list(CASES))
-def test_atomic_dq_equals_the_deterministic_backward(name, dtype, monkeypatch):
-    # Descriptors at every length (the interpreter's default; on a GPU the dense float16 cases then add dQ
-    # by TMA reduce-adds, which the interpreter cannot run: there they take the per-element atomics).
-    monkeypatch.setattr(ta, "TMA_MIN_LENGTH", 0)
+def test_atomic_dq_equals_the_deterministic_backward(name, dtype):
+    # On a GPU the dense float16 cases add dQ by TMA reduce-adds, which the interpreter cannot run: there
+    # they take the per-element atomics.
     (q, k, v), kw = _inputs(name, dtype)
     dq, dk, dv = _grads(q, k, v, kw, deterministic=True)
     adq, adk, adv = _grads(q, k, v, kw, deterministic=False)

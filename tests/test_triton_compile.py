@@ -36,6 +36,8 @@ POINTERS = {"Q": F16, "K": F16, "V": F16, "Out": F16, "DO": F16, "DOut": F16, "D
             "Lse": F32, "Delta": F32, "Slopes": F32, "Sinks": F32, "OutPart": F32, "LsePart": F32,
             "CuQ": I32, "CuK": I32, "BlockTable": I32, "SeqlensK": I32}
 FLOATS = {"qk_scale", "sm_scale", "softcap"}
+DESCRIPTORS = {"DescK": ("fp16", "BLOCK_N"), "DescV": ("fp16", "BLOCK_N"), "DescQ": ("fp16", "BLOCK_M"),
+               "DescDO": ("fp16", "BLOCK_M"), "DescDQ": ("fp32", "BLOCK_M")}
 VARIANTS = ("WINDOW", "CHUNK", "SOFTCAP", "ALIBI", "SINKS", "VARLEN")
 TILE = dict(BLOCK_D=64, EVEN_D=True, BLOCK_M=64, BLOCK_N=64)
 
@@ -49,7 +51,7 @@ _BWD_FLAGS = {k: v for k, v in _flags(True).items() if k != "SINKS"}  # dsinks a
 # case id -> (module, kernel, compile-time constants)
 CASES = {
     # NATURAL: the running max in natural units, which a softcap, ALiBi or sinks need
-    # TMA: the unmasked tiles through tensor descriptors built on the device (dense rows only)
+    # TMA: the unmasked tiles through tensor descriptors built on the host (dense rows only)
     **{f"fwd_{name}": ("triton_attention", "_attn_fwd",
                        {**TILE, **_flags(on), "ALIGNED": True, "CAUSAL": True, "SPLIT": True, "INNER_SCALED": False,
                         "NATURAL": on, "LIBDEVICE": True, "TMA": not on})
@@ -99,6 +101,12 @@ def _compile_one(module: str, name: str, constexprs: dict) -> tuple[str, str]:
                  ("fp32" if p.name in FLOATS else "i32") for p in kernel.params}
     if name == "_attn_bwd_dkdv":
         signature["DQ"] = "*fp32"  # the float32 dQ sums the launcher gives it (atomic dQ)
+    # Descriptor arguments: host-built [B, H, N, D] descriptors with TMA, the tensors themselves without.
+    for desc, (dtype, rows) in DESCRIPTORS.items():
+        if desc in signature:
+            on = constexprs["TMA"] and (desc != "DescDQ" or constexprs["ATOMIC_DQ"])
+            signature[desc] = (f"tensordesc<{dtype}[1,1,{constexprs[rows]},{constexprs['BLOCK_D']}]>" if on
+                               else f"*{dtype}")
     try:
         triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                        target=GPUTarget("cuda", 90, 32))

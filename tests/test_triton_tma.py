@@ -1,9 +1,9 @@
 """The Triton FA2 kernels' tensor-descriptor (TMA) path: which calls take it, and that it computes exactly
 what the pointer path computes.
 
-On Hopper the unmasked tiles (forward and dQ: K and V; dK/dV: Q and dO) are read through descriptors
-built on the device; Triton's interpreter emulates them, at every length (``TMA_MIN_LENGTH`` is 0 there),
-so these tests run the descriptor code on the CPU. The same tiles reach the same arithmetic either way, so
+On Hopper the unmasked tiles (forward and dQ: K and V; dK/dV: Q and dO) are read through ``[B, H, N, D]``
+descriptors built on the host; Triton's interpreter emulates them, so these tests run the descriptor code
+on the CPU. The same tiles reach the same arithmetic either way, so
 the outputs and gradients must be bitwise equal; a descriptor read one row off fails them.
 """
 
@@ -35,13 +35,18 @@ def test_dense_half_precision_rows_with_a_power_of_two_head_dim_take_descriptors
     assert ta._use_tma(_call(q, k, v), 64, 64, k, v)
 
 
-@pytest.mark.parametrize("why", ["float32", "head dim 40", "column stride 2", "misaligned base", "packed"])
+@pytest.mark.parametrize("why", ["float32", "head dim 40", "column stride 2", "misaligned base", "packed",
+                                 "broadcast heads", "no keys"])
 def test_other_calls_keep_pointer_loads(why):
     q, k, v = _qkv(dtype=torch.float32 if why == "float32" else torch.float16, d=40 if why == "head dim 40" else 64)
     d = q.shape[-1]
     kw = {}
     if why == "column stride 2":
         k = torch.cat([k, k], dim=-1)[..., ::2]
+    if why == "broadcast heads":  # one KV head expanded to two (stride 0): no descriptor over it
+        k, v = (t[:, :1].expand(-1, 2, -1, -1) for t in (k, v))
+    if why == "no keys":
+        k, v = k[:, :, :0], v[:, :, :0]
     if why == "misaligned base":  # one element into a buffer: 2 bytes off every 16-byte boundary
         k = torch.cat([k.flatten(), k.flatten()[:1]])[1:].view(k.shape)
     if why == "packed":
@@ -55,10 +60,12 @@ def test_other_calls_keep_pointer_loads(why):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", [(72, 96, 64), (96, 40, 32), (64, 64, 16)])
+@pytest.mark.parametrize("shape", [(72, 96, 64), (96, 40, 32), (64, 64, 16), "bshd"])
 def test_descriptor_path_equals_pointer_path_bitwise(monkeypatch, causal, shape):
-    nq, nk, d = shape
+    nq, nk, d = (80, 112, 32) if shape == "bshd" else shape
     q, k, v = _qkv(nq=nq, nk=nk, d=d)
+    if shape == "bshd":  # [B, N, H, D] storage seen as [B, H, N, D]: the descriptors take the strides as they are
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype)
 
     def run():

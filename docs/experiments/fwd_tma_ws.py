@@ -3,6 +3,11 @@
 numerics: raw-unit running max, sign(scale) folded into Q) in three forms, each in 7 tile configurations:
 
 A: pointer loads.  B: device-built tensor descriptors (TMA).  C: B with warp specialization.
+D: descriptors built once on the host (``TensorDescriptor`` over the ``[B * H * N, D]`` rows, passed to
+the kernel as arguments), so no program builds its own.
+
+``EXP_VARIANTS="B_tma D_host"`` runs only those forms, ``EXP_CONFIGS=3`` the first three configurations,
+``EXP_PEERS=sdpa_cudnn`` that peer alone.
 
 Timed beside the shipped forward (a27991c's when the figures in docs/benchmarks.md were made), cuDNN, SDPA flash and compiled Flex, fp16, on a GPU:
 
@@ -25,13 +30,13 @@ LOG2E = math.log2(math.e)
 
 
 @triton.jit
-def _inner(acc, m_i, l_i, q, K, V, stride_n, offs_m, offs_n, offs_d, lo, hi, c_abs, desc_k, desc_v,
+def _inner(acc, m_i, l_i, q, K, V, stride_n, offs_m, offs_n, offs_d, lo, hi, c_abs, desc_k, desc_v, row0,
            BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         if TMA:
-            k = desc_k.load([start_n, 0])
-            v = desc_v.load([start_n, 0])
+            k = desc_k.load([row0 + start_n, 0])
+            v = desc_v.load([row0 + start_n, 0])
         else:
             cols = start_n + offs_n
             k = tl.load(K + cols[:, None] * stride_n + offs_d[None, :])
@@ -51,8 +56,8 @@ def _inner(acc, m_i, l_i, q, K, V, stride_n, offs_m, offs_n, offs_d, lo, hi, c_a
 
 
 @triton.jit
-def _fwd(Q, K, V, Out, Lse, qk_scale, heads, N, stride_b, stride_h, stride_n,
-         D: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+def _fwd(Q, K, V, Out, Lse, DK, DV, qk_scale, heads, N, stride_b, stride_h, stride_n,
+         D: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, HOST: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -70,7 +75,12 @@ def _fwd(Q, K, V, Out, Lse, qk_scale, heads, N, stride_b, stride_h, stride_n,
     q = q * sign.to(q.dtype)
     desc_k = K
     desc_v = V
-    if TMA:
+    row0 = 0
+    if HOST:  # descriptors built on the host over the [B * H * N, D] rows: this head's start at row0
+        desc_k = DK
+        desc_v = DV
+        row0 = pid_bh * N
+    elif TMA:
         desc_k = tl.make_tensor_descriptor(K + off, shape=[N, D], strides=[stride_n, 1], block_shape=[BLOCK_N, D])
         desc_v = tl.make_tensor_descriptor(V + off, shape=[N, D], strides=[stride_n, 1], block_shape=[BLOCK_N, D])
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -83,10 +93,10 @@ def _fwd(Q, K, V, Out, Lse, qk_scale, heads, N, stride_b, stride_h, stride_n,
         full_end = N
         kv_end = N
     acc, m_i, l_i = _inner(acc, m_i, l_i, q, K + off, V + off, stride_n, offs_m, offs_n, offs_d, 0, full_end, c_abs,
-                           desc_k, desc_v, BLOCK_N, False, TMA, WS)
+                           desc_k, desc_v, row0, BLOCK_N, False, TMA, WS)
     if CAUSAL:
         acc, m_i, l_i = _inner(acc, m_i, l_i, q, K + off, V + off, stride_n, offs_m, offs_n, offs_d, full_end, kv_end,
-                               c_abs, desc_k, desc_v, BLOCK_N, True, TMA, False)
+                               c_abs, desc_k, desc_v, row0, BLOCK_N, True, TMA, False)
     out = acc / l_i[:, None]
     lse = (m_i * c_abs + tl.log2(l_i)) * 0.6931471805599453
     tl.store(Out + off + offs_m[:, None] * stride_n + offs_d[None, :], out.to(Out.dtype.element_ty),
@@ -101,19 +111,25 @@ def _alloc(size, alignment, stream):
 triton.set_allocator(_alloc)
 
 
-def run(q, k, v, causal, tma, ws, bm, bn, warps, stages):
+def run(q, k, v, causal, tma, ws, bm, bn, warps, stages, host=False):
     b, h, n, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(n, bm), b * h)
-    _fwd[grid](q, k, v, out, lse, d ** -0.5 * LOG2E, h, n, q.stride(0), q.stride(1), q.stride(2),
-               D=d, CAUSAL=causal, TMA=tma, WS=ws, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    dk, dv = k, v
+    if host:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        dk, dv = (TensorDescriptor.from_tensor(t.view(b * h * n, d), [bn, d]) for t in (k, v))
+    _fwd[grid](q, k, v, out, lse, dk, dv, d ** -0.5 * LOG2E, h, n, q.stride(0), q.stride(1), q.stride(2),
+               D=d, CAUSAL=causal, TMA=tma or host, WS=ws, HOST=host, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+               num_stages=stages)
     return out, lse
 
 
 CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 4, 2),
            (64, 64, 4, 3)]
-VARIANTS = {"A_ptr": (False, False), "B_tma": (True, False), "C_tma_ws": (True, True)}
+VARIANTS = {"A_ptr": (False, False, False), "B_tma": (True, False, False), "C_tma_ws": (True, True, False),
+            "D_host": (False, False, True)}
 
 
 def main():
@@ -134,23 +150,28 @@ def main():
             ms = triton.testing.do_bench(lambda: triton_attention.fa2_forward_raw(q, k, v, causal=causal),
                                          warmup=25, rep=100, return_mode="median")
             row = {"d": d, "causal": causal, "n": n, "current": flops / ms / 1e9}
-            for name in ("sdpa_cudnn", "sdpa_flash", "flex"):
+            for name in os.environ.get("EXP_PEERS", "sdpa_cudnn sdpa_flash flex").split():
                 try:
                     fn = PEER_MAKERS[name](q, k, v, causal)
                     fn()
                     row[name] = flops / triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e9
                 except Exception as exc:  # noqa: BLE001
                     row[name] = f"{type(exc).__name__}: {str(exc)[:120]}"
-            for vname, (tma, ws) in VARIANTS.items():
+            for vname, (tma, ws, host) in VARIANTS.items():
+                if os.environ.get("EXP_VARIANTS") and vname not in os.environ["EXP_VARIANTS"].split():
+                    continue
                 configs = CONFIGS if not causal else CONFIGS[:4]
+                if os.environ.get("EXP_CONFIGS"):
+                    configs = configs[:int(os.environ["EXP_CONFIGS"])]
                 for cfg in configs:
                     key = f"{vname}{cfg}"
                     t0 = time.time()
                     try:
-                        o, l = run(q, k, v, causal, tma, ws, *cfg)
+                        o, l = run(q, k, v, causal, tma, ws, *cfg, host=host)
                         err = max((o.float() - ref_out.float()).abs().max().item(),
                                   (l - ref_lse).abs().max().item())
-                        msec = triton.testing.do_bench(lambda: run(q, k, v, causal, tma, ws, *cfg), warmup=25, rep=100,
+                        msec = triton.testing.do_bench(lambda: run(q, k, v, causal, tma, ws, *cfg, host=host),
+                                                       warmup=25, rep=100,
                                                        return_mode="median")
                         row[key] = (round(flops / msec / 1e9, 1), f"{err:.1e}", round(time.time() - t0, 1))
                     except Exception as exc:  # noqa: BLE001
