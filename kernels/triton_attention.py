@@ -636,6 +636,78 @@ def _attn_bwd_delta(Out, DOut, Delta, CuQ,
 
 
 @triton.jit
+def _attn_bwd_dkdv_block(dk, dv, k, v, start_m, off_h, Q, DO, Lse, Delta, DQ, Slopes, desc_q, desc_do, desc_dq, tma_b,
+                         stride_qh, stride_qm, stride_gh, stride_gm, stride_lh, stride_lm, stride_dh, stride_dqh,
+                         stride_dqm, stride_dqd, offs_n, offs_d, len_q, len_k, causal_offset,
+                         qk_scale, sm_scale, softcap, window_left, window_right, chunk,
+                         head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         CAUSAL: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
+                         SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, NATURAL: tl.constexpr,
+                         LIBDEVICE: tl.constexpr, TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """Add the Q block at row ``start_m`` of query head ``off_h`` to a KV tile's dK, dV (transposed form:
+    rows are keys, columns queries). ``Q``, ``DO``, ``Lse``, ``Delta``, ``DQ`` and ``Slopes`` point at the
+    batch's rows (head 0); MASKED: rows past len_q are read as 0, and scores of keys a query may not see
+    (CAUSAL, WINDOW, CHUNK) are set to -inf. NATURAL: the scores are the modified ones (softcap, ALiBi),
+    and a softcap's 1 - tanh^2 multiplies dS. TMA (unmasked blocks only): the Q and dO tiles come through
+    the ``[B, Hq, Nq, D]`` descriptors ``desc_q``, ``desc_do``, at batch ``tma_b``. ATOMIC_DQ: the
+    block's share of dQ, ``scale * dS K``, is added to the float32 rows at ``DQ`` with atomics (the fifth
+    tile product; no dQ kernel then), with TMA as one reduce-add of the tile through ``desc_dq``."""
+    rows = start_m + tl.arange(0, BLOCK_M)
+    if TMA:
+        q = desc_q.load([tma_b, off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        do = desc_do.load([tma_b, off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        q = _load_rows(Q + off_h * stride_qh + rows[:, None] * stride_qm, rows, len_q, offs_d, head_dim,
+                       BLOCK_D, EVEN_D, MASKED)
+        do = _load_rows(DO + off_h * stride_gh + rows[:, None] * stride_gm, rows, len_q, offs_d, head_dim,
+                        BLOCK_D, EVEN_D, MASKED)
+    lse_ptrs = Lse + off_h * stride_lh + rows * stride_lm
+    delta_ptrs = Delta + off_h * stride_dh + rows
+    if MASKED:
+        lse = tl.load(lse_ptrs, mask=rows < len_q, other=float("inf"))
+        delta = tl.load(delta_ptrs, mask=rows < len_q, other=0.0)
+    else:
+        lse = tl.load(lse_ptrs)
+        delta = tl.load(delta_ptrs)
+    # A row that sees no key has lse = -inf: use +inf so that p = exp2(-inf) = 0, not exp2(NaN).
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    # -- p^T = exp(s^T - lse) = exp2(qk_scale * k q^T - log2(e) * lse)
+    kq = tl.dot(k, tl.trans(q), input_precision="ieee")
+    if NATURAL:
+        slope = 0.0
+        if ALIBI:
+            slope = tl.load(Slopes + off_h).to(tl.float32)
+        s, t = _modified(kq, sm_scale, softcap, slope, rows[None, :], offs_n[:, None], causal_offset,
+                         SOFTCAP, ALIBI, LIBDEVICE)
+        arg = s * _LOG2E - lse2[None, :]
+    else:
+        arg = kq * qk_scale - lse2[None, :]
+    if MASKED:
+        visible = (rows[None, :] < len_q) & _visible(rows[None, :], offs_n[:, None], len_k, causal_offset,
+                                                     window_left, window_right, chunk, len_q,
+                                                     CAUSAL, WINDOW, CHUNK)
+        arg = tl.where(visible, arg, float("-inf"))
+    p_t = tl.math.exp2(arg)
+    # -- dV += p^T dO
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
+    # -- dS^T = p^T (dP^T - Delta), dP^T = v dO^T;  dK += dS^T q
+    dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
+    ds_t = p_t * (dp_t - delta[None, :])
+    if SOFTCAP:  # the chain rule through c tanh(s / c), where p > 0 (a hidden key may hold NaN)
+        ds_t = tl.where(p_t > 0, ds_t * (1.0 - t * t), 0.0)
+    ds_low = ds_t.to(q.dtype)
+    dk = tl.dot(ds_low, q, dk, input_precision="ieee")
+    if ATOMIC_DQ:  # dQ_rows += scale * dS K, summed over the KV tiles in whatever order they arrive
+        dq_part = tl.dot(tl.trans(ds_low), k, input_precision="ieee") * sm_scale
+        if TMA and _DESC_REDUCE:  # one bulk reduce-add of the whole tile (TMA), not an atomic per element
+            desc_dq.atomic_add([tma_b, off_h.to(tl.int32), start_m, 0], dq_part.reshape(1, 1, BLOCK_M, BLOCK_D))
+        else:
+            tl.atomic_add(DQ + off_h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+                          dq_part, mask=(rows[:, None] < len_q) & (offs_d[None, :] < head_dim), sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, Slopes, desc_q, desc_do, desc_dq, tma_b,
                          stride_qh, stride_qm, stride_gh, stride_gm, stride_lh, stride_lm, stride_dh, stride_dqh,
                          stride_dqm, stride_dqd, off_hkv, group, offs_n, offs_d, lo, hi, len_q, len_k, causal_offset,
@@ -643,78 +715,38 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, Slopes, desc_q, de
                          head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          CAUSAL: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
                          SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, NATURAL: tl.constexpr,
-                         LIBDEVICE: tl.constexpr, TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                         LIBDEVICE: tl.constexpr, TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, GQA: tl.constexpr):
     """Add the Q blocks lo, lo + BLOCK_M, ... < hi of each of the ``group`` query heads of KV head
-    ``off_hkv`` to a KV tile's dK, dV (transposed form: rows are keys, columns queries), head by head in
-    one loop: no loop nested in another carries the accumulators (with one, the compiled kernel spilled).
-    ``Q``, ``DO``, ``Lse``, ``Delta``, ``DQ`` and ``Slopes`` point at the batch's rows (head 0); MASKED:
-    rows past len_q are read as 0, and scores of keys a query may not see (CAUSAL, WINDOW, CHUNK) are
-    set to -inf. NATURAL: the scores are the modified ones (softcap, ALiBi), and a softcap's 1 - tanh^2
-    multiplies dS. TMA (unmasked blocks only): the Q and dO tiles come through the ``[B, Hq, Nq, D]``
-    descriptors ``desc_q``, ``desc_do``, at batch ``tma_b``. ATOMIC_DQ: each Q block's share of dQ, ``scale * dS K``, is
-    added to the float32 rows at ``DQ`` with atomics (the fifth tile product; no dQ kernel then), with
-    TMA as one reduce-add of the tile through ``desc_dq``."""
-    blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
-    # The divisor is kept >= 1: a pipelined loop computes its first iterations' addresses before it
-    # tests the trip count, and with no block, step // 0 (undefined on the GPU) made them point outside the
-    # tensor (an illegal memory access on the H100, non-causal, whose diagonal loop is empty).
-    blocks_nonzero = tl.maximum(blocks, 1)
-    for step in range(0, group * blocks):
-        g = step // blocks_nonzero
-        start_m = tl.multiple_of(lo + (step - g * blocks_nonzero) * BLOCK_M, BLOCK_M)
-        off_h = off_hkv * group + g
-        rows = start_m + tl.arange(0, BLOCK_M)
-        if TMA:
-            q = desc_q.load([tma_b, off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
-            do = desc_do.load([tma_b, off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
-        else:
-            q = _load_rows(Q + off_h * stride_qh + rows[:, None] * stride_qm, rows, len_q, offs_d, head_dim,
-                           BLOCK_D, EVEN_D, MASKED)
-            do = _load_rows(DO + off_h * stride_gh + rows[:, None] * stride_gm, rows, len_q, offs_d, head_dim,
-                            BLOCK_D, EVEN_D, MASKED)
-        lse_ptrs = Lse + off_h * stride_lh + rows * stride_lm
-        delta_ptrs = Delta + off_h * stride_dh + rows
-        if MASKED:
-            lse = tl.load(lse_ptrs, mask=rows < len_q, other=float("inf"))
-            delta = tl.load(delta_ptrs, mask=rows < len_q, other=0.0)
-        else:
-            lse = tl.load(lse_ptrs)
-            delta = tl.load(delta_ptrs)
-        # A row that sees no key has lse = -inf: use +inf so that p = exp2(-inf) = 0, not exp2(NaN).
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
-        # -- p^T = exp(s^T - lse) = exp2(qk_scale * k q^T - log2(e) * lse)
-        kq = tl.dot(k, tl.trans(q), input_precision="ieee")
-        if NATURAL:
-            slope = 0.0
-            if ALIBI:
-                slope = tl.load(Slopes + off_h).to(tl.float32)
-            s, t = _modified(kq, sm_scale, softcap, slope, rows[None, :], offs_n[:, None], causal_offset,
-                             SOFTCAP, ALIBI, LIBDEVICE)
-            arg = s * _LOG2E - lse2[None, :]
-        else:
-            arg = kq * qk_scale - lse2[None, :]
-        if MASKED:
-            visible = (rows[None, :] < len_q) & _visible(rows[None, :], offs_n[:, None], len_k, causal_offset,
-                                                         window_left, window_right, chunk, len_q,
-                                                         CAUSAL, WINDOW, CHUNK)
-            arg = tl.where(visible, arg, float("-inf"))
-        p_t = tl.math.exp2(arg)
-        # -- dV += p^T dO
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
-        # -- dS^T = p^T (dP^T - Delta), dP^T = v dO^T;  dK += dS^T q
-        dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
-        ds_t = p_t * (dp_t - delta[None, :])
-        if SOFTCAP:  # the chain rule through c tanh(s / c), where p > 0 (a hidden key may hold NaN)
-            ds_t = tl.where(p_t > 0, ds_t * (1.0 - t * t), 0.0)
-        ds_low = ds_t.to(q.dtype)
-        dk = tl.dot(ds_low, q, dk, input_precision="ieee")
-        if ATOMIC_DQ:  # dQ_rows += scale * dS K, summed over the KV tiles in whatever order they arrive
-            dq_part = tl.dot(tl.trans(ds_low), k, input_precision="ieee") * sm_scale
-            if TMA and _DESC_REDUCE:  # one bulk reduce-add of the whole tile (TMA), not an atomic per element
-                desc_dq.atomic_add([tma_b, off_h.to(tl.int32), start_m, 0], dq_part.reshape(1, 1, BLOCK_M, BLOCK_D))
-            else:
-                tl.atomic_add(DQ + off_h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-                              dq_part, mask=(rows[:, None] < len_q) & (offs_d[None, :] < head_dim), sem="relaxed")
+    ``off_hkv`` to a KV tile's dK, dV (:func:`_attn_bwd_dkdv_block`). GQA (group > 1): head by head in
+    one loop over (head, block), so that no loop nested in another carries the accumulators (with one,
+    the compiled kernel spilled); otherwise a plain loop over the blocks (the combined loop's index
+    arithmetic measured 3-6% slower there: docs/benchmarks.md)."""
+    if GQA:
+        blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
+        # The divisor is kept >= 1: a pipelined loop computes its first iterations' addresses before it
+        # tests the trip count, and with no block, step // 0 (undefined on the GPU) made them point outside
+        # the tensor (an illegal memory access on the H100, non-causal, whose diagonal loop is empty).
+        blocks_nonzero = tl.maximum(blocks, 1)
+        for step in range(0, group * blocks):
+            g = step // blocks_nonzero
+            start_m = tl.multiple_of(lo + (step - g * blocks_nonzero) * BLOCK_M, BLOCK_M)
+            dk, dv = _attn_bwd_dkdv_block(dk, dv, k, v, start_m, off_hkv * group + g, Q, DO, Lse, Delta, DQ, Slopes,
+                                          desc_q, desc_do, desc_dq, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
+                                          stride_lh, stride_lm, stride_dh, stride_dqh, stride_dqm, stride_dqd, offs_n,
+                                          offs_d, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
+                                          window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
+                                          CAUSAL, MASKED, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA,
+                                          ATOMIC_DQ)
+    else:
+        for start_m in range(lo, hi, BLOCK_M):
+            start_m = tl.multiple_of(start_m, BLOCK_M)
+            dk, dv = _attn_bwd_dkdv_block(dk, dv, k, v, start_m, off_hkv, Q, DO, Lse, Delta, DQ, Slopes,
+                                          desc_q, desc_do, desc_dq, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
+                                          stride_lh, stride_lm, stride_dh, stride_dqh, stride_dqm, stride_dqd, offs_n,
+                                          offs_d, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
+                                          window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
+                                          CAUSAL, MASKED, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA,
+                                          ATOMIC_DQ)
     return dk, dv
 
 
@@ -760,7 +792,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, DescQ, DescDO, DescDQ, s
                    head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                    ALIGNED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, VARLEN: tl.constexpr, NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr,
-                   TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, GQA: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
     stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
     stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
@@ -816,7 +849,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, DescQ, DescDO, DescDQ, s
                                           lo, diag_end, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
                                           window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
                                           CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False,
-                                          ATOMIC_DQ)
+                                          ATOMIC_DQ, GQA)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb,
                                           DescQ, DescDO, DescDQ, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
                                           stride_lh, stride_lm, stride_dh, stride_dqh, stride_dqm, stride_dqd,
@@ -824,7 +857,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, DescQ, DescDO, DescDQ, s
                                           diag_end, even_end, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
                                           window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
                                           CAUSAL, False, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA,
-                                          ATOMIC_DQ)
+                                          ATOMIC_DQ, GQA)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb,
                                           DescQ, DescDO, DescDQ, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
                                           stride_lh, stride_lm, stride_dh, stride_dqh, stride_dqm, stride_dqd,
@@ -832,7 +865,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, DescQ, DescDO, DescDQ, s
                                           even_end, len_q, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
                                           window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
                                           CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False,
-                                          ATOMIC_DQ)
+                                          ATOMIC_DQ, GQA)
         else:
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb,
                                           DescQ, DescDO, DescDQ, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
@@ -841,7 +874,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, DescQ, DescDO, DescDQ, s
                                           lo, hi, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
                                           window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
                                           CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False,
-                                          ATOMIC_DQ)
+                                          ATOMIC_DQ, GQA)
 
         dk = dk * sm_scale
         _store_rows(DK + off_b * stride_dkb + off_hkv * stride_dkh + k_start * stride_dkn
@@ -977,7 +1010,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, sm_scale, qk_scale, 
 
 _bwd_key = ["BLOCK_D", "CAUSAL", "seq_bucket", "TMA", "WINDOW", "CHUNK", "SOFTCAP", "ALIBI", "VARLEN"]
 # ATOMIC_DQ adds into DQ: each configuration timed while autotuning starts from zeros, and so does the real run.
-_attn_bwd_dkdv_tuned = triton.autotune(configs=_configs(_BWD_TILES), key=[*_bwd_key, "ATOMIC_DQ"],
+_attn_bwd_dkdv_tuned = triton.autotune(configs=_configs(_BWD_TILES), key=[*_bwd_key, "ATOMIC_DQ", "GQA"],
                                        prune_configs_by={"early_config_prune": _pruner(_BWD_TILES)},
                                        reset_to_zero=["DQ"])(_attn_bwd_dkdv)
 _attn_bwd_dq_tuned = triton.autotune(configs=_configs(_BWD_TILES), key=_bwd_key,
@@ -1226,7 +1259,7 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
               *common, *call.batch_strides(dk4),
               *call.batch_strides(dv4), *dq_sum_strides, hq, hkv, group, q4.shape[2], k4.shape[2], bucket,
               *call.scalars),
-             {**meta, "ATOMIC_DQ": atomic}, dkdv_blocks, block_d, q.dtype, name=kernel)
+             {**meta, "ATOMIC_DQ": atomic, "GQA": group > 1}, dkdv_blocks, block_d, q.dtype, name=kernel)
     if atomic:
         dq4.copy_(dq_sum)
     elif call.batch * hq * call.max_q > 0:
