@@ -1255,7 +1255,7 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
         meta["ALIGNED"] = _aligned(q4, k4, v4, dout4, dk4, dv4)
         _run(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, lambda bm, bn: (triton.cdiv(call.max_k, bn), call.batch * hkv),
              (q4, k4, v4, dout4, lse4, delta, dk4, dv4, dq_sum,
-              *_descriptors((q4, dout4), tma), *_descriptors((dq_sum,), tma and atomic and not INTERPRET),
+              *_descriptors((q4, dout4), tma), *_descriptors((dq_sum,), tma and atomic and _DESC_REDUCE.value),
               *common, *call.batch_strides(dk4),
               *call.batch_strides(dv4), *dq_sum_strides, hq, hkv, group, q4.shape[2], k4.shape[2], bucket,
               *call.scalars),

@@ -17,16 +17,10 @@ import os
 
 import torch
 import triton
-import triton.testing
 
 from kernels import triton_attention as ta
 from kernels.bench import _flops, bench_one
-
-
-def _ms(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+from module_ab import _ms  # this script's neighbour: run as a script, its folder is on the import path
 
 
 def _report(label: str, tflops: float) -> None:

@@ -7,8 +7,9 @@ where the host takes longer, a timing with CUDA events (kernels.bench's ``do_ben
 N = 1024 (the shortest rows of kernels.bench: B x H = 16 x 32 at D = 64, 16 x 16 at D = 128), float16
 and bfloat16, causal and not. Per row: the GPU time (median of ``do_bench``, as kernels.bench), the
 host time per call (the mean over 200 calls launched back to back without synchronising, after a warm-up:
-what Python, the launcher's checks and Triton's launch cost), and the same two for SDPA's cuDNN forward. ``EXP_PROFILE=1``: instead, cProfile over 200 forward and 100 backward calls
-(D = 64, float16, causal), the functions that take the most time themselves.
+what Python, the launcher's checks and Triton's launch cost), and the same two for SDPA's cuDNN forward.
+``EXP_PROFILE=1``: instead, cProfile over 200 forward and 100 backward calls (D = 64, float16, causal),
+the functions that take the most time themselves.
 
 A record of an experiment, not tested code.
 """
