@@ -23,15 +23,20 @@ from kernels.bench import _flops, bench_one
 from module_ab import _ms  # this script's neighbour: run as a script, its folder is on the import path
 
 
+def choices(name: str, tuned) -> str:
+    """What the autotuner ``tuned`` chose last, and every candidate's time (ms) as it measured them."""
+    timings = getattr(tuned, "configs_timings", None) or {}
+    cells = ", ".join(f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}/w{c.num_warps}/s{c.num_stages}: "
+                      f"{t[0] if isinstance(t, (list, tuple)) else t:.3f}" for c, t in timings.items())
+    best = tuned.best_config
+    return (f"  {name} chose {best.kwargs['BLOCK_M']}x{best.kwargs['BLOCK_N']}/w{best.num_warps}/"
+            f"s{best.num_stages}; candidates (ms): {cells}")
+
+
 def _report(label: str, tflops: float) -> None:
     print(f"{label}: {tflops:.0f} TFLOP/s", flush=True)
     for name, tuned in (("dK/dV", ta._attn_bwd_dkdv_tuned), ("dQ", ta._attn_bwd_dq_tuned)):
-        timings = getattr(tuned, "configs_timings", None) or {}
-        cells = ", ".join(f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}/w{c.num_warps}/s{c.num_stages}: "
-                          f"{t[0] if isinstance(t, (list, tuple)) else t:.3f}" for c, t in timings.items())
-        best = tuned.best_config
-        print(f"  {name} chose {best.kwargs['BLOCK_M']}x{best.kwargs['BLOCK_N']}/w{best.num_warps}/"
-              f"s{best.num_stages}; candidates (ms): {cells}", flush=True)
+        print(choices(name, tuned), flush=True)
 
 
 def main() -> None:
