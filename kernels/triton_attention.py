@@ -61,7 +61,9 @@ Tensor descriptors: on Hopper (and under the interpreter, which emulates them) t
 loops, where every key of a tile is visible to every row (forward and dQ: K and V; dK/dV: Q and dO), are
 read through ``[B, H, N, D]`` descriptors built once per launch on the host (TMA), for dense
 float16/bfloat16 rows with unit column stride and 16-byte aligned strides and a head dim that is a power of
-two up to 128. Masked tiles keep pointer loads (keys past a tile's last visible one read as 0).
+two up to 128. Masked tiles keep pointer loads (keys past a tile's last visible one read as 0), except in
+the backward at head dim 128, where they come through the descriptors too (rows past the end read as 0
+there as well; measured faster at 128, slower at 64: docs/benchmarks.md).
 
 Block sizes are powers of two >= 16. With ``block_m=None, block_n=None`` the tiles, warps and pipeline
 stages are autotuned on the GPU (per padded head dim, dtype, causal flag and a coarse sequence-length
@@ -648,7 +650,8 @@ def _attn_bwd_dkdv_block(dk, dv, k, v, start_m, off_h, Q, DO, Lse, Delta, DQ, Sl
     rows are keys, columns queries). ``Q``, ``DO``, ``Lse``, ``Delta``, ``DQ`` and ``Slopes`` point at the
     batch's rows (head 0); MASKED: rows past len_q are read as 0, and scores of keys a query may not see
     (CAUSAL, WINDOW, CHUNK) are set to -inf. NATURAL: the scores are the modified ones (softcap, ALiBi),
-    and a softcap's 1 - tanh^2 multiplies dS. TMA (unmasked blocks only): the Q and dO tiles come through
+    and a softcap's 1 - tanh^2 multiplies dS. TMA (unmasked blocks, and masked ones with the launch's
+    MASKED_TMA; rows past Nq read as 0): the Q and dO tiles come through
     the ``[B, Hq, Nq, D]`` descriptors ``desc_q``, ``desc_do``, at batch ``tma_b``. ATOMIC_DQ: the
     block's share of dQ, ``scale * dS K``, is added to the float32 rows at ``DQ`` with atomics (the fifth
     tile product; no dQ kernel then), with TMA as one reduce-add of the tile through ``desc_dq``."""
@@ -792,8 +795,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, DescQ, DescDO, DescDQ, s
                    head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                    ALIGNED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, VARLEN: tl.constexpr, NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr,
-                   TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, GQA: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   TMA: tl.constexpr, MASKED_TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, GQA: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
     stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
     stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
@@ -848,7 +851,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, DescQ, DescDO, DescDQ, s
                                           off_hkv, group, offs_n, offs_d,
                                           lo, diag_end, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
                                           window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
-                                          CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False,
+                                          CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, MASKED_TMA,
                                           ATOMIC_DQ, GQA)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb,
                                           DescQ, DescDO, DescDQ, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
@@ -864,7 +867,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, DescQ, DescDO, DescDQ, s
                                           off_hkv, group, offs_n, offs_d,
                                           even_end, len_q, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
                                           window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
-                                          CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False,
+                                          CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, MASKED_TMA,
                                           ATOMIC_DQ, GQA)
         else:
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb,
@@ -873,7 +876,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, DescQ, DescDO, DescDQ, s
                                           off_hkv, group, offs_n, offs_d,
                                           lo, hi, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
                                           window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
-                                          CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False,
+                                          CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, MASKED_TMA,
                                           ATOMIC_DQ, GQA)
 
         dk = dk * sm_scale
@@ -896,7 +899,8 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, desc_k, desc_v, tma_b, tma_
                        TMA: tl.constexpr):
     """Add the KV blocks lo, lo + BLOCK_N, ... < hi to a Q tile's dQ (masking as in the forward);
     ``lse2 = log2(e) * lse`` (+inf for rows that see no key), ``qk_scale = log2(e) * scale``. TMA
-    (unmasked blocks only): the K and V tiles come through the descriptors ``desc_k``, ``desc_v`` (as in
+    (unmasked blocks, and masked ones with the launch's MASKED_TMA; rows past Nk read as 0): the K and V
+    tiles come through the descriptors ``desc_k``, ``desc_v`` (as in
     the forward)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -939,7 +943,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, sm_scale, qk_scale, 
                  head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                  ALIGNED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, SOFTCAP: tl.constexpr,
                  ALIBI: tl.constexpr, VARLEN: tl.constexpr, NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr,
-                 TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 TMA: tl.constexpr, MASKED_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
     stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
     stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
@@ -1001,7 +1005,8 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, sm_scale, qk_scale, 
                                 off_hkv.to(tl.int32), stride_kn, stride_vn,
                                 offs_m, offs_n, offs_d, full_end, kv_end, kv_end, len_q, causal_offset, qk_scale,
                                 sm_scale, softcap, slope, window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D,
-                                BLOCK_N, CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False)
+                                BLOCK_N, CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE,
+                                MASKED_TMA)
         dq = dq * sm_scale
         _store_rows(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm
                     + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
@@ -1021,10 +1026,32 @@ _attn_bwd_dq_tuned = triton.autotune(configs=_configs(_BWD_TILES), key=_bwd_key,
 # Launchers
 # --------------------------------------------------------------------------------------------------
 
+# The autotuner's choice for each launch signature seen, so that later launches skip Triton's autotuning
+# wrapper, which rebuilds its key and argument dictionaries from the 40-odd arguments on every call: at
+# N = 1024 the host took about as long to launch a call as the GPU took to run it (docs/benchmarks.md).
+# Keyed by a superset of the autotuner's own key (every constexpr passed, the sequence bucket, and the
+# dtype of every tensor argument), so a signature new here is resolved through the autotuner once.
+_CHOSEN: dict[tuple, triton.Config] = {}
+
+
+def _signature(kernel, args: tuple, meta: dict) -> tuple:
+    return (kernel.__name__, args[kernel.arg_names.index("seq_bucket")], *meta.items(),
+            *(a.dtype for a in args if isinstance(a, torch.Tensor)))
+
+
 def _run(kernel, tuned, grid_of, args: tuple, meta: dict, blocks, block_d: int, dtype, *, name: str):
-    """Launch ``kernel`` with fixed tiles, or ``tuned`` (its autotuned twin) when ``blocks`` is None."""
+    """Launch ``kernel`` with fixed tiles, or ``tuned`` (its autotuned twin) when ``blocks`` is None: the
+    first launch of a signature through the autotuner, the next ones with its choice (``_CHOSEN``)."""
     if blocks is None:
-        tuned[lambda cfg: grid_of(cfg["BLOCK_M"], cfg["BLOCK_N"])](*args, **meta)
+        signature = _signature(kernel, args, meta)
+        config = _CHOSEN.get(signature)
+        if config is None:
+            tuned[lambda cfg: grid_of(cfg["BLOCK_M"], cfg["BLOCK_N"])](*args, **meta)
+            _CHOSEN[signature] = tuned.best_config
+            return
+        tiles = config.all_kwargs()
+        _set_tiles({**dict(zip(kernel.arg_names, args)), **meta, **tiles})
+        kernel[grid_of(tiles["BLOCK_M"], tiles["BLOCK_N"])](*args, **meta, **tiles)
         return
     block_m, block_n = blocks
     grid = grid_of(block_m, block_n)
@@ -1242,10 +1269,13 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     common = (call.scale, call.scale * LOG2E, pointers[0], pointers[2], pointers[3],
               *call.batch_strides(q4), *call.batch_strides(k4), *call.batch_strides(v4), *call.batch_strides(dout4),
               *stride_lse, *stride_delta[:2], call.stride_sb)
-    # Descriptors for the unmasked tiles (Q and dO in dK/dV, K and V in dQ): as in the forward.
+    # Descriptors for the unmasked tiles (Q and dO in dK/dV, K and V in dQ): as in the forward; at head dim
+    # 128 for the masked ones too (MASKED_TMA: rows past the end read as 0, as masked pointer loads read
+    # them). On the H100 that made the causal backward 3-5% faster at head dim 128 and up to 6% slower at
+    # 64, in three runs each (docs/benchmarks.md).
     tma = _use_tma(call, d, block_d, q4, k4, v4, dout4)
     meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), "TMA": tma,
-            **variant_meta}
+            "MASKED_TMA": tma and block_d == 128, **variant_meta}
     atomic = not deterministic
     # float32 dQ sums for the atomics (zeros), or one unused element
     dq_sum = torch.zeros(dq4.shape, dtype=torch.float32, device=q.device) if atomic else \

@@ -61,10 +61,11 @@ CASES = {
                                  "CAUSAL": True, "SPLIT": True, "INNER_SCALED": False, "NATURAL": True,
                                  "LIBDEVICE": True, "TMA": True}),
     # ATOMIC_DQ (dK/dV only): dQ added with atomics from the dK/dV kernel (deterministic=False); GQA (dK/dV
-    # only): one loop over (query head, Q block), taken here without atomics, the plain loop with them
+    # only): one loop over (query head, Q block), taken here without atomics, the plain loop with them; MASKED_TMA
+    # (backward only; the launcher's choice at head dim 128): the masked tiles through the descriptors too
     **{f"{kernel}{suffix}": ("triton_attention", kernel,
                              {**TILE, **flags, "ALIGNED": True, "CAUSAL": True, "SPLIT": True, "NATURAL": True,
-                              "LIBDEVICE": True, "TMA": tma,
+                              "LIBDEVICE": True, "TMA": tma, "MASKED_TMA": tma,
                               **({"ATOMIC_DQ": atomic, "GQA": not atomic} if kernel == "_attn_bwd_dkdv" else {})})
        for kernel in ("_attn_bwd_dkdv", "_attn_bwd_dq")
        for suffix, flags, tma, atomic in (
