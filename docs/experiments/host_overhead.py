@@ -9,7 +9,9 @@ and bfloat16, causal and not. Per row: the GPU time (median of ``do_bench``, as 
 host time per call (the mean over 200 calls launched back to back without synchronising, after a warm-up:
 what Python, the launcher's checks and Triton's launch cost), and the same two for SDPA's cuDNN forward.
 ``EXP_PROFILE=1``: instead, cProfile over 200 forward and 100 backward calls (D = 64, float16, causal),
-the functions that take the most time themselves.
+the functions that take the most time themselves. ``EXP_MODULE=path/to/other_triton_attention.py``: the
+host times of that version of the module too, beside this one's (each timed twice, alternately, the
+lower kept).
 
 A record of an experiment, not tested code.
 """
@@ -17,6 +19,7 @@ A record of an experiment, not tested code.
 from __future__ import annotations
 
 import cProfile
+import importlib.util
 import os
 import pstats
 
@@ -57,11 +60,19 @@ def _profile() -> None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(22)
 
 
+def _load(path: str):
+    spec = importlib.util.spec_from_file_location("other_triton_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     if os.environ.get("EXP_PROFILE") == "1":
         _profile()
         return
+    other = _load(os.environ["EXP_MODULE"]) if os.environ.get("EXP_MODULE") else None
     n = 1024
     for d in (64, 128):
         for dtype in (torch.float16, torch.bfloat16):
@@ -78,6 +89,12 @@ def main() -> None:
                 for name, fn in (("fwd", fwd), ("bwd", bwd), ("cudnn fwd", cudnn)):
                     gpu = _gpu_us(fn)
                     cells.append(f"{name} gpu {gpu:6.0f} host {_host_us(fn):5.0f} us")
+                if other is not None:
+                    other_fwd = lambda: other.fa2_forward_raw(q, k, v, causal=causal)  # noqa: E731
+                    other_bwd = lambda: other.fa2_backward(q, k, v, out, lse, dout, causal=causal)  # noqa: E731
+                    for name, mine, theirs in (("fwd", fwd, other_fwd), ("bwd", bwd, other_bwd)):
+                        times = [_host_us(fn) for fn in (mine, theirs, mine, theirs)]
+                        cells.append(f"{name} host {min(times[0::2]):5.0f} other {min(times[1::2]):5.0f} us")
                 print(f"D={d} {str(dtype)[6:]} causal={causal!s:5}: " + "; ".join(cells), flush=True)
                 del q, k, v, dout, out, lse
 
