@@ -4,7 +4,8 @@ numerics: raw-unit running max, sign(scale) folded into Q) in three forms, each 
 
 A: pointer loads.  B: device-built tensor descriptors (TMA).  C: B with warp specialization.
 D: descriptors built once on the host (``TensorDescriptor`` over the ``[B * H * N, D]`` rows, passed to
-the kernel as arguments), so no program builds its own.
+the kernel as arguments), so no program builds its own.  E: D with ``[B, H, N, D]`` descriptors (tile
+``[1, 1, BLOCK_N, D]``, reshaped in the loop), as the shipped launchers build them.
 
 ``EXP_VARIANTS="B_tma D_host"`` runs only those forms, ``EXP_CONFIGS=3`` the first three configurations,
 ``EXP_PEERS=sdpa_cudnn`` that peer alone.
@@ -30,11 +31,15 @@ LOG2E = math.log2(math.e)
 
 
 @triton.jit
-def _inner(acc, m_i, l_i, q, K, V, stride_n, offs_m, offs_n, offs_d, lo, hi, c_abs, desc_k, desc_v, row0,
-           BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+def _inner(acc, m_i, l_i, q, K, V, stride_n, offs_m, offs_n, offs_d, lo, hi, c_abs, desc_k, desc_v, row0, tb, th,
+           BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+           FOUR_D: tl.constexpr, D: tl.constexpr):
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        if TMA:
+        if FOUR_D:  # [B, H, N, D] descriptors, as the shipped kernel reads them
+            k = desc_k.load([tb, th, start_n, 0]).reshape(BLOCK_N, D)
+            v = desc_v.load([tb, th, start_n, 0]).reshape(BLOCK_N, D)
+        elif TMA:
             k = desc_k.load([row0 + start_n, 0])
             v = desc_v.load([row0 + start_n, 0])
         else:
@@ -58,7 +63,7 @@ def _inner(acc, m_i, l_i, q, K, V, stride_n, offs_m, offs_n, offs_d, lo, hi, c_a
 @triton.jit
 def _fwd(Q, K, V, Out, Lse, DK, DV, qk_scale, heads, N, stride_b, stride_h, stride_n,
          D: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, HOST: tl.constexpr,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+         FOUR_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
@@ -76,6 +81,8 @@ def _fwd(Q, K, V, Out, Lse, DK, DV, qk_scale, heads, N, stride_b, stride_h, stri
     desc_k = K
     desc_v = V
     row0 = 0
+    tb = (pid_bh // heads).to(tl.int32)
+    th = (pid_bh % heads).to(tl.int32)
     if HOST:  # descriptors built on the host over the [B * H * N, D] rows: this head's start at row0
         desc_k = DK
         desc_v = DV
@@ -93,10 +100,10 @@ def _fwd(Q, K, V, Out, Lse, DK, DV, qk_scale, heads, N, stride_b, stride_h, stri
         full_end = N
         kv_end = N
     acc, m_i, l_i = _inner(acc, m_i, l_i, q, K + off, V + off, stride_n, offs_m, offs_n, offs_d, 0, full_end, c_abs,
-                           desc_k, desc_v, row0, BLOCK_N, False, TMA, WS)
+                           desc_k, desc_v, row0, tb, th, BLOCK_N, False, TMA, WS, FOUR_D, D)
     if CAUSAL:
         acc, m_i, l_i = _inner(acc, m_i, l_i, q, K + off, V + off, stride_n, offs_m, offs_n, offs_d, full_end, kv_end,
-                               c_abs, desc_k, desc_v, row0, BLOCK_N, True, TMA, False)
+                               c_abs, desc_k, desc_v, row0, tb, th, BLOCK_N, True, TMA, False, FOUR_D, D)
     out = acc / l_i[:, None]
     lse = (m_i * c_abs + tl.log2(l_i)) * 0.6931471805599453
     tl.store(Out + off + offs_m[:, None] * stride_n + offs_d[None, :], out.to(Out.dtype.element_ty),
@@ -117,11 +124,15 @@ def run(q, k, v, causal, tma, ws, bm, bn, warps, stages, host=False):
     lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(n, bm), b * h)
     dk, dv = k, v
-    if host:
+    if host == "4d":  # [B, H, N, D] descriptors over the tensors' own strides, as the shipped launchers build
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        dk, dv = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bn, d]) for t in (k, v))
+    elif host:
         from triton.tools.tensor_descriptor import TensorDescriptor
         dk, dv = (TensorDescriptor.from_tensor(t.view(b * h * n, d), [bn, d]) for t in (k, v))
     _fwd[grid](q, k, v, out, lse, dk, dv, d ** -0.5 * LOG2E, h, n, q.stride(0), q.stride(1), q.stride(2),
-               D=d, CAUSAL=causal, TMA=tma or host, WS=ws, HOST=host, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+               D=d, CAUSAL=causal, TMA=tma or bool(host), WS=ws, HOST=bool(host), FOUR_D=host == "4d", BLOCK_M=bm,
+               BLOCK_N=bn, num_warps=warps,
                num_stages=stages)
     return out, lse
 
@@ -129,7 +140,7 @@ def run(q, k, v, causal, tma, ws, bm, bn, warps, stages, host=False):
 CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 4, 2),
            (64, 64, 4, 3)]
 VARIANTS = {"A_ptr": (False, False, False), "B_tma": (True, False, False), "C_tma_ws": (True, True, False),
-            "D_host": (False, False, True)}
+            "D_host": (False, False, True), "E_host4d": (False, False, "4d")}
 
 
 def main():
