@@ -1,5 +1,6 @@
 """The Triton FA2 forward and backward of the working tree against another version of the kernels'
-module (``EXP_MODULE``, as in dkdv_scaling.py), timed in one process on one GPU, with cuDNN beside them.
+module (``EXP_MODULE``, as in dkdv_scaling.py), timed in one process on one GPU, with cuDNN's forward
+beside them (its backward column is NaN: not timed).
 
     EXP_MODULE=path/to/old_triton_attention.py PYTHONPATH=. OUT=. python docs/experiments/module_ab.py
 
@@ -8,8 +9,9 @@ module (``EXP_MODULE``, as in dkdv_scaling.py), timed in one process on one GPU,
 H * D = 2048 as in kernels.bench; autotuned tiles; each module timed twice, alternately (this, other,
 this, other: the better of each pair), median of ``triton.testing.do_bench``; TFLOP/s as kernels.bench
 counts them. One line per row to stdout and to ``$OUT/module_ab.jsonl``, with the largest difference
-between the two modules' outputs and LSEs. Two modules whose forward is the same code time the forward
-within about 1-3% of each other (an A/A reading of the run's noise).
+between the two modules' outputs and LSEs. Two modules whose forward is the same code timed the forward
+within about 1-3% of each other on one H100, but from -3% to +12% on another (an A/A reading of the
+run's noise): one run does not settle a difference of a few percent; repeat it, or swap the roles.
 
 A record of an experiment, not tested code.
 """
