@@ -5,7 +5,8 @@ numerics: raw-unit running max, sign(scale) folded into Q) in three forms, each 
 A: pointer loads.  B: device-built tensor descriptors (TMA).  C: B with warp specialization.
 D: descriptors built once on the host (``TensorDescriptor`` over the ``[B * H * N, D]`` rows, passed to
 the kernel as arguments), so no program builds its own.  E: D with ``[B, H, N, D]`` descriptors (tile
-``[1, 1, BLOCK_N, D]``, reshaped in the loop), as the shipped launchers build them.
+``[1, 1, BLOCK_N, D]``, reshaped in the loop), as the shipped launchers build them.  F: D with ``[B * H,
+N, D]`` descriptors (tile ``[1, BLOCK_N, D]``, reshaped): whether the rank or the reshape costs E its speed.
 
 ``EXP_VARIANTS="B_tma D_host"`` runs only those forms, ``EXP_CONFIGS=3`` the first three configurations,
 ``EXP_PEERS=sdpa_cudnn`` that peer alone.
@@ -33,12 +34,15 @@ LOG2E = math.log2(math.e)
 @triton.jit
 def _inner(acc, m_i, l_i, q, K, V, stride_n, offs_m, offs_n, offs_d, lo, hi, c_abs, desc_k, desc_v, row0, tb, th,
            BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-           FOUR_D: tl.constexpr, D: tl.constexpr):
+           RANK: tl.constexpr, D: tl.constexpr):
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        if FOUR_D:  # [B, H, N, D] descriptors, as the shipped kernel reads them
+        if RANK == 4:  # [B, H, N, D] descriptors, as the shipped kernel reads them
             k = desc_k.load([tb, th, start_n, 0]).reshape(BLOCK_N, D)
             v = desc_v.load([tb, th, start_n, 0]).reshape(BLOCK_N, D)
+        elif RANK == 3:  # [B * H, N, D] descriptors, (batch, head) folded (row0 = its index), tile reshaped
+            k = desc_k.load([row0, start_n, 0]).reshape(BLOCK_N, D)
+            v = desc_v.load([row0, start_n, 0]).reshape(BLOCK_N, D)
         elif TMA:
             k = desc_k.load([row0 + start_n, 0])
             v = desc_v.load([row0 + start_n, 0])
@@ -63,7 +67,7 @@ def _inner(acc, m_i, l_i, q, K, V, stride_n, offs_m, offs_n, offs_d, lo, hi, c_a
 @triton.jit
 def _fwd(Q, K, V, Out, Lse, DK, DV, qk_scale, heads, N, stride_b, stride_h, stride_n,
          D: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, HOST: tl.constexpr,
-         FOUR_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+         RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
@@ -86,7 +90,7 @@ def _fwd(Q, K, V, Out, Lse, DK, DV, qk_scale, heads, N, stride_b, stride_h, stri
     if HOST:  # descriptors built on the host over the [B * H * N, D] rows: this head's start at row0
         desc_k = DK
         desc_v = DV
-        row0 = pid_bh * N
+        row0 = pid_bh if RANK == 3 else pid_bh * N
     elif TMA:
         desc_k = tl.make_tensor_descriptor(K + off, shape=[N, D], strides=[stride_n, 1], block_shape=[BLOCK_N, D])
         desc_v = tl.make_tensor_descriptor(V + off, shape=[N, D], strides=[stride_n, 1], block_shape=[BLOCK_N, D])
@@ -100,10 +104,10 @@ def _fwd(Q, K, V, Out, Lse, DK, DV, qk_scale, heads, N, stride_b, stride_h, stri
         full_end = N
         kv_end = N
     acc, m_i, l_i = _inner(acc, m_i, l_i, q, K + off, V + off, stride_n, offs_m, offs_n, offs_d, 0, full_end, c_abs,
-                           desc_k, desc_v, row0, tb, th, BLOCK_N, False, TMA, WS, FOUR_D, D)
+                           desc_k, desc_v, row0, tb, th, BLOCK_N, False, TMA, WS, RANK, D)
     if CAUSAL:
         acc, m_i, l_i = _inner(acc, m_i, l_i, q, K + off, V + off, stride_n, offs_m, offs_n, offs_d, full_end, kv_end,
-                               c_abs, desc_k, desc_v, row0, tb, th, BLOCK_N, True, TMA, False, FOUR_D, D)
+                               c_abs, desc_k, desc_v, row0, tb, th, BLOCK_N, True, TMA, False, RANK, D)
     out = acc / l_i[:, None]
     lse = (m_i * c_abs + tl.log2(l_i)) * 0.6931471805599453
     tl.store(Out + off + offs_m[:, None] * stride_n + offs_d[None, :], out.to(Out.dtype.element_ty),
@@ -127,12 +131,15 @@ def run(q, k, v, causal, tma, ws, bm, bn, warps, stages, host=False):
     if host == "4d":  # [B, H, N, D] descriptors over the tensors' own strides, as the shipped launchers build
         from triton.tools.tensor_descriptor import TensorDescriptor
         dk, dv = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bn, d]) for t in (k, v))
+    elif host == "3d":  # [B * H, N, D]: contiguous [B, H, N, D] tensors fold their batch and head dims
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        dk, dv = (TensorDescriptor.from_tensor(t.view(b * h, n, d), [1, bn, d]) for t in (k, v))
     elif host:
         from triton.tools.tensor_descriptor import TensorDescriptor
         dk, dv = (TensorDescriptor.from_tensor(t.view(b * h * n, d), [bn, d]) for t in (k, v))
     _fwd[grid](q, k, v, out, lse, dk, dv, d ** -0.5 * LOG2E, h, n, q.stride(0), q.stride(1), q.stride(2),
-               D=d, CAUSAL=causal, TMA=tma or bool(host), WS=ws, HOST=bool(host), FOUR_D=host == "4d", BLOCK_M=bm,
-               BLOCK_N=bn, num_warps=warps,
+               D=d, CAUSAL=causal, TMA=tma or bool(host), WS=ws, HOST=bool(host),
+               RANK={"4d": 4, "3d": 3}.get(host, 2), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
                num_stages=stages)
     return out, lse
 
@@ -140,7 +147,7 @@ def run(q, k, v, causal, tma, ws, bm, bn, warps, stages, host=False):
 CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 4, 2),
            (64, 64, 4, 3)]
 VARIANTS = {"A_ptr": (False, False, False), "B_tma": (True, False, False), "C_tma_ws": (True, True, False),
-            "D_host": (False, False, True), "E_host4d": (False, False, "4d")}
+            "D_host": (False, False, True), "E_host4d": (False, False, "4d"), "F_host3d": (False, False, "3d")}
 
 
 def main():
