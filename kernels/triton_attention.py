@@ -67,7 +67,8 @@ there as well; measured faster at 128, slower at 64: docs/benchmarks.md).
 
 Block sizes are powers of two >= 16. With ``block_m=None, block_n=None`` the tiles, warps and pipeline
 stages are autotuned on the GPU (per padded head dim, dtype, causal flag and a coarse sequence-length
-bucket); under the Triton interpreter one small fixed configuration is used.
+bucket; the choice is kept per launch signature and later calls launch with it directly, without Triton's
+autotuning wrapper); under the Triton interpreter one small fixed configuration is used.
 """
 
 from __future__ import annotations
@@ -651,8 +652,8 @@ def _attn_bwd_dkdv_block(dk, dv, k, v, start_m, off_h, Q, DO, Lse, Delta, DQ, Sl
     batch's rows (head 0); MASKED: rows past len_q are read as 0, and scores of keys a query may not see
     (CAUSAL, WINDOW, CHUNK) are set to -inf. NATURAL: the scores are the modified ones (softcap, ALiBi),
     and a softcap's 1 - tanh^2 multiplies dS. TMA (unmasked blocks, and masked ones with the launch's
-    MASKED_TMA; rows past Nq read as 0): the Q and dO tiles come through
-    the ``[B, Hq, Nq, D]`` descriptors ``desc_q``, ``desc_do``, at batch ``tma_b``. ATOMIC_DQ: the
+    MASKED_TMA; rows past Nq read as 0): the Q and dO tiles come through the ``[B, Hq, Nq, D]``
+    descriptors ``desc_q``, ``desc_do``, at batch ``tma_b``. ATOMIC_DQ: the
     block's share of dQ, ``scale * dS K``, is added to the float32 rows at ``DQ`` with atomics (the fifth
     tile product; no dQ kernel then), with TMA as one reduce-add of the tile through ``desc_dq``."""
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -900,8 +901,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, desc_k, desc_v, tma_b, tma_
     """Add the KV blocks lo, lo + BLOCK_N, ... < hi to a Q tile's dQ (masking as in the forward);
     ``lse2 = log2(e) * lse`` (+inf for rows that see no key), ``qk_scale = log2(e) * scale``. TMA
     (unmasked blocks, and masked ones with the launch's MASKED_TMA; rows past Nk read as 0): the K and V
-    tiles come through the descriptors ``desc_k``, ``desc_v`` (as in
-    the forward)."""
+    tiles come through the descriptors ``desc_k``, ``desc_v`` (as in the forward)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -1271,7 +1271,7 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
               *stride_lse, *stride_delta[:2], call.stride_sb)
     # Descriptors for the unmasked tiles (Q and dO in dK/dV, K and V in dQ): as in the forward; at head dim
     # 128 for the masked ones too (MASKED_TMA: rows past the end read as 0, as masked pointer loads read
-    # them). On the H100 that made the causal backward 3-5% faster at head dim 128 and up to 6% slower at
+    # them). On the H100 that made the causal backward 2.5-7% faster at head dim 128 and up to 6% slower at
     # 64, in three runs each (docs/benchmarks.md).
     tma = _use_tma(call, d, block_d, q4, k4, v4, dout4)
     meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), "TMA": tma,
