@@ -17,22 +17,15 @@ A record of an experiment, not tested code.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
 import triton
 
 from kernels import triton_attention as this
+from module_ab import _load  # the neighbouring script's loader of another module version
 
 SHOWN = ("BLOCK_D", "CAUSAL", "EVEN_KV", "GQA", "ATOMIC_DQ", "BLOCK_M", "BLOCK_N")
-
-
-def _load(path: str):
-    spec = importlib.util.spec_from_file_location("other_triton_attention", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _compiled(fn):

@@ -19,7 +19,6 @@ A record of an experiment, not tested code.
 from __future__ import annotations
 
 import cProfile
-import importlib.util
 import os
 import pstats
 
@@ -30,6 +29,7 @@ import triton.testing
 from kernels import triton_attention as ta
 from kernels.bench import PEER_MAKERS
 from short_n import _host_us as short_n_host_us  # this script's neighbour: its folder is on the import path
+from module_ab import _load  # the neighbouring script's loader of another module version
 
 
 def _host_us(fn, calls: int = 200) -> float:
@@ -58,13 +58,6 @@ def _profile() -> None:
         torch.cuda.synchronize()
         print(f"--- {label}, {calls} calls", flush=True)
         pstats.Stats(profile).sort_stats("tottime").print_stats(22)
-
-
-def _load(path: str):
-    spec = importlib.util.spec_from_file_location("other_triton_attention", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
