@@ -7,6 +7,10 @@ D: descriptors built once on the host (``TensorDescriptor`` over the ``[B * H * 
 the kernel as arguments), so no program builds its own.  E: D with ``[B, H, N, D]`` descriptors (tile
 ``[1, 1, BLOCK_N, D]``, reshaped in the loop), as the shipped launchers build them.  F: D with ``[B * H,
 N, D]`` descriptors (tile ``[1, BLOCK_N, D]``, reshaped): whether the rank or the reshape costs E its speed.
+G: D with its unmasked loop software-pipelined by hand (block j + 1's scores asked for before block j's
+softmax): whether Triton keeps a product in flight across the exponentials when the source asks for it
+(compiled offline with Triton 3.6 for sm_90 it does not: every warpgroup MMA is waited for with no
+product pending, and at 128 x 128 tiles the second score tile spills; docs/benchmarks.md).
 
 ``EXP_VARIANTS="B_tma D_host"`` runs only those forms, ``EXP_CONFIGS=3`` the first three configurations,
 ``EXP_PEERS=sdpa_cudnn`` that peer alone.
@@ -65,9 +69,36 @@ def _inner(acc, m_i, l_i, q, K, V, stride_n, offs_m, offs_n, offs_d, lo, hi, c_a
 
 
 @triton.jit
+def _softmax_step(acc, m_i, l_i, qk, v, c_abs):
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.math.exp2((m_i - m_new) * c_abs)
+    p = tl.math.exp2((qk - m_new[:, None]) * c_abs)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _inner_pipe(acc, m_i, l_i, q, desc_k, desc_v, row0, lo, hi, c_abs, BLOCK_N: tl.constexpr):
+    """Unmasked blocks [lo, hi), software-pipelined by hand: the scores of block j + 1 are asked for before
+    the softmax of block j, so that (if the compiler keeps that product in flight) the tensor cores work
+    while the exponentials are computed (the overlap FlashAttention-3 builds within a warpgroup)."""
+    if lo < hi:
+        qk = tl.dot(q, tl.trans(desc_k.load([row0 + lo, 0])))
+        for start_n in range(lo, hi - BLOCK_N, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            qk_next = tl.dot(q, tl.trans(desc_k.load([row0 + start_n + BLOCK_N, 0])))
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, desc_v.load([row0 + start_n, 0]), c_abs)
+            qk = qk_next
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, desc_v.load([row0 + hi - BLOCK_N, 0]), c_abs)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _fwd(Q, K, V, Out, Lse, DK, DV, qk_scale, heads, N, stride_b, stride_h, stride_n,
          D: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, HOST: tl.constexpr,
-         RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+         RANK: tl.constexpr, PIPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
@@ -103,8 +134,11 @@ def _fwd(Q, K, V, Out, Lse, DK, DV, qk_scale, heads, N, stride_b, stride_h, stri
     else:
         full_end = N
         kv_end = N
-    acc, m_i, l_i = _inner(acc, m_i, l_i, q, K + off, V + off, stride_n, offs_m, offs_n, offs_d, 0, full_end, c_abs,
-                           desc_k, desc_v, row0, tb, th, BLOCK_N, False, TMA, WS, RANK, D)
+    if PIPE:
+        acc, m_i, l_i = _inner_pipe(acc, m_i, l_i, q, desc_k, desc_v, row0, 0, full_end, c_abs, BLOCK_N)
+    else:
+        acc, m_i, l_i = _inner(acc, m_i, l_i, q, K + off, V + off, stride_n, offs_m, offs_n, offs_d, 0, full_end,
+                               c_abs, desc_k, desc_v, row0, tb, th, BLOCK_N, False, TMA, WS, RANK, D)
     if CAUSAL:
         acc, m_i, l_i = _inner(acc, m_i, l_i, q, K + off, V + off, stride_n, offs_m, offs_n, offs_d, full_end, kv_end,
                                c_abs, desc_k, desc_v, row0, tb, th, BLOCK_N, True, TMA, False, RANK, D)
@@ -139,7 +173,7 @@ def run(q, k, v, causal, tma, ws, bm, bn, warps, stages, host=False):
         dk, dv = (TensorDescriptor.from_tensor(t.view(b * h * n, d), [bn, d]) for t in (k, v))
     _fwd[grid](q, k, v, out, lse, dk, dv, d ** -0.5 * LOG2E, h, n, q.stride(0), q.stride(1), q.stride(2),
                D=d, CAUSAL=causal, TMA=tma or bool(host), WS=ws, HOST=bool(host),
-               RANK={"4d": 4, "3d": 3}.get(host, 2), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+               RANK={"4d": 4, "3d": 3}.get(host, 2), PIPE=host == "pipe", BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
                num_stages=stages)
     return out, lse
 
@@ -147,7 +181,8 @@ def run(q, k, v, causal, tma, ws, bm, bn, warps, stages, host=False):
 CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 4, 2),
            (64, 64, 4, 3)]
 VARIANTS = {"A_ptr": (False, False, False), "B_tma": (True, False, False), "C_tma_ws": (True, True, False),
-            "D_host": (False, False, True), "E_host4d": (False, False, "4d"), "F_host3d": (False, False, "3d")}
+            "D_host": (False, False, True), "E_host4d": (False, False, "4d"), "F_host3d": (False, False, "3d"),
+            "G_pipe": (False, False, "pipe")}
 
 
 def main():
