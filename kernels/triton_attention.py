@@ -33,6 +33,11 @@ with ``where(visible, s, -inf)`` (float32 runs every block through the masked lo
 that sees no key keeps ``(m, l) = (-inf, 0)`` (``exp(-inf - 0) = 0`` guards the subtraction) and gets
 ``out = 0``, ``lse = -inf``.
 
+On Hopper (compute capability 9.0) the FA2 forward of a plain float16/bfloat16 call at head dim 64 or
+128 runs :mod:`kernels.gluon_forward` instead, the same algorithm and numerics written in Gluon, with
+its products overlapped with the softmax (which Triton's compiler does not do); ``gluon=False`` or
+``FLASHVERIFY_GLUON=0`` keeps the Triton forward (:func:`fa2_forward`).
+
 Backward (three launches, no atomics, so it is deterministic)::
 
     Delta = rowsum(dO * O)                     one program per (Q block, batch * query head)
@@ -88,7 +93,7 @@ try:  # the portable entry point (CUDA's libdevice on NVIDIA GPUs)
 except ImportError:  # pragma: no cover - older Triton
     from triton.language.extra.cuda import libdevice
 
-from kernels import _autograd, _validate
+from kernels import _autograd, _validate, gluon_forward
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -1164,11 +1169,34 @@ class _Call:
         return _seq_bucket(max(self.max_q, self.max_k))
 
 
+def _gluon_plan(call: _Call, out4, head_dim: int, *, inner_scaled: bool, fixed: bool, gluon) -> bool:
+    """Whether the forward runs the Gluon kernel of Hopper: ``gluon=None`` where it takes the call as it is
+    (:func:`kernels.gluon_forward.unsupported`, tiles not fixed), ``False`` never, ``True`` always (the
+    tiles then fix the backward's only; tensors no descriptor reads go through contiguous copies), or a
+    ValueError naming what rules the call out."""
+    if gluon is not None and not isinstance(gluon, bool):
+        raise TypeError(f"{call.kernel}: gluon={gluon!r}, but should be None (where it applies), True or False")
+    if gluon is False:
+        return False
+    variant = any(call.flags[name] for name in _VARIANT_KEY if name != "SINKS") or call.sinks is not None
+    common = dict(device=call.q.device, dtype=call.q.dtype, head_dim=head_dim, scale=call.scale, variant=variant,
+                  inner_scaled=inner_scaled)
+    if not gluon_forward.unsupported(**common, fixed_blocks=fixed and gluon is None,
+                                     tensors=(call.q, call.k, call.v, out4)):
+        return True
+    if gluon is None:
+        return False
+    reason = gluon_forward.unsupported(**common, fixed_blocks=False, tensors=())
+    if reason:
+        raise ValueError(f"{call.kernel}: gluon=True, but the Gluon forward does not take this call: {reason}")
+    return True
+
+
 def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bool, kernel: str,
-             out=None, lse=None, sinks=None, **variant):
+             out=None, lse=None, sinks=None, gluon: bool | None = None, **variant):
     """Shared launcher of the FA1 and FA2 forward kernels: returns ``(out, lse)``, no autograd (``[total_q,
     Hq, D]`` and ``[Hq, total_q]`` for packed sequences). ``out``/``lse`` given (dense only): the kernel
-    writes into them and they are returned."""
+    writes into them and they are returned. ``gluon``: see :func:`_gluon_plan`."""
     call = _Call(q, k, v, kernel=kernel, causal=causal, scale=scale, block_m=block_m, block_n=block_n, sinks=sinks,
                  **variant)
     q4, k4, v4 = call.q, call.k, call.v
@@ -1180,9 +1208,15 @@ def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bo
     else:
         out4, lse4 = _outputs(q, k, v, out, lse, kernel=kernel)
     hq, hkv, d = q4.shape[1], k4.shape[1], q4.shape[3]
-    if call.batch * hq * call.max_q > 0:
+    flags = call.flags
+    work = call.batch * hq * call.max_q > 0
+    gluon_plan = work and _gluon_plan(call, out4, d, inner_scaled=inner_scaled,
+                                      fixed=_fixed_blocks(block_m, block_n) is not None, gluon=gluon)
+    if gluon_plan:
+        # Hopper: the warp-specialized Gluon forward (kernels/gluon_forward.py), same numerics.
+        gluon_forward.forward(q4, k4, v4, out4, lse4, causal=causal, scale=call.scale)
+    elif work:
         block_d = _padded_head_dim(d)
-        flags = call.flags
         # Descriptors (TMA) for the unmasked KV tiles: dense float16/bfloat16 rows, head dim a power of two
         # up to 128, Hopper or later.
         tma = _use_tma(call, d, block_d, k4, v4)
@@ -1203,11 +1237,12 @@ def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bo
 
 
 def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,
-                    block_m: int | None = None, block_n: int | None = None, out=None, lse=None, **variant):
+                    block_m: int | None = None, block_n: int | None = None, out=None, lse=None,
+                    gluon: bool | None = None, **variant):
     """Triton FA2 forward (outer-scaled) without autograd: returns ``(out, lse)`` (written into the
-    ``out``/``lse`` buffers when given); the variant keywords of :func:`fa2_forward`."""
+    ``out``/``lse`` buffers when given); the variant keywords and ``gluon`` of :func:`fa2_forward`."""
     return _forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                    inner_scaled=False, kernel="triton_fa2", out=out, lse=lse, **variant)
+                    inner_scaled=False, kernel="triton_fa2", out=out, lse=lse, gluon=gluon, **variant)
 
 
 def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,
@@ -1314,7 +1349,7 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
 # --------------------------------------------------------------------------------------------------
 
 def _apply(q, k, v, causal, scale, block_m, block_n, inner_scaled: bool, out, lse, sinks, variant,
-           deterministic: bool = True):
+           deterministic: bool = True, gluon: bool | None = None):
     kernel = "triton_fa1" if inner_scaled else "triton_fa2"
     if not isinstance(deterministic, bool):
         raise TypeError(f"{kernel}: deterministic={deterministic!r}, but should be a bool")
@@ -1325,7 +1360,8 @@ def _apply(q, k, v, causal, scale, block_m, block_n, inner_scaled: bool, out, ls
         _check_inputs(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
         buffers = _outputs(q, k, v, out, lse, kernel=kernel)
     return _autograd.apply(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                           forward=functools.partial(_forward, inner_scaled=inner_scaled, kernel=kernel, **variant),
+                           forward=functools.partial(_forward, inner_scaled=inner_scaled, kernel=kernel, gluon=gluon,
+                                                     **variant),
                            backward=functools.partial(fa2_backward, deterministic=deterministic, **variant),
                            buffers=buffers, sinks=sinks)
 
@@ -1334,7 +1370,7 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
                 block_m: int | None = None, block_n: int | None = None, out=None, lse=None,
                 window_size=(-1, -1), attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes=None, sinks=None,
                 cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                deterministic: bool = True):
+                deterministic: bool = True, gluon: bool | None = None):
     """Triton FlashAttention-2 forward: ``(out, lse)``; gradients flow through ``out`` (and to ``sinks``).
 
     ``q`` is ``[B, Hq, Nq, D]``, ``k`` and ``v`` ``[B, Hkv, Nk, D]`` (``Hq % Hkv == 0``), any strides;
@@ -1350,11 +1386,17 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     Hkv, D]`` with ``cu_seqlens_q``, ``cu_seqlens_k`` (int32) and ``max_seqlen_q``, ``max_seqlen_k``,
     returning ``out [total_q, Hq, D]`` and ``lse [Hq, total_q]``. ``deterministic=False``: the backward adds
     dQ with atomics (see :func:`fa2_backward`), faster and not bitwise reproducible.
+
+    On Hopper (compute capability 9.0) the forward of a plain call (no variant keyword; float16/bfloat16;
+    head dim 64 or 128; ``scale > 0``; tiles not fixed) runs the warp-specialized Gluon kernel of
+    :mod:`kernels.gluon_forward`, same numerics, faster. ``gluon=False`` keeps the Triton forward;
+    ``gluon=True`` requires the Gluon one (a ValueError names what rules the call out; ``block_m``/``block_n``
+    then fix the backward's tiles only; inputs no descriptor reads are copied contiguous first).
     """
     variant = dict(window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
                    alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    return _apply(q, k, v, causal, scale, block_m, block_n, False, out, lse, sinks, variant, deterministic)
+    return _apply(q, k, v, causal, scale, block_m, block_n, False, out, lse, sinks, variant, deterministic, gluon)
 
 
 def fa1_forward(q, k, v, *, causal: bool = False, scale: float | None = None,

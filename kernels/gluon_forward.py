@@ -1,0 +1,297 @@
+"""The FA2 forward on Hopper (compute capability 9.0), written in Gluon, Triton's lower-level language.
+
+:func:`kernels.triton_attention.fa2_forward` runs this kernel instead of its Triton one where
+:func:`unsupported` has no objection (plain attention: no window, chunk, softcap, ALiBi, sinks or packed sequences;
+float16/bfloat16; head dim 64 or 128; a positive scale; tensors a descriptor can read; the tiles left to the
+launcher). Same numerics as the Triton forward: running max in raw ``q.k`` units, exponent ``(q.k - m) *
+scale * log2(e)``, ``p`` rounded to the input dtype before ``p @ v``, float32 accumulators, natural-log
+LSE; bottom-right causal alignment; rows that see no key give ``out = 0``, ``lse = -inf``.
+
+Why a second forward: Triton's compiler waits for every tensor-core product right after issuing it, so a
+tile's exponentials never overlap a product. Here each program has three partitions (warp specialization):
+one warp issues every TMA load into shared-memory stages (K: 3, V: 2) and two consumer warpgroups of four
+warps, 64 query rows each, run the loop below, releasing the stages through "empty" barriers::
+
+    S_0 = Q K_0^T;  P_0 = softmax step(S_0)
+    for j in 0 .. n - 2:
+        issue S_{j+1} = Q K_{j+1}^T          (asynchronous)
+        acc *= alpha_j;  issue acc += P_j V_j  (asynchronous)
+        wait for S_{j+1};  P_{j+1} = softmax step(S_{j+1})   <- overlaps P_j V_j
+        wait for P_j V_j
+    acc *= alpha_{n-1};  acc += P_{n-1} V_{n-1}
+
+No product is in flight across the loop's back edge: when an accumulator in flight is copied there, ptxas
+serializes every product of the kernel (its "C7514" note), which cost this design all its speed
+(docs/benchmarks.md). On the H100 this forward runs 0.9-1.1 of cuDNN's where the Triton one ran 0.7-0.95.
+
+Not available under Triton's interpreter (the CPU runs the Triton forward); tests/test_gluon_forward.py
+compiles it for sm_90 without a GPU and checks it against float64 on one.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, \
+        warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError as exc:  # a Triton without Gluon: the Triton forward runs everywhere
+    AVAILABLE = False
+    UNAVAILABLE_REASON = f"{type(exc).__name__}: {exc}"
+else:
+    AVAILABLE = True
+    UNAVAILABLE_REASON = ""
+
+LOG2E = math.log2(math.e)
+HEAD_DIMS = (64, 128)
+BLOCK_M = 64  # query rows per consumer warpgroup; a program covers 2 * BLOCK_M
+BLOCK_N = 128  # keys per KV block
+ENV_OFF = "FLASHVERIFY_GLUON"  # "0": never take this forward (the Triton one runs)
+
+
+def readable(t: torch.Tensor) -> bool:
+    """Whether a descriptor reads the ``[B, H, N, D]`` tensor ``t`` in place: unit last stride, 16-byte aligned
+    base and strides, no broadcast (zero-stride) dimension; a dimension of size 1 may have any stride."""
+    size = t.element_size()
+    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
+            and all(t.shape[i] == 1 or (t.stride(i) > 0 and t.stride(i) * size % 16 == 0) for i in range(3)))
+
+
+def unsupported(*, device: torch.device, dtype: torch.dtype, head_dim: int, scale: float, variant: bool,
+                inner_scaled: bool, fixed_blocks: bool, tensors) -> str:
+    """Why the FA2 forward of a call does not run here ("" where it does). It runs for a plain FA2 call
+    (no variant keyword, outer-scaled, tiles not fixed by the caller) of float16/bfloat16 ``[B, H, N, D]``
+    tensors with head dim 64 or 128 and ``scale > 0``, each readable through a descriptor (unit last
+    stride, 16-byte aligned base and strides, no broadcast dimension: :func:`readable`), on an NVIDIA GPU of
+    compute capability 9.0, with Gluon importable and ``FLASHVERIFY_GLUON`` not "0"."""
+    if not AVAILABLE:
+        return f"Gluon is not importable ({UNAVAILABLE_REASON})"
+    if os.environ.get(ENV_OFF, "1") == "0":
+        return f"{ENV_OFF}=0"
+    if variant or inner_scaled or fixed_blocks:
+        return "a variant keyword, the inner-scaled (FA1) form or tiles fixed by the caller"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {dtype} (float16 or bfloat16 only)"
+    if head_dim not in HEAD_DIMS:
+        return f"head dim {head_dim} (one of {HEAD_DIMS} only)"
+    if not scale > 0:
+        return f"scale {scale} (positive only)"
+    if device.type != "cuda" or torch.version.hip is not None:
+        return f"device {device} (an NVIDIA GPU only)"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return f"compute capability {torch.cuda.get_device_capability(device)} (9.0 only: warpgroup MMA)"
+    for t in tensors:
+        if not readable(t):
+            return f"a tensor of shape {tuple(t.shape)}, strides {t.stride()} that no descriptor reads"
+    return ""
+
+
+if AVAILABLE:
+    # Renamed after Triton 3.6 (async_copy_global_to_shared -> async_load, async_copy_shared_to_global ->
+    # async_store); the kernel calls whichever this Triton has.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    K_STAGES = gl.constexpr(3)
+    V_STAGES = gl.constexpr(2)
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, c, ROW_O: gl.constexpr, P_LAYOUT: gl.constexpr, dtype: gl.constexpr):
+        """One online-softmax step on a block's scores ``s`` (raw ``q.k``; -inf where not visible): the new
+        running max and sum, the accumulator's rescale factor (in its row layout) and ``p`` as the A operand
+        of ``p @ v``. A row with no visible key so far keeps ``m = -inf``, ``l = 0``, ``p = 0``."""
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2((m_i - m_safe) * c)
+        p = gl.exp2((s - gl.expand_dims(m_safe, 1)) * c)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return gl.convert_layout(p.to(dtype), P_LAYOUT), gl.convert_layout(alpha, ROW_O), m_new, l_i
+
+    @gluon.jit
+    def _mask(s, j, n_full, start_m, len_k, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr):
+        """-inf for keys past the end and (causal) past a row's diagonal, in blocks ``j >= n_full`` only."""
+        if j >= n_full:
+            cols = gl.expand_dims(j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT)), 0)
+            visible = cols < len_k
+            if CAUSAL:
+                rows = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_LAYOUT)), 1)
+                visible = visible & (cols <= rows + causal_offset)
+            s = gl.where(visible, s, float("-inf"))
+        return s
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, Lse, stride_lb,
+                  stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k, causal_offset, n_blocks, n_full, n_loaded,
+                  CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
+        """One warpgroup: query rows [start_m, start_m + BLOCK_M) over KV blocks [0, n_blocks); then it
+        releases the stages of the blocks the producer loaded for the other warpgroup only (up to
+        ``n_loaded``), so that every stage gets its two releases."""
+        dtype: gl.constexpr = o_desc.dtype
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        q_tile = q_smem.reshape([BLOCK_M, D])
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_S)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW_S)
+        acc = gl.zeros([BLOCK_M, D], gl.float32, layout=O_LAYOUT)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
+        mbarrier.wait(q_bar, 0)
+        if n_blocks > 0:
+            mbarrier.wait(k_ready.index(0), 0)
+            s = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            mbarrier.arrive(k_empty.index(0), count=1)
+            s = _mask(s, 0, n_full, start_m, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, S_LAYOUT)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, c, ROW_O, P_LAYOUT, dtype)
+            for j in range(0, n_blocks - 1):
+                kn = (j + 1) % K_STAGES
+                mbarrier.wait(k_ready.index(kn), ((j + 1) // K_STAGES) & 1)
+                s = warpgroup_mma(q_tile, k_smem.index(kn).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+                acc = acc * gl.expand_dims(alpha, 1)
+                mbarrier.wait(v_ready.index(j % V_STAGES), (j // V_STAGES) & 1)
+                acc = warpgroup_mma(p, v_smem.index(j % V_STAGES).reshape([BLOCK_N, D]), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s, ))  # S_{j+1} done; P_j V_j still running ...
+                mbarrier.arrive(k_empty.index(kn), count=1)
+                s = _mask(s, j + 1, n_full, start_m, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, S_LAYOUT)
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, c, ROW_O, P_LAYOUT, dtype)  # ... during this step
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(j % V_STAGES), count=1)
+            j = n_blocks - 1
+            acc = acc * gl.expand_dims(alpha, 1)
+            mbarrier.wait(v_ready.index(j % V_STAGES), (j // V_STAGES) & 1)
+            acc = warpgroup_mma(p, v_smem.index(j % V_STAGES).reshape([BLOCK_N, D]), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(j % V_STAGES), count=1)
+        for i in range(gl.maximum(n_blocks, 0), n_loaded):
+            mbarrier.wait(k_ready.index(i % K_STAGES), (i // K_STAGES) & 1)
+            mbarrier.arrive(k_empty.index(i % K_STAGES), count=1)
+            mbarrier.wait(v_ready.index(i % V_STAGES), (i // V_STAGES) & 1)
+            mbarrier.arrive(v_empty.index(i % V_STAGES), count=1)
+
+        # Rows with no visible key: l = 0, acc = 0 -> out = 0, lse = -inf.
+        l_o = gl.convert_layout(l_i, ROW_O)
+        empty = l_o == 0.0
+        out = acc / gl.expand_dims(gl.where(empty, 1.0, l_o), 1)
+        lse = gl.where(empty, float("-inf"),
+                       (gl.convert_layout(m_i, ROW_O) * c + gl.log2(gl.where(empty, 1.0, l_o))) * 0.6931471805599453)
+        rows = start_m + gl.arange(0, BLOCK_M, layout=ROW_O)
+        gl.store(Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows * stride_ln, lse,
+                 mask=rows < len_q)
+        q_tile.store(out.to(dtype))  # Q is read no more: its buffer stages the output (rows past the end clipped)
+        fence_async_shared()
+        _tma_store(o_desc, [off_b, off_h, start_m, 0], q_smem)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, off_b,
+                  off_h, off_hkv, start_m, n_loaded, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """One warp: both warpgroups' Q tiles, then K and V block by block into the stages as they are freed."""
+        for w in gl.static_range(2):
+            mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [off_b, off_h, start_m + w * BLOCK_M, 0], q_bar.index(w), q_smem.index(w))
+        for i in range(n_loaded):
+            ks = i % K_STAGES
+            mbarrier.wait(k_empty.index(ks), ((i // K_STAGES) & 1) ^ 1, pred=i >= K_STAGES)
+            mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [off_b, off_hkv, i * BLOCK_N, 0], k_ready.index(ks), k_smem.index(ks))
+            vs = i % V_STAGES
+            mbarrier.wait(v_empty.index(vs), ((i // V_STAGES) & 1) ^ 1, pred=i >= V_STAGES)
+            mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [off_b, off_hkv, i * BLOCK_N, 0], v_ready.index(vs), v_smem.index(vs))
+
+    @gluon.jit
+    def _blocks(start_m, len_k, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+        """(KV blocks to read, blocks every row sees whole) for query rows [start_m, start_m + BLOCK_M)."""
+        if CAUSAL:
+            kv_end = gl.minimum(start_m + BLOCK_M + causal_offset, len_k)
+            n_blocks = gl.maximum(gl.cdiv(kv_end, BLOCK_N), 0)
+            n_full = gl.minimum(gl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N, len_k // BLOCK_N)
+        else:
+            n_blocks = gl.cdiv(len_k, BLOCK_N)
+            n_full = len_k // BLOCK_N
+        return n_blocks, n_full
+
+    @gluon.jit
+    def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, group, len_q, len_k,
+                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        if CAUSAL:  # the longest rows first
+            pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        else:
+            pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        off_b = pid_bh // heads_q
+        off_h = pid_bh % heads_q
+        start_m = pid_m * 2 * BLOCK_M
+        causal_offset = len_k - len_q
+        n0, full0 = _blocks(start_m, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+        n1, full1 = _blocks(start_m + BLOCK_M, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+        n_loaded = gl.maximum(n0, n1)
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, 1, 1, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, 1, 1, BLOCK_N, D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_bar.index(i), count=1)
+        for i in gl.static_range(K_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # one release per consumer warpgroup
+        for i in gl.static_range(V_STAGES):
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
+        gl.warp_specialize([
+            (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty, o_desc,
+                         Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k, causal_offset, n0, full0,
+                         n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
+            (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty, v_empty, o_desc,
+                         Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m + BLOCK_M, len_q, len_k, causal_offset,
+                         n1, full1, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                         off_b, off_h, off_h // group, start_m, n_loaded, BLOCK_M, BLOCK_N)),
+        ], [4, 1], [240, 24])
+
+    def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
+        block = [1, 1, rows, t.shape[3]]
+        gdt = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
+        # a dimension of size 1 is never stepped over: give it the stride of a contiguous tensor
+        strides = [t.stride(i) if t.shape[i] != 1 else math.prod(t.shape[i + 1:]) for i in range(4)]
+        return TensorDescriptor(t, list(t.shape), strides, block,
+                                gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+
+def forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
+    """Write the FA2 forward of ``[B, H, N, D]`` float16/bfloat16 tensors into ``out`` and ``lse`` (``[B, Hq,
+    Nq]`` float32, any strides); ``Hq`` a multiple of ``Hkv`` (GQA). A tensor no descriptor reads
+    (:func:`readable`) goes through a contiguous copy; no key at all gives ``out = 0``, ``lse = -inf``."""
+    b, hq, len_q, d = q.shape
+    if b * hq * len_q == 0:
+        return
+    if k.shape[2] == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
+    q, k, v = (t if readable(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t) for t in (q, k, v))
+    target = out if readable(out) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    _attn_fwd_ws[(-(-len_q // (2 * BLOCK_M)), b * hq)](
+        _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(target, BLOCK_M),
+        lse, lse.stride(0), lse.stride(1), lse.stride(2), scale * LOG2E, hq, hq // k.shape[1], len_q, k.shape[2],
+        CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, num_warps=4)
+    if target is not out:
+        out.copy_(target)

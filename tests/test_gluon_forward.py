@@ -1,0 +1,249 @@
+"""The Gluon forward of Hopper (kernels/gluon_forward.py): when it runs, that it compiles without
+serialized products, and (on an H100/H200) that it computes attention.
+
+* Dispatch rules, without a GPU: :func:`gluon_forward.unsupported` names what rules a call out.
+* Compilation, without a GPU: the kernel compiled for sm_90 in a fresh process (Triton's interpreter off),
+  in each head dim, dtype and causal flag, and its PTX assembled by Triton's own ptxas, whose report must
+  not carry note C7514 ("wgmma.mma_async instructions are serialized"): a kernel that carries a product in
+  flight across its loop's back edge gets that note and loses the overlap it exists for.
+* On a GPU of compute capability 9.0: ``fa2_forward_raw`` (which dispatches here) against a float64
+  reference, over tails, Nq != Nk with the causal diagonal (rows that see no key), GQA, strided inputs and
+  output buffers; and that the Gluon kernel, not the Triton one, ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import gluon_forward as gf  # noqa: E402
+from kernels import triton_attention as ta  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_gluon = pytest.mark.skipif(not gf.AVAILABLE, reason=f"Gluon not importable: {gf.UNAVAILABLE_REASON}")
+
+
+def _plain(**overrides):
+    t = torch.zeros(2, 4, 64, 128, dtype=torch.float16)
+    kwargs = dict(device=torch.device("cuda"), dtype=torch.float16, head_dim=128, scale=0.1, variant=False,
+                  inner_scaled=False, fixed_blocks=False, tensors=(t, t, t, t))
+    kwargs.update(overrides)
+    return kwargs
+
+
+@needs_gluon
+def test_unsupported_names_each_rule(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delenv(gf.ENV_OFF, raising=False)
+    assert gf.unsupported(**_plain()) == ""
+    t = torch.zeros(2, 4, 64, 128, dtype=torch.float16)
+    cases = {
+        "variant": _plain(variant=True), "inner-scaled": _plain(inner_scaled=True),
+        "fixed": _plain(fixed_blocks=True), "dtype": _plain(dtype=torch.float32), "head dim": _plain(head_dim=96),
+        "scale": _plain(scale=-0.1), "device": _plain(device=torch.device("cpu")),
+        "descriptor": _plain(tensors=(t, t.transpose(2, 3), t, t)),
+    }
+    for word, kwargs in cases.items():
+        assert word in gf.unsupported(**kwargs), word
+    assert "head dim" in gf.unsupported(**_plain(head_dim=32))
+    broadcast = torch.zeros(1, 1, 64, 128, dtype=torch.float16).expand(2, 4, 64, 128)
+    assert "descriptor" in gf.unsupported(**_plain(tensors=(t, broadcast, t, t)))
+    # a dimension of size 1 is never stepped over: any stride; a storage offset off 16 bytes is not readable
+    odd = torch.zeros(2 * 64 * 128 * 4 + 8, dtype=torch.float16)
+    assert gf.readable(odd[:4 * 64 * 128].as_strided((1, 4, 64, 128), (7, 64 * 128, 128, 1)))
+    assert not gf.readable(odd[1:1 + 2 * 4 * 64 * 128].view(2, 4, 64, 128))
+    assert not gf.readable(odd[:4 * 64 * 128].as_strided((2, 2, 64, 128), (7, 64 * 128, 128, 1)))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert "capability" in gf.unsupported(**_plain())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv(gf.ENV_OFF, "0")
+    assert gf.ENV_OFF in gf.unsupported(**_plain())
+
+
+_COMPILE = r"""
+import json, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels import gluon_forward as gf
+
+ptxas = get_ptxas(90).path
+results = {}
+for d in gf.HEAD_DIMS:
+    for dt, gdt in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
+        for causal in (False, True):
+            def desc(rows):
+                block = [1, 1, rows, d]
+                layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
+                return f"tensordesc<{dt}[{','.join(map(str, block))}],{layout!r}>"
+            signature = {"q_desc": desc(gf.BLOCK_M), "k_desc": desc(gf.BLOCK_N), "v_desc": desc(gf.BLOCK_N),
+                         "o_desc": desc(gf.BLOCK_M), "Lse": "*fp32", **{name: "i32" for name in (
+                             "stride_lb", "stride_lh", "stride_ln")}, "c": "fp32",
+                         **{name: "i32" for name in ("heads_q", "group", "len_q", "len_k")},
+                         **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D")}}
+            key = f"d{d}-{dt}-{'causal' if causal else 'full'}"
+            try:
+                kernel = triton.compile(
+                    GluonASTSource(fn=gf._attn_fwd_ws, signature=signature,
+                                   constexprs={"CAUSAL": causal, "BLOCK_M": gf.BLOCK_M, "BLOCK_N": gf.BLOCK_N, "D": d}),
+                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            except Exception as exc:
+                results[key] = {"error": f"{type(exc).__name__}: {str(exc)[-2000:]}"}
+                continue
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
+                fh.write(kernel.asm["ptx"])
+            run = subprocess.run([ptxas, "-v", "-arch=sm_90a", fh.name, "-o", fh.name + ".o"], capture_output=True,
+                                 text=True)
+            results[key] = {"rc": run.returncode, "ptxas": run.stderr[-3000:],
+                            "wgmma": len(re.findall(r"wgmma\.mma_async", kernel.asm["ptx"]))}
+print("RESULTS " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert lines, f"the compile process printed no results (rc {run.returncode}):\n{run.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@needs_gluon
+@pytest.mark.parametrize("d", gf.HEAD_DIMS)
+@pytest.mark.parametrize("dt", ["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiles_for_sm90_without_serialized_products(compiled, d, dt, causal):
+    result = compiled[f"d{d}-{dt}-{'causal' if causal else 'full'}"]
+    assert "error" not in result, result.get("error")
+    assert result["rc"] == 0, result["ptxas"]
+    assert result["wgmma"] > 0
+    assert "C7514" not in result["ptxas"] and "serialized" not in result["ptxas"], result["ptxas"]
+
+
+def _on_hopper() -> bool:
+    return (torch.cuda.is_available() and not ta.INTERPRET and gf.AVAILABLE
+            and torch.cuda.get_device_capability() == (9, 0))
+
+
+def _reference(q, k, v, causal, scale):
+    """float64 attention with bottom-right causal alignment; rows that see no key give 0 and -inf."""
+    group = q.shape[1] // k.shape[1]
+    q64, k64, v64 = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    s = scale * q64 @ k64.transpose(-1, -2)
+    if causal:
+        nq, nk = q.shape[2], k.shape[2]
+        keep = torch.arange(nk, device=q.device)[None, :] <= torch.arange(nq, device=q.device)[:, None] + nk - nq
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return p @ v64, lse
+
+
+# (B, Hq, Hkv, Nq, Nk, D, causal, layout): tails of every size class, Nq != Nk both ways (Nq > Nk, causal:
+# the first rows see no key), GQA, [B, N, H, D] storage.
+SHAPES = [
+    (2, 4, 4, 1, 1, 64, False, "bhnd"), (1, 2, 2, 63, 65, 128, True, "bhnd"), (2, 3, 3, 129, 127, 64, True, "bhnd"),
+    (1, 4, 2, 200, 333, 128, False, "bhnd"), (1, 4, 1, 300, 100, 128, True, "bhnd"), (2, 2, 2, 256, 256, 64, True, "bnhd"),
+    (1, 8, 2, 1000, 1000, 128, True, "bnhd"), (1, 2, 2, 100, 1024, 64, True, "bhnd"), (1, 2, 2, 517, 517, 128, False, "bnhd"),
+]
+
+
+@pytest.mark.skipif(not _on_hopper(), reason="the Gluon forward runs on a GPU of compute capability 9.0 only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_matches_float64_on_hopper(shape, dtype, monkeypatch):
+    b, hq, hkv, nq, nk, d, causal, layout = shape
+    gen = torch.Generator(device="cuda").manual_seed(nq * 7 + nk)
+
+    def make(h, n):
+        if layout == "bnhd":
+            return torch.randn((b, n, h, d), generator=gen, device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn((b, h, n, d), generator=gen, device="cuda", dtype=dtype)
+
+    q, k, v = make(hq, nq), make(hkv, nk), make(hkv, nk)
+    calls = []
+    real = gf.forward
+    monkeypatch.setattr(gf, "forward", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    out_buf = torch.full((b, nq, hq, d), float("nan"), device="cuda", dtype=dtype).transpose(1, 2)
+    lse_buf = torch.full((b, nq, hq), float("nan"), device="cuda", dtype=torch.float32).transpose(1, 2)
+    out, lse = ta.fa2_forward_raw(q, k, v, causal=causal, out=out_buf, lse=lse_buf)
+    assert calls, "the Triton forward ran, not the Gluon one"
+    ref_out, ref_lse = _reference(q, k, v, causal, d ** -0.5)
+    unit = 2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7
+    # out: inputs rounded once, p rounded to the input dtype, output rounded once: a few units of the dtype
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref_out).abs().max().item() <= 4 * unit * max(1.0, ref_out.abs().max().item())
+    blind = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), blind) and (out[blind.expand_as(out[..., 0])] == 0).all()
+    if (~blind).any():  # the LSE: float32 sums of exactly rounded products, no rounding to the dtype
+        assert (lse[~blind].double() - ref_lse[~blind]).abs().max().item() <= 1e-4
+
+
+def test_gluon_keyword_is_checked():
+    q = torch.randn(1, 2, 16, 64, dtype=torch.float32 if ta.INTERPRET else torch.float16,
+                    device="cpu" if ta.INTERPRET or not torch.cuda.is_available() else "cuda")
+    with pytest.raises(TypeError, match="gluon=1"):
+        ta.fa2_forward_raw(q, q, q, gluon=1)
+    if not _on_hopper():
+        # gluon=True names what rules the call out (here at least the device or the dtype)
+        with pytest.raises(ValueError, match="gluon=True, but the Gluon forward does not take this call"):
+            ta.fa2_forward_raw(q, q, q, gluon=True)
+    out, lse = ta.fa2_forward_raw(q, q, q, gluon=False)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+
+
+@pytest.mark.skipif(not _on_hopper(), reason="the Gluon forward runs on a GPU of compute capability 9.0 only")
+def test_routing_on_hopper(monkeypatch):
+    """gluon=None: Gluon unless the tiles are fixed; gluon=False: never; gluon=True: always, through
+    contiguous copies where no descriptor reads a tensor (here a storage offset of one element)."""
+    calls = []
+    real = gf.forward
+    monkeypatch.setattr(gf, "forward", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn((1, 2, 300, 64), generator=gen, device="cuda", dtype=torch.float16) for _ in range(3))
+    expected = {(None, None): 1, (None, 64): 0, (False, None): 0, (True, 64): 1}
+    for (gluon, block), runs in expected.items():
+        calls.clear()
+        ta.fa2_forward_raw(q, k, v, causal=True, gluon=gluon, block_m=block, block_n=block)
+        assert len(calls) == runs, (gluon, block)
+    flat = torch.randn(1 * 2 * 300 * 64 + 1, generator=gen, device="cuda", dtype=torch.float16)
+    shifted = flat[1:].view(1, 2, 300, 64)  # 2 bytes off a 16-byte boundary
+    out_buf = torch.empty(1 * 2 * 300 * 64 + 1, device="cuda", dtype=torch.float16)[1:].view(1, 2, 300, 64)
+    assert gf.unsupported(device=q.device, dtype=q.dtype, head_dim=64, scale=0.125, variant=False,
+                          inner_scaled=False, fixed_blocks=False, tensors=(shifted,))
+    calls.clear()
+    out, lse = ta.fa2_forward_raw(shifted, k, v, causal=True, gluon=True, out=out_buf)
+    assert calls and out.data_ptr() == out_buf.data_ptr()
+    ref_out, ref_lse = _reference(shifted, k, v, True, 64 ** -0.5)
+    assert (out.double() - ref_out).abs().max().item() <= 4 * 2.0 ** -10
+    assert (lse.double() - ref_lse).abs().max().item() <= 1e-4
+    # no key at all: out = 0, lse = -inf (no descriptor of an empty tensor is built)
+    out, lse = ta.fa2_forward_raw(q, k[:, :, :0], v[:, :, :0], gluon=True)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    # a batch of one whose batch stride is no multiple of 16 bytes: read in place
+    odd = torch.randn(2 * 300 * 64 + 8, generator=gen, device="cuda", dtype=torch.float16)
+    q1 = odd[:2 * 300 * 64].as_strided((1, 2, 300, 64), (3, 300 * 64, 64, 1))
+    assert gf.readable(q1)
+    out, lse = ta.fa2_forward_raw(q1, k, v, gluon=True)
+    ref_out, _ = _reference(q1, k, v, False, 64 ** -0.5)
+    assert (out.double() - ref_out).abs().max().item() <= 4 * 2.0 ** -10
+    with pytest.raises(ValueError, match="head dim 32"):
+        ta.fa2_forward_raw(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous(), gluon=True)
