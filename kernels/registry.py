@@ -191,13 +191,13 @@ if triton_attention is not None and triton_softmax is not None:
         """The fields the Triton FA1 and FA2 share: their dtypes, devices and head dims, GQA, the variants
         (windows, chunks, softcap, ALiBi, sinks, packed sequences), the drawn tiles, the FA2 backward,
         deterministic, out= buffers, the interpreter's limits."""
-        fields = {"backward": triton_attention.fa2_backward, "deterministic": True, "block_m": _ATTENTION_BLOCKS,
-                  "block_n": _ATTENTION_BLOCKS, "max_examples": _MAX_EXAMPLES, **fields}
-        return Implementation(dtypes=triton_attention.DTYPES,
-                              devices=triton_attention.DEVICES, head_dims=triton_attention.HEAD_DIMS, gqa=True,
-                              windows=True, chunks=True, softcap=True, alibi=True, sinks=True,
-                              sequences=("dense", "packed"),
-                              out_buffers=True, environment_limits=_ENVIRONMENT_LIMITS, **fields)
+        return Implementation(**{
+            "backward": triton_attention.fa2_backward, "deterministic": True, "block_m": _ATTENTION_BLOCKS,
+            "block_n": _ATTENTION_BLOCKS, "max_examples": _MAX_EXAMPLES, "dtypes": triton_attention.DTYPES,
+            "devices": triton_attention.DEVICES, "head_dims": triton_attention.HEAD_DIMS, "gqa": True,
+            "windows": True, "chunks": True, "softcap": True, "alibi": True, "sinks": True,
+            "sequences": ("dense", "packed"), "out_buffers": True, "environment_limits": _ENVIRONMENT_LIMITS,
+            **fields})
 
     TRITON_FA2 = _triton_attention(
         name="triton_fa2", forward=triton_attention.fa2_forward, sibling="triton_fa1",
@@ -232,8 +232,19 @@ if triton_attention is not None and triton_softmax is not None:
         autograd=False, deterministic=True, environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
         description="Triton split-KV decoding from a paged KV cache (1..16 queries per sequence) and its combine",
     )
-    _TRITON: tuple[Implementation, ...] = (TRITON_SOFTMAX, TRITON_FA2, TRITON_FA1, *_AUTOTUNED, TRITON_FA2_ATOMIC_DQ,
-                                           TRITON_DECODE)
+    # The FA2 forward as Hopper runs it by default (kernels/gluon_forward.py: warp-specialized, Gluon), with
+    # gluon=True so that every drawn case runs it (the drawn tiles go to the Triton backward): declared as
+    # that kernel's limits (float16/bfloat16, head dim 64 or 128, plain attention, positive scales).
+    # Registered on a GPU of compute capability 9.0 only, and in the default selection there.
+    _GLUON = () if _INTERPRET or not triton_attention.gluon_forward.AVAILABLE or not torch.cuda.is_available() \
+        or torch.cuda.get_device_capability() != (9, 0) else (_triton_attention(
+            name="triton_fa2_gluon", forward=functools.partial(triton_attention.fa2_forward, gluon=True),
+            dtypes=(torch.float16, torch.bfloat16), head_dims=triton_attention.gluon_forward.HEAD_DIMS,
+            windows=False, chunks=False, softcap=False, alibi=False, sinks=False, sequences=("dense",),
+            scales=(None, 0.5, 0.125, 1.0, 2.5, 1e-8, 0.1, 1 / 3),
+            description="FlashAttention-2 forward of Hopper (Gluon, warp-specialized), Triton FA2 backward"),)
+    _TRITON: tuple[Implementation, ...] = (TRITON_SOFTMAX, TRITON_FA2, TRITON_FA1, *_AUTOTUNED, *_GLUON,
+                                           TRITON_FA2_ATOMIC_DQ, TRITON_DECODE)
 else:
     _TRITON = ()
 
