@@ -154,6 +154,10 @@ def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, peers=PEERS, 
         row[f"{name}_fwd_ms"] = _time(fwd)
         row[f"{name}_bwd_ms"] = _time(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
 
+    # which forward fa2_forward runs for this row: the Gluon one on Hopper where it takes the call
+    row["fwd_kernel"] = "triton" if triton_attention.gluon_forward.unsupported(
+        device=q.device, dtype=dtype, head_dim=d, scale=d ** -0.5, variant=False, inner_scaled=False,
+        fixed_blocks=False, tensors=(q, k, v)) else "gluon"
     reference = triton_attention.fa2_forward(q, k, v, causal=causal)[0]
     measure("triton", lambda: triton_attention.fa2_forward(q, k, v, causal=causal)[0])
     if atomic_dq:
@@ -182,6 +186,12 @@ def _best(r: dict, kind: str) -> str:
     return f"{r[f'{best}_{kind}_tflops']:.0f} ({best})" if best else "-"
 
 
+def gluon_env() -> str:
+    """The environment variable that turns the Gluon forward off."""
+    from kernels import gluon_forward
+    return gluon_forward.ENV_OFF
+
+
 def markdown(rows: list[dict], header: str) -> str:
     """The two tables: Triton against the fastest peer of each row (with ``--atomic-dq``'s two columns
     when a row has them), then every peer's TFLOP/s."""
@@ -199,10 +209,15 @@ def markdown(rows: list[dict], header: str) -> str:
                      if "triton_atomic_bwd_tflops" in r else " - | - |")
         lines.append(
             f"| {r['d']} | {r['n']} | {r['batch']} x {r['heads']} | {'yes' if r['causal'] else 'no'} | {r['dtype']} "
-            f"| {r['triton_fwd_tflops']:.0f} | {_best(r, 'fwd')} | {_ratio(r, 'fwd')} "
+            f"| {r['triton_fwd_tflops']:.0f}{' (gluon)' if r.get('fwd_kernel') == 'gluon' else ''} "
+            f"| {_best(r, 'fwd')} | {_ratio(r, 'fwd')} "
             f"| {r['triton_bwd_tflops']:.0f} | {_best(r, 'bwd')} | {_ratio(r, 'bwd')} |{extra} {r['max_diff']:.1e} |")
     lines += ["", "TFLOP/s; forward FLOPs 4·B·H·N²·D (halved if causal), backward 2.5× that; "
-              "ratio = Triton / the fastest peer of the row.", ""]
+              "ratio = Triton / the fastest peer of the row."]
+    if any(r.get("fwd_kernel") == "gluon" for r in rows):
+        lines += ["fwd Triton \"(gluon)\": fa2_forward ran the Gluon forward of kernels/gluon_forward.py (Hopper); "
+                  f"{gluon_env()}=0 keeps the Triton one."]
+    lines += [""]
     peers = [p for p in PEERS if any(p in r["peers"] or p in r["not_run"] for r in rows)]
     lines += ["Every peer (forward / backward TFLOP/s; - where it did not run):", "",
               "| D | N | causal | dtype | triton | " + " | ".join(peers) + " |",
@@ -264,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                     row = bench_one(d, n, causal, DTYPES[dtype], peers=args.peers, atomic_dq=args.atomic_dq)
                     rows.append(row)
                     atomic = f" (atomic dQ {row['triton_atomic_bwd_tflops']:.0f})" if args.atomic_dq else ""
-                    print(f"D={d} N={n} causal={causal} {dtype}: fwd {row['triton_fwd_tflops']:.0f} vs "
+                    print(f"D={d} N={n} causal={causal} {dtype}: fwd ({row['fwd_kernel']}) "
+                          f"{row['triton_fwd_tflops']:.0f} vs "
                           f"{_best(row, 'fwd')}, bwd {row['triton_bwd_tflops']:.0f}{atomic} vs {_best(row, 'bwd')} "
                           "TFLOP/s", file=sys.stderr, flush=True)
                     if args.jsonl:

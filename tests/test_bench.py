@@ -69,3 +69,14 @@ def test_the_atomic_dq_backward_gets_its_own_columns_and_ratio_to_the_same_peer(
     line = next(l for l in text.splitlines() if l.startswith("| 128 | 4096 | 4 x 16 |"))
     assert f"| {r['triton_atomic_bwd_tflops']:.0f} | 0.80 |" in line
     assert line.count("|") == text.splitlines()[3].count("|")  # as many cells as the header's rule
+
+
+def test_a_row_whose_forward_ran_in_gluon_says_so():
+    r = _row(triton=(1.0, 3.0), flex=(0.8, 4.0))
+    plain = bench.markdown([r], "header")
+    assert "(gluon)" not in plain
+    r["fwd_kernel"] = "gluon"
+    text = bench.markdown([r], "header")
+    line = next(l for l in text.splitlines() if l.startswith("| 128 | 4096 | 4 x 16 |"))
+    assert f"| {r['triton_fwd_tflops']:.0f} (gluon) | " in line
+    assert f"{bench.gluon_env()}=0 keeps the Triton one" in text
