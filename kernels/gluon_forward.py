@@ -51,7 +51,7 @@ LOG2E = math.log2(math.e)
 HEAD_DIMS = (64, 128)
 BLOCK_M = 64  # query rows per consumer warpgroup; a program covers 2 * BLOCK_M
 BLOCK_N = 128  # keys per KV block
-ENV_OFF = "FLASHVERIFY_GLUON"  # "0": never take this forward (the Triton one runs)
+ENV_OFF = "FLASHVERIFY_GLUON"  # "0": never take the Gluon kernels (forward, backward dK/dV): the Triton ones run
 
 
 def readable(t: torch.Tensor) -> bool:

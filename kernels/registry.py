@@ -232,9 +232,10 @@ if triton_attention is not None and triton_softmax is not None:
         autograd=False, deterministic=True, environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
         description="Triton split-KV decoding from a paged KV cache (1..16 queries per sequence) and its combine",
     )
-    # The FA2 forward as Hopper runs it by default (kernels/gluon_forward.py: warp-specialized, Gluon), with
-    # gluon=True so that every drawn case runs it (the drawn tiles go to the Triton backward): declared as
-    # that kernel's limits (float16/bfloat16, head dim 64 or 128, plain attention, positive scales).
+    # The FA2 kernels as Hopper runs them by default (kernels/gluon_forward.py and gluon_backward.py: the forward
+    # and the backward's dK/dV kernel, warp-specialized, in Gluon), with gluon=True so that every drawn case
+    # runs them (the drawn tiles go to the Triton dQ kernel): declared as those kernels' limits
+    # (float16/bfloat16, head dim 64 or 128, plain attention, positive scales).
     # Registered on a GPU of compute capability 9.0 only, and in the default selection there.
     _GLUON = () if _INTERPRET or not triton_attention.gluon_forward.AVAILABLE or not torch.cuda.is_available() \
         or torch.cuda.get_device_capability() != (9, 0) else (_triton_attention(
@@ -242,7 +243,8 @@ if triton_attention is not None and triton_softmax is not None:
             dtypes=(torch.float16, torch.bfloat16), head_dims=triton_attention.gluon_forward.HEAD_DIMS,
             windows=False, chunks=False, softcap=False, alibi=False, sinks=False, sequences=("dense",),
             scales=(None, 0.5, 0.125, 1.0, 2.5, 1e-8, 0.1, 1 / 3),
-            description="FlashAttention-2 forward of Hopper (Gluon, warp-specialized), Triton FA2 backward"),)
+            description="FlashAttention-2 forward and backward dK/dV of Hopper (Gluon, warp-specialized); "
+                        "Triton Delta and dQ"),)
     _TRITON: tuple[Implementation, ...] = (TRITON_SOFTMAX, TRITON_FA2, TRITON_FA1, *_AUTOTUNED, *_GLUON,
                                            TRITON_FA2_ATOMIC_DQ, TRITON_DECODE)
 else:

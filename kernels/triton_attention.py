@@ -35,8 +35,9 @@ that sees no key keeps ``(m, l) = (-inf, 0)`` (``exp(-inf - 0) = 0`` guards the 
 
 On Hopper (compute capability 9.0) the FA2 forward of a plain float16/bfloat16 call at head dim 64 or
 128 runs :mod:`kernels.gluon_forward` instead, the same algorithm and numerics written in Gluon, with
-its products overlapped with the softmax (which Triton's compiler does not do); ``gluon=False`` or
-``FLASHVERIFY_GLUON=0`` keeps the Triton forward (:func:`fa2_forward`).
+its products overlapped with the softmax (which Triton's compiler does not do), and the backward's dK/dV
+kernel (deterministic backward) runs :mod:`kernels.gluon_backward`; ``gluon=False`` or
+``FLASHVERIFY_GLUON=0`` keeps the Triton kernels (:func:`fa2_forward`).
 
 Backward (three launches, no atomics, so it is deterministic)::
 
@@ -93,7 +94,7 @@ try:  # the portable entry point (CUDA's libdevice on NVIDIA GPUs)
 except ImportError:  # pragma: no cover - older Triton
     from triton.language.extra.cuda import libdevice
 
-from kernels import _autograd, _validate, gluon_forward
+from kernels import _autograd, _validate, gluon_backward, gluon_forward
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -1169,10 +1170,12 @@ class _Call:
         return _seq_bucket(max(self.max_q, self.max_k))
 
 
-def _gluon_plan(call: _Call, out4, head_dim: int, *, inner_scaled: bool, fixed: bool, gluon) -> bool:
-    """Whether the forward runs the Gluon kernel of Hopper: ``gluon=None`` where it takes the call as it is
-    (:func:`kernels.gluon_forward.unsupported`, tiles not fixed), ``False`` never, ``True`` always (the
-    tiles then fix the backward's only; tensors no descriptor reads go through contiguous copies), or a
+def _gluon_plan(call: _Call, head_dim: int, tensors, *, inner_scaled: bool, fixed: bool, gluon,
+                backward: bool = False, deterministic: bool = True) -> bool:
+    """Whether the forward (or, ``backward``, the backward's dK/dV kernel) runs the Gluon kernel of Hopper:
+    ``gluon=None`` where it takes the call as it is (:func:`kernels.gluon_forward.unsupported`,
+    :func:`kernels.gluon_backward.unsupported`; tiles not fixed), ``False`` never, ``True`` always (the tiles
+    then fix the Triton dQ kernel's only; tensors no descriptor reads go through contiguous copies), or a
     ValueError naming what rules the call out."""
     if gluon is not None and not isinstance(gluon, bool):
         raise TypeError(f"{call.kernel}: gluon={gluon!r}, but should be None (where it applies), True or False")
@@ -1181,14 +1184,17 @@ def _gluon_plan(call: _Call, out4, head_dim: int, *, inner_scaled: bool, fixed: 
     variant = any(call.flags[name] for name in _VARIANT_KEY if name != "SINKS") or call.sinks is not None
     common = dict(device=call.q.device, dtype=call.q.dtype, head_dim=head_dim, scale=call.scale, variant=variant,
                   inner_scaled=inner_scaled)
-    if not gluon_forward.unsupported(**common, fixed_blocks=fixed and gluon is None,
-                                     tensors=(call.q, call.k, call.v, out4)):
+    if backward:
+        rules, what = functools.partial(gluon_backward.unsupported, deterministic=deterministic), "dK/dV kernel"
+    else:
+        rules, what = gluon_forward.unsupported, "forward"
+    if not rules(**common, fixed_blocks=fixed and gluon is None, tensors=tensors):
         return True
     if gluon is None:
         return False
-    reason = gluon_forward.unsupported(**common, fixed_blocks=False, tensors=())
+    reason = rules(**common, fixed_blocks=False, tensors=())
     if reason:
-        raise ValueError(f"{call.kernel}: gluon=True, but the Gluon forward does not take this call: {reason}")
+        raise ValueError(f"{call.kernel}: gluon=True, but the Gluon {what} does not take this call: {reason}")
     return True
 
 
@@ -1210,7 +1216,7 @@ def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bo
     hq, hkv, d = q4.shape[1], k4.shape[1], q4.shape[3]
     flags = call.flags
     work = call.batch * hq * call.max_q > 0
-    gluon_plan = work and _gluon_plan(call, out4, d, inner_scaled=inner_scaled,
+    gluon_plan = work and _gluon_plan(call, d, (call.q, call.k, call.v, out4), inner_scaled=inner_scaled,
                                       fixed=_fixed_blocks(block_m, block_n) is not None, gluon=gluon)
     if gluon_plan:
         # Hopper: the warp-specialized Gluon forward (kernels/gluon_forward.py), same numerics.
@@ -1255,7 +1261,7 @@ def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
 
 def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
                  block_m: int | None = None, block_n: int | None = None, sinks=None, deterministic: bool = True,
-                 **variant):
+                 gluon: bool | None = None, **variant):
     """Triton FA2 backward: returns ``(dq, dk, dv, delta)`` with ``delta = rowsum(dO * O)`` (float32, the
     LSE's layout), and with ``sinks`` their gradient ``dsinks`` fifth (``-sum_{b, i} P_sink Delta``, a
     fixed-order torch sum).
@@ -1266,6 +1272,10 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     tile pair instead of 7), so dQ's last bits depend on the order the additions arrive in. ``block_m``/``block_n`` are the Q and KV tiles of
     both kernels (see :func:`_bwd_tiles` for the float32 cap at head dims above 128); both ``None``
     autotunes each kernel's tiles on the GPU. The variant keywords are the forward's.
+
+    On Hopper the dK/dV kernel of a plain deterministic call runs the warp-specialized Gluon kernel of
+    :mod:`kernels.gluon_backward` (same numerics and summation order); ``gluon`` decides it as it decides
+    the forward's kernel in :func:`fa2_forward` (``True``: the fixed tiles are the dQ kernel's only).
     """
     kernel = "triton_fa2 backward"
     if not isinstance(deterministic, bool):
@@ -1316,7 +1326,12 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     dq_sum = torch.zeros(dq4.shape, dtype=torch.float32, device=q.device) if atomic else \
         torch.zeros(1, dtype=torch.float32, device=q.device)
     dq_sum_strides = call.batch_strides(dq_sum) if atomic else (0, 0, 0, 0)
-    if call.batch * hkv * call.max_k > 0:
+    if call.batch * hkv * call.max_k > 0 and _gluon_plan(call, d, (q4, k4, v4, dout4), inner_scaled=False,
+                                                         fixed=blocks is not None, gluon=gluon, backward=True,
+                                                         deterministic=deterministic):
+        # Hopper: the warp-specialized Gluon dK/dV kernel (kernels/gluon_backward.py), same numerics.
+        gluon_backward.dkdv(q4, k4, v4, dout4, lse4, delta, dk4, dv4, causal=causal, scale=call.scale)
+    elif call.batch * hkv * call.max_k > 0:
         meta["ALIGNED"] = _aligned(q4, k4, v4, dout4, dk4, dv4)
         _run(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, lambda bm, bn: (triton.cdiv(call.max_k, bn), call.batch * hkv),
              (q4, k4, v4, dout4, lse4, delta, dk4, dv4, dq_sum,
@@ -1353,6 +1368,9 @@ def _apply(q, k, v, causal, scale, block_m, block_n, inner_scaled: bool, out, ls
     kernel = "triton_fa1" if inner_scaled else "triton_fa2"
     if not isinstance(deterministic, bool):
         raise TypeError(f"{kernel}: deterministic={deterministic!r}, but should be a bool")
+    if gluon is True and not deterministic:
+        raise ValueError(f"{kernel}: gluon=True takes the deterministic backward only (its dK/dV kernel), but "
+                         "deterministic=False")
     buffers = None
     if out is not None or lse is not None:
         if variant.get("cu_seqlens_q") is not None or variant.get("cu_seqlens_k") is not None:
@@ -1362,7 +1380,8 @@ def _apply(q, k, v, causal, scale, block_m, block_n, inner_scaled: bool, out, ls
     return _autograd.apply(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
                            forward=functools.partial(_forward, inner_scaled=inner_scaled, kernel=kernel, gluon=gluon,
                                                      **variant),
-                           backward=functools.partial(fa2_backward, deterministic=deterministic, **variant),
+                           backward=functools.partial(fa2_backward, deterministic=deterministic, gluon=gluon,
+                                                      **variant),
                            buffers=buffers, sinks=sinks)
 
 
@@ -1389,9 +1408,11 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
 
     On Hopper (compute capability 9.0) the forward of a plain call (no variant keyword; float16/bfloat16;
     head dim 64 or 128; ``scale > 0``; tiles not fixed) runs the warp-specialized Gluon kernel of
-    :mod:`kernels.gluon_forward`, same numerics, faster. ``gluon=False`` keeps the Triton forward;
-    ``gluon=True`` requires the Gluon one (a ValueError names what rules the call out; ``block_m``/``block_n``
-    then fix the backward's tiles only; inputs no descriptor reads are copied contiguous first).
+    :mod:`kernels.gluon_forward`, and its deterministic backward the Gluon dK/dV kernel of
+    :mod:`kernels.gluon_backward` (the Delta and dQ kernels stay Triton ones): same numerics, faster.
+    ``gluon=False`` keeps the Triton kernels; ``gluon=True`` requires the Gluon ones (a ValueError names
+    what rules the call out; ``block_m``/``block_n`` then fix the dQ kernel's tiles only; inputs no
+    descriptor reads are copied contiguous first).
     """
     variant = dict(window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
                    alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

@@ -13,12 +13,6 @@ serialized products, and (on an H100/H200) that it computes attention.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -26,8 +20,8 @@ pytest.importorskip("triton")
 
 from kernels import gluon_forward as gf  # noqa: E402
 from kernels import triton_attention as ta  # noqa: E402
+from tests import gluon_compile  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 needs_gluon = pytest.mark.skipif(not gf.AVAILABLE, reason=f"Gluon not importable: {gf.UNAVAILABLE_REASON}")
 
 
@@ -70,60 +64,24 @@ def test_unsupported_names_each_rule(monkeypatch):
 
 
 _COMPILE = r"""
-import json, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import gluon_forward as gf
 
-ptxas = get_ptxas(90).path
-results = {}
 for d in gf.HEAD_DIMS:
     for dt, gdt in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
         for causal in (False, True):
-            def desc(rows):
-                block = [1, 1, rows, d]
-                layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
-                return f"tensordesc<{dt}[{','.join(map(str, block))}],{layout!r}>"
-            signature = {"q_desc": desc(gf.BLOCK_M), "k_desc": desc(gf.BLOCK_N), "v_desc": desc(gf.BLOCK_N),
-                         "o_desc": desc(gf.BLOCK_M), "Lse": "*fp32", **{name: "i32" for name in (
-                             "stride_lb", "stride_lh", "stride_ln")}, "c": "fp32",
-                         **{name: "i32" for name in ("heads_q", "group", "len_q", "len_k")},
+            signature = {"q_desc": desc(dt, gdt, gf.BLOCK_M, d), "k_desc": desc(dt, gdt, gf.BLOCK_N, d),
+                         "v_desc": desc(dt, gdt, gf.BLOCK_N, d), "o_desc": desc(dt, gdt, gf.BLOCK_M, d),
+                         "Lse": "*fp32", **{name: "i32" for name in ("stride_lb", "stride_lh", "stride_ln")},
+                         "c": "fp32", **{name: "i32" for name in ("heads_q", "group", "len_q", "len_k")},
                          **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D")}}
-            key = f"d{d}-{dt}-{'causal' if causal else 'full'}"
-            try:
-                kernel = triton.compile(
-                    GluonASTSource(fn=gf._attn_fwd_ws, signature=signature,
-                                   constexprs={"CAUSAL": causal, "BLOCK_M": gf.BLOCK_M, "BLOCK_N": gf.BLOCK_N, "D": d}),
-                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-            except Exception as exc:
-                results[key] = {"error": f"{type(exc).__name__}: {str(exc)[-2000:]}"}
-                continue
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
-                fh.write(kernel.asm["ptx"])
-            run = subprocess.run([ptxas, "-v", "-arch=sm_90a", fh.name, "-o", fh.name + ".o"], capture_output=True,
-                                 text=True)
-            results[key] = {"rc": run.returncode, "ptxas": run.stderr[-3000:],
-                            "wgmma": len(re.findall(r"wgmma\.mma_async", kernel.asm["ptx"]))}
-print("RESULTS " + json.dumps(results))
+            build(f"d{d}-{dt}-{'causal' if causal else 'full'}", gf._attn_fwd_ws, signature,
+                  {"CAUSAL": causal, "BLOCK_M": gf.BLOCK_M, "BLOCK_N": gf.BLOCK_N, "D": d})
 """
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
-    except ImportError:
-        pytest.skip("Triton's NVIDIA backend is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=600)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert lines, f"the compile process printed no results (rc {run.returncode}):\n{run.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return gluon_compile.results(_COMPILE)
 
 
 @needs_gluon

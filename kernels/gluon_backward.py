@@ -1,0 +1,215 @@
+"""The FA2 dK/dV kernel on Hopper (compute capability 9.0), written in Gluon.
+
+:func:`kernels.triton_attention.fa2_backward` runs this kernel instead of its Triton dK/dV kernel where
+:func:`unsupported` has no objection (the cases of :func:`kernels.gluon_forward.unsupported`, with the
+deterministic backward); the Delta and dQ kernels stay Triton ones. Same numerics as the Triton kernel:
+``p^T = exp2(k q^T * scale * log2(e) - lse * log2(e))`` in float32, ``p`` and ``dS`` rounded to the input
+dtype before their products, float32 accumulators, ``dK`` scaled once at the end; every sum runs in a
+fixed order (deterministic: the query heads of a GQA group one after another, each head's Q tiles in
+order).
+
+Each program owns ``2 * BLOCK_N`` keys of one (batch, KV head). One warp issues the TMA loads (the
+program's K and V tiles once, then Q and dO tile by tile into shared-memory stages); two consumer
+warpgroups of four warps, ``BLOCK_N`` keys each, run per Q tile, in the transposed form (rows are keys)::
+
+    issue S^T = K Q^T, dP^T = V dO^T             (asynchronous)
+    wait for S^T;  P^T = exp2(S^T c - lse)        <- overlaps dP^T
+    issue dV += P^T dO                            (P^T from registers)
+    wait for dP^T;  dS^T = P^T (dP^T - Delta)     <- overlaps dV's product
+    issue dK += dS^T Q;  wait for both
+
+No product is in flight across the loop's back edge (see kernels/gluon_forward.py: ptxas would serialize
+every product). The two warpgroups share each stage and release it once each.
+
+Not available under Triton's interpreter; tests/test_gluon_backward.py compiles it for sm_90 without a
+GPU and checks it against float64 on one.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels import gluon_forward
+
+AVAILABLE = gluon_forward.AVAILABLE
+if AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, \
+        warpgroup_mma, warpgroup_mma_wait
+
+LOG2E = math.log2(math.e)
+HEAD_DIMS = gluon_forward.HEAD_DIMS
+BLOCK_N = 64  # keys per consumer warpgroup; a program covers 2 * BLOCK_N
+BLOCK_M = 64  # query rows per stage (128 at head dim 64 spills, and ran 1.3-1.6x slower on an H200)
+STAGES = 2
+
+
+def unsupported(*, deterministic: bool, **forward_rules) -> str:
+    """Why the dK/dV kernel of a backward call does not run here ("" where it does): the forward's rules
+    (:func:`kernels.gluon_forward.unsupported`; ``tensors`` are q, k, v and dO), and the deterministic
+    backward only (the atomic-dQ one adds dQ inside the Triton dK/dV kernel)."""
+    if not deterministic:
+        return "deterministic=False (the atomic-dQ backward runs its own dK/dV kernel)"
+    return gluon_forward.unsupported(**forward_rules)
+
+
+if AVAILABLE:
+    _tma_load = gluon_forward._tma_load
+    _tma_store = gluon_forward._tma_store
+
+    @gluon.jit
+    def _consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, dk_desc, dv_desc, Lse, Delta,
+                  stride_lb, stride_lh, stride_ln, stride_db, stride_dh, c, scale, off_b, off_hkv, group, start_n,
+                  lo, n_tiles, len_q, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+        """One warpgroup: keys [start_n, start_n + BLOCK_N) against every Q tile of the group's heads."""
+        dtype: gl.constexpr = dk_desc.dtype
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        A_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A_LAYOUT, k_width=2)
+        COL: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+        ROW: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        k_tile = k_smem.reshape([BLOCK_N, D])
+        v_tile = v_smem.reshape([BLOCK_N, D])
+        dk = gl.zeros([BLOCK_N, D], gl.float32, layout=A_LAYOUT)
+        dv = gl.zeros([BLOCK_N, D], gl.float32, layout=A_LAYOUT)
+        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=S_LAYOUT)
+        keys = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=ROW), 1)
+        cols = gl.arange(0, BLOCK_M, layout=COL)
+        # Q tiles whose first row sees the last key see the whole tile: the mask is for tiles before that.
+        unmasked_from = start_n + BLOCK_N - 1 - causal_offset
+        mbarrier.wait(kv_bar, 0)
+        n_tiles_nz = gl.maximum(n_tiles, 1)
+        for step in range(group * n_tiles):
+            g = step // n_tiles_nz
+            start_m = lo + (step - g * n_tiles_nz) * BLOCK_M
+            off_h = off_hkv * group + g
+            st = step % STAGES
+            rows = start_m + cols
+            in_q = rows < len_q
+            lse = gl.load(Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows * stride_ln,
+                          mask=in_q, other=float("inf"))
+            delta = gl.load(Delta + off_b.to(gl.int64) * stride_db + off_h.to(gl.int64) * stride_dh + rows,
+                            mask=in_q, other=0.0)
+            # a row that sees no key has lse = -inf: +inf makes its p 0 (not NaN)
+            lse2 = gl.expand_dims(gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), 0)
+            mbarrier.wait(ready.index(st), (step // STAGES) & 1)
+            q_tile = q_smem.index(st).reshape([BLOCK_M, D])
+            do_tile = do_smem.index(st).reshape([BLOCK_M, D])
+            s = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s, ))  # S^T done, dP^T still running ...
+            arg = s * c - lse2
+            if CAUSAL:
+                if start_m < unmasked_from:
+                    arg = gl.where(keys <= gl.expand_dims(rows, 0) + causal_offset, arg, float("-inf"))
+            p = gl.exp2(arg)  # ... during this
+            dv = warpgroup_mma(gl.convert_layout(p.to(dtype), P_LAYOUT), do_tile, dv, is_async=True)
+            dp = warpgroup_mma_wait(1, deps=(dp, ))  # dP^T done, dV's product still running ...
+            ds = p * (dp - gl.expand_dims(delta, 0))  # ... during this
+            dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), P_LAYOUT), q_tile, dk, is_async=True)
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+            mbarrier.arrive(empty.index(st), count=1)
+        # K and V are read no more: their buffers stage dK and dV (keys past the end clipped by the store)
+        k_tile.store((dk * scale).to(dtype))
+        v_tile.store(dv.to(dtype))
+        fence_async_shared()
+        _tma_store(dk_desc, [off_b, off_hkv, start_n, 0], k_smem)
+        _tma_store(dv_desc, [off_b, off_hkv, start_n, 0], v_smem)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, off_b,
+                  off_hkv, group, start_n, lo, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """One warp: both warpgroups' K and V tiles, then Q and dO tile by tile as the stages are freed."""
+        for w in gl.static_range(2):
+            mbarrier.expect(kv_bar.index(w), 2 * k_desc.block_type.nbytes)
+            _tma_load(k_desc, [off_b, off_hkv, start_n + w * BLOCK_N, 0], kv_bar.index(w), k_smem.index(w))
+            _tma_load(v_desc, [off_b, off_hkv, start_n + w * BLOCK_N, 0], kv_bar.index(w), v_smem.index(w))
+        n_tiles_nz = gl.maximum(n_tiles, 1)
+        for step in range(group * n_tiles):
+            g = step // n_tiles_nz
+            start_m = lo + (step - g * n_tiles_nz) * BLOCK_M
+            off_h = off_hkv * group + g
+            st = step % STAGES
+            mbarrier.wait(empty.index(st), ((step // STAGES) & 1) ^ 1, pred=step >= STAGES)
+            mbarrier.expect(ready.index(st), 2 * q_desc.block_type.nbytes)
+            _tma_load(q_desc, [off_b, off_h, start_m, 0], ready.index(st), q_smem.index(st))
+            _tma_load(do_desc, [off_b, off_h, start_m, 0], ready.index(st), do_smem.index(st))
+
+    @gluon.jit
+    def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, stride_lb, stride_lh,
+                          stride_ln, stride_db, stride_dh, c, scale, heads_kv, group, len_q, len_k,
+                          CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                          STAGES: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        pid_n = gl.program_id(0)  # causal: the first key tiles have the most Q tiles, and run first
+        pid_bh = gl.program_id(1)
+        off_b = pid_bh // heads_kv
+        off_hkv = pid_bh % heads_kv
+        start_n = pid_n * 2 * BLOCK_N
+        causal_offset = len_k - len_q
+        if CAUSAL:  # the first query row that sees the program's first key
+            lo = (gl.maximum(start_n - causal_offset, 0) // BLOCK_M) * BLOCK_M
+        else:
+            lo = start_n * 0
+        n_tiles = gl.maximum(gl.cdiv(len_q - lo, BLOCK_M), 0)
+
+        k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, D], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, D], do_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(kv_bar.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one release per consumer warpgroup
+        gl.warp_specialize([
+            (_consumer, (k_smem.index(0), v_smem.index(0), q_smem, do_smem, kv_bar.index(0), ready, empty, dk_desc,
+                         dv_desc, Lse, Delta, stride_lb, stride_lh, stride_ln, stride_db, stride_dh, c, scale, off_b,
+                         off_hkv, group, start_n, lo, n_tiles, len_q, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, D,
+                         STAGES)),
+            (_consumer, (k_smem.index(1), v_smem.index(1), q_smem, do_smem, kv_bar.index(1), ready, empty, dk_desc,
+                         dv_desc, Lse, Delta, stride_lb, stride_lh, stride_ln, stride_db, stride_dh, c, scale, off_b,
+                         off_hkv, group, start_n + BLOCK_N, lo, n_tiles, len_q, causal_offset, CAUSAL, BLOCK_M,
+                         BLOCK_N, D, STAGES)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+                         off_b, off_hkv, group, start_n, lo, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
+        ], [4, 1], [240, 24])
+
+
+def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float) -> None:
+    """Write dK and dV of the FA2 backward of ``[B, H, N, D]`` float16/bfloat16 tensors into ``dk``, ``dv``
+    (``k``'s shape, contiguous); ``lse`` and ``delta`` (``rowsum(dO * O)``) are ``[B, Hq, Nq]`` float32,
+    ``delta`` with unit last stride. Tensors no descriptor reads go through contiguous copies."""
+    b, hkv, len_k, d = k.shape
+    hq, len_q = q.shape[1], q.shape[2]
+    if b * hkv * len_k == 0:
+        return
+    if len_q == 0:
+        dk.zero_()
+        dv.zero_()
+        return
+    readable = gluon_forward.readable
+    q, k, v, dout = (t if readable(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+                     for t in (q, k, v, dout))
+    targets = [t if readable(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (dk, dv)]
+    block_m = BLOCK_M
+    descriptor = gluon_forward._descriptor
+    _attn_bwd_dkdv_ws[(-(-len_k // (2 * BLOCK_N)), b * hkv)](
+        descriptor(q, block_m), descriptor(k, BLOCK_N), descriptor(v, BLOCK_N), descriptor(dout, block_m),
+        descriptor(targets[0], BLOCK_N), descriptor(targets[1], BLOCK_N), lse, delta,
+        lse.stride(0), lse.stride(1), lse.stride(2), delta.stride(0), delta.stride(1), scale * LOG2E, scale, hkv,
+        hq // hkv, len_q, len_k, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=d, STAGES=STAGES, num_warps=4)
+    for target, given in zip(targets, (dk, dv)):
+        if target is not given:
+            given.copy_(target)
+

@@ -1,0 +1,168 @@
+"""The Gluon dK/dV kernel of Hopper (kernels/gluon_backward.py): when it runs, that it compiles without
+serialized products, and (on an H100/H200) that its gradients are right.
+
+* Dispatch rules, without a GPU: :func:`gluon_backward.unsupported` adds the deterministic backward to the
+  forward's rules; ``gluon=True`` with ``deterministic=False`` is refused by name.
+* Compilation, without a GPU: the kernel compiled for sm_90 in a fresh process, in each head dim, dtype and
+  causal flag, and its PTX assembled by Triton's own ptxas, whose report must not carry note C7514
+  ("wgmma.mma_async instructions are serialized": see tests/test_gluon_forward.py).
+* On a GPU of compute capability 9.0: the gradients of ``fa2_forward`` (whose backward dispatches here)
+  within the suite's bound of the float64 ones (references/bounds.py) over tails, Nq != Nk with the causal
+  diagonal (rows that see no key, keys no row sees), GQA and strided inputs; and that the Gluon kernel ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import gluon_backward as gb  # noqa: E402
+from kernels import gluon_forward as gf  # noqa: E402
+from kernels import triton_attention as ta  # noqa: E402
+from references import attention as ref_attention  # noqa: E402
+from references import bounds  # noqa: E402
+from references.spec import AttentionSpec  # noqa: E402
+from tests import gluon_compile  # noqa: E402
+
+needs_gluon = pytest.mark.skipif(not gf.AVAILABLE, reason=f"Gluon not importable: {gf.UNAVAILABLE_REASON}")
+
+
+def _on_hopper() -> bool:
+    return (torch.cuda.is_available() and not ta.INTERPRET and gf.AVAILABLE
+            and torch.cuda.get_device_capability() == (9, 0))
+
+
+on_hopper = pytest.mark.skipif(not _on_hopper(), reason="the Gluon kernels run on a GPU of compute capability 9.0 only")
+
+
+@needs_gluon
+def test_unsupported_adds_the_deterministic_rule(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delenv(gf.ENV_OFF, raising=False)
+    t = torch.zeros(2, 4, 64, 128, dtype=torch.float16)
+    plain = dict(device=torch.device("cuda"), dtype=torch.float16, head_dim=128, scale=0.1, variant=False,
+                 inner_scaled=False, fixed_blocks=False, tensors=(t, t, t, t))
+    assert gb.unsupported(deterministic=True, **plain) == ""
+    assert "deterministic=False" in gb.unsupported(deterministic=False, **plain)
+    # the forward's rules, each named
+    assert "head dim" in gb.unsupported(deterministic=True, **{**plain, "head_dim": 96})
+    assert "fixed" in gb.unsupported(deterministic=True, **{**plain, "fixed_blocks": True})
+    monkeypatch.setenv(gf.ENV_OFF, "0")
+    assert gf.ENV_OFF in gb.unsupported(deterministic=True, **plain)
+
+
+def test_gluon_true_refuses_the_atomic_backward():
+    q = torch.zeros(1, 2, 16, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="gluon=True takes the deterministic backward only"):
+        ta.fa2_forward(q, q, q, gluon=True, deterministic=False)
+
+
+_COMPILE = r"""
+from kernels import gluon_backward as gb
+
+for d in gb.HEAD_DIMS:
+    for dt, gdt in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
+        for causal in (False, True):
+            q_rows, keys = desc(dt, gdt, gb.BLOCK_M, d), desc(dt, gdt, gb.BLOCK_N, d)
+            signature = {"q_desc": q_rows, "k_desc": keys, "v_desc": keys, "do_desc": q_rows, "dk_desc": keys,
+                         "dv_desc": keys, "Lse": "*fp32", "Delta": "*fp32",
+                         **{name: "i32" for name in ("stride_lb", "stride_lh", "stride_ln", "stride_db", "stride_dh")},
+                         "c": "fp32", "scale": "fp32",
+                         **{name: "i32" for name in ("heads_kv", "group", "len_q", "len_k")},
+                         **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "STAGES")}}
+            build(f"d{d}-{dt}-{'causal' if causal else 'full'}", gb._attn_bwd_dkdv_ws, signature,
+                  {"CAUSAL": causal, "BLOCK_M": gb.BLOCK_M, "BLOCK_N": gb.BLOCK_N, "D": d, "STAGES": gb.STAGES})
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return gluon_compile.results(_COMPILE)
+
+
+@needs_gluon
+@pytest.mark.parametrize("d", gb.HEAD_DIMS)
+@pytest.mark.parametrize("dt", ["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiles_for_sm90_without_serialized_products(compiled, d, dt, causal):
+    result = compiled[f"d{d}-{dt}-{'causal' if causal else 'full'}"]
+    assert "error" not in result, result.get("error")
+    assert result["rc"] == 0, result["ptxas"]
+    assert result["wgmma"] > 0
+    assert "C7514" not in result["ptxas"] and "serialized" not in result["ptxas"], result["ptxas"]
+
+
+# (B, Hq, Hkv, Nq, Nk, D, causal, layout): one query over three KV programs' worth of keys; Nq > Nk causal
+# (the first rows see no key); Nq < Nk causal (the last keys' tiles see every row, the first few rows see
+# many keys); GQA groups of 2 and 4 (dK, dV summed over the group's heads); key tails inside a
+# warpgroup's 64 keys and past a program's 128; [B, N, H, D] storage.
+SHAPES = [
+    (1, 1, 1, 1, 257, 64, False, "bhnd"), (1, 2, 2, 63, 65, 128, True, "bhnd"), (2, 3, 3, 129, 127, 64, True, "bhnd"),
+    (1, 4, 2, 200, 333, 128, False, "bhnd"), (1, 4, 1, 300, 100, 128, True, "bhnd"),
+    (2, 2, 2, 256, 256, 64, True, "bnhd"), (1, 8, 2, 520, 520, 128, True, "bnhd"),
+    (1, 2, 2, 100, 1024, 64, True, "bhnd"), (1, 2, 2, 517, 40, 64, False, "bnhd"),
+]
+
+
+@on_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_gradients_within_the_bound_on_hopper(shape, dtype, monkeypatch):
+    b, hq, hkv, nq, nk, d, causal, layout = shape
+    gen = torch.Generator(device="cuda").manual_seed(nq * 7 + nk)
+
+    def make(h, n):
+        if layout == "bnhd":
+            return torch.randn((b, n, h, d), generator=gen, device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn((b, h, n, d), generator=gen, device="cuda", dtype=dtype)
+
+    q, k, v, dout = make(hq, nq), make(hkv, nk), make(hkv, nk), make(hq, nq)
+    calls = []
+    real = gb.dkdv
+    monkeypatch.setattr(gb, "dkdv", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, _ = ta.fa2_forward(*leaves, causal=causal)
+    dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+    assert calls, "the Triton dK/dV kernel ran, not the Gluon one"
+    ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=causal), dout=dout)
+    bq, bk, bv, _ = bounds.backward_bounds(ref, q, k, v, dtype=dtype, out=out.detach())
+    for name, got, exact, bound in (("dq", dq, ref.dq, bq), ("dk", dk, ref.dk, bk), ("dv", dv, ref.dv, bv)):
+        assert torch.isfinite(got).all(), name
+        assert ((got.double() - exact).abs() <= bound).all(), (name, (got.double() - exact).abs().max().item())
+
+
+@on_hopper
+def test_routing_on_hopper(monkeypatch):
+    """gluon=None: Gluon unless the tiles are fixed, the backward is not deterministic or a tensor is one no
+    descriptor reads (``out.sum()``'s dO broadcasts one element); gluon=False: never; gluon=True: always
+    (the tiles then the dQ kernel's), through contiguous copies where no descriptor reads a tensor (dO
+    broadcast, or at a storage offset of one element); no query row: dK = dV = 0."""
+    calls = []
+    real = gb.dkdv
+    monkeypatch.setattr(gb, "dkdv", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn((1, 2, 300, 64), generator=gen, device="cuda", dtype=torch.float16) for _ in range(3))
+    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=torch.float16)
+    expected = {(None, None, True, False): 1, (None, 64, True, False): 0, (False, None, True, False): 0,
+                (True, 64, True, False): 1, (None, None, False, False): 0, (None, None, True, True): 0,
+                (True, None, True, True): 1}
+    for (gluon, block, deterministic, broadcast), runs in expected.items():
+        calls.clear()
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, _ = ta.fa2_forward(*leaves, causal=True, gluon=gluon, block_m=block, block_n=block,
+                                deterministic=deterministic)
+        out.sum().backward() if broadcast else out.backward(dout)
+        assert len(calls) == runs, (gluon, block, deterministic, broadcast)
+    out, lse = ta.fa2_forward_raw(q, k, v, causal=True)
+    flat = torch.randn(1 * 2 * 300 * 64 + 1, generator=gen, device="cuda", dtype=torch.float16)
+    shifted = flat[1:].view(1, 2, 300, 64)  # 2 bytes off a 16-byte boundary
+    assert not gf.readable(shifted)
+    calls.clear()
+    got = ta.fa2_backward(q, k, v, out, lse, shifted, causal=True, gluon=True)
+    want = ta.fa2_backward(q, k, v, out, lse, shifted.clone(), causal=True, gluon=True)
+    assert calls and all(torch.equal(a, b) for a, b in zip(got, want))
+    _, dk, dv, _ = ta.fa2_backward(q[:, :, :0], k, v, out[:, :, :0], lse[:, :, :0], shifted[:, :, :0], gluon=True)
+    assert (dk == 0).all() and (dv == 0).all()
