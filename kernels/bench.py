@@ -154,10 +154,13 @@ def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, peers=PEERS, 
         row[f"{name}_fwd_ms"] = _time(fwd)
         row[f"{name}_bwd_ms"] = _time(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
 
-    # which forward fa2_forward runs for this row: the Gluon one on Hopper where it takes the call
-    row["fwd_kernel"] = "triton" if triton_attention.gluon_forward.unsupported(
-        device=q.device, dtype=dtype, head_dim=d, scale=d ** -0.5, variant=False, inner_scaled=False,
-        fixed_blocks=False, tensors=(q, k, v)) else "gluon"
+    # which kernels fa2_forward runs for this row: the Gluon forward and dK/dV kernel on Hopper where they
+    # take the call
+    rules = dict(device=q.device, dtype=dtype, head_dim=d, scale=d ** -0.5, variant=False, inner_scaled=False,
+                 fixed_blocks=False, tensors=(q, k, v))
+    row["fwd_kernel"] = "triton" if triton_attention.gluon_forward.unsupported(**rules) else "gluon"
+    row["bwd_kernel"] = "triton" if triton_attention.gluon_backward.unsupported(deterministic=True, **rules) \
+        else "gluon"
     reference = triton_attention.fa2_forward(q, k, v, causal=causal)[0]
     measure("triton", lambda: triton_attention.fa2_forward(q, k, v, causal=causal)[0])
     if atomic_dq:
@@ -187,7 +190,7 @@ def _best(r: dict, kind: str) -> str:
 
 
 def gluon_env() -> str:
-    """The environment variable that turns the Gluon forward off."""
+    """The environment variable that turns the Gluon kernels off."""
     from kernels import gluon_forward
     return gluon_forward.ENV_OFF
 
@@ -211,12 +214,16 @@ def markdown(rows: list[dict], header: str) -> str:
             f"| {r['d']} | {r['n']} | {r['batch']} x {r['heads']} | {'yes' if r['causal'] else 'no'} | {r['dtype']} "
             f"| {r['triton_fwd_tflops']:.0f}{' (gluon)' if r.get('fwd_kernel') == 'gluon' else ''} "
             f"| {_best(r, 'fwd')} | {_ratio(r, 'fwd')} "
-            f"| {r['triton_bwd_tflops']:.0f} | {_best(r, 'bwd')} | {_ratio(r, 'bwd')} |{extra} {r['max_diff']:.1e} |")
+            f"| {r['triton_bwd_tflops']:.0f}{' (gluon)' if r.get('bwd_kernel') == 'gluon' else ''} "
+            f"| {_best(r, 'bwd')} | {_ratio(r, 'bwd')} |{extra} {r['max_diff']:.1e} |")
     lines += ["", "TFLOP/s; forward FLOPs 4·B·H·N²·D (halved if causal), backward 2.5× that; "
               "ratio = Triton / the fastest peer of the row."]
     if any(r.get("fwd_kernel") == "gluon" for r in rows):
         lines += ["fwd Triton \"(gluon)\": fa2_forward ran the Gluon forward of kernels/gluon_forward.py (Hopper); "
                   f"{gluon_env()}=0 keeps the Triton one."]
+    if any(r.get("bwd_kernel") == "gluon" for r in rows):
+        lines += ["bwd Triton \"(gluon)\": its dK/dV kernel was the Gluon one of kernels/gluon_backward.py (Hopper; "
+                  f"Delta and dQ Triton); {gluon_env()}=0 keeps the Triton one."]
     lines += [""]
     peers = [p for p in PEERS if any(p in r["peers"] or p in r["not_run"] for r in rows)]
     lines += ["Every peer (forward / backward TFLOP/s; - where it did not run):", "",

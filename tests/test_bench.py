@@ -80,3 +80,16 @@ def test_a_row_whose_forward_ran_in_gluon_says_so():
     line = next(l for l in text.splitlines() if l.startswith("| 128 | 4096 | 4 x 16 |"))
     assert f"| {r['triton_fwd_tflops']:.0f} (gluon) | " in line
     assert f"{bench.gluon_env()}=0 keeps the Triton one" in text
+
+
+def test_a_row_whose_backward_ran_gluon_dkdv_says_so():
+    r = _row(triton=(1.0, 3.0), flex=(0.8, 4.0))
+    r["fwd_kernel"] = "gluon"
+    text = bench.markdown([r], "header")
+    assert "kernels/gluon_backward.py" not in text
+    r["bwd_kernel"] = "gluon"
+    text = bench.markdown([r], "header")
+    line = next(l for l in text.splitlines() if l.startswith("| 128 | 4096 | 4 x 16 |"))
+    assert f"| {r['triton_bwd_tflops']:.0f} (gluon) | " in line
+    assert line.count("|") == text.splitlines()[3].count("|")
+    assert "dK/dV kernel was the Gluon one of kernels/gluon_backward.py" in text
