@@ -60,6 +60,22 @@ def test_gluon_true_refuses_the_atomic_backward():
         ta.fa2_forward(q, q, q, gluon=True, deterministic=False)
 
 
+def test_backward_gluon_keyword_is_checked():
+    """fa2_backward's ``gluon``: a bool or None; True names what rules the call out (off Hopper at least the
+    device or the dtype); False and None run the Triton kernels there."""
+    device = "cpu" if ta.INTERPRET or not torch.cuda.is_available() else "cuda"
+    q = torch.randn(1, 2, 16, 64, dtype=torch.float32 if device == "cpu" else torch.float16, device=device)
+    out, lse = ta.fa2_forward_raw(q, q, q, gluon=False)
+    with pytest.raises(TypeError, match="gluon='yes'"):
+        ta.fa2_backward(q, q, q, out, lse, q, gluon="yes")
+    if not _on_hopper():
+        with pytest.raises(ValueError, match="gluon=True, but the Gluon dK/dV kernel does not take this call"):
+            ta.fa2_backward(q, q, q, out, lse, q, gluon=True)
+    for gluon in (None, False):
+        dq, dk, dv, _ = ta.fa2_backward(q, q, q, out, lse, q, gluon=gluon)
+        assert dk.shape == q.shape and torch.isfinite(dk).all()
+
+
 _COMPILE = r"""
 from kernels import gluon_backward as gb
 
