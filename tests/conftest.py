@@ -3,12 +3,55 @@
 ``TRITON_INTERPRET=1`` must be set before ``triton`` is imported; this file is loaded before any test
 module is (and in every pytest-xdist worker), so ``pytest tests`` covers the Triton tests on CPU with no
 variable to remember. A value already set is kept (``TRITON_INTERPRET=0`` on a GPU machine).
+
+Under pytest-xdist (``pytest tests -n 2``, the README's command) the run is scheduled for its wall time:
+
+- the tests marked ``slow`` (each runs a whole ``pytest verify`` session in a subprocess, up to minutes) run
+  first, longest first by their ``slow(seconds=...)`` estimate, so that no worker starts a long one while
+  the other has nothing left to do;
+- the default ``--dist load`` hands out tests one at a time (``--maxschedchunk 1`` unless given), so the
+  short tests fill in behind the long ones on whichever worker is free;
+- each worker's torch gets its share of the cores (one thread each for ``-n 2`` on 2 cores): more threads
+  than cores slow every test down, most of all the subprocess runs, which use one thread each.
 """
 
 import os
+
+import pytest
 
 if "TRITON_INTERPRET" not in os.environ:
     import torch
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)))
+
+
+def _slow_seconds(item) -> float:
+    """The largest ``seconds`` estimate of the test's ``slow`` markers (the function's, or one of its
+    parameters'; a ``slow`` marker without one counts as 30 s), 0 for a test not marked ``slow``."""
+    return max((float(m.kwargs.get("seconds", 30)) for m in item.iter_markers("slow")), default=0.0)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Longest first (stable: tests of equal weight keep their order). Every worker collects the same
+    order, as pytest-xdist requires."""
+    items.sort(key=lambda item: -_slow_seconds(item))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist load`` (the default of ``-n``) with one test per hand-out unless ``--maxschedchunk`` is given:
+    with the longest tests first, a worker that finishes takes the next test, whatever the other is running."""
+    if config.getvalue("dist") != "load" or config.getoption("maxschedchunk") is not None:
+        return None
+    from xdist.scheduler import LoadScheduling
+
+    scheduler = LoadScheduling(config, log)
+    scheduler.maxschedchunk = 1
+    return scheduler

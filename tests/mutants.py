@@ -193,9 +193,11 @@ class Outcome:
 
 
 def run_variant(name: str, *, report_dir: str | os.PathLike, extra: tuple[str, ...] = ()) -> Outcome:
-    """Run ``pytest verify --impl tests/mutants.py:NAME -x`` under the ci profile in a subprocess."""
+    """Run ``pytest verify --impl tests/mutants.py:NAME -x`` under the ci profile in a subprocess, out, the LSE
+    and the gradients first (tests/accuracy_first.py: the order changes no verdict, only how soon ``-x`` stops)."""
     cmd = [sys.executable, "-m", "pytest", "verify", "--impl", f"tests/mutants.py:{name}", "-x", "-q",
-           "--hypothesis-profile=ci", "-p", "no:cacheprovider", "--report-dir", str(report_dir), *extra]
+           "--hypothesis-profile=ci", "-p", "tests.accuracy_first", "-p", "no:cacheprovider",
+           "--report-dir", str(report_dir), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)

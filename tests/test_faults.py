@@ -13,6 +13,7 @@ import time
 import types
 from pathlib import Path
 
+import pytest
 import torch
 
 from references.spec import AttentionSpec
@@ -252,6 +253,7 @@ def test_a_sticky_cuda_error_stops_a_run_without_xdist_with_a_partial_report(tmp
     assert "flashverify report: PARTIAL: the run stopped after" in out
 
 
+@pytest.mark.slow(seconds=45)
 def test_a_sticky_cuda_error_ends_the_xdist_worker_and_the_run_goes_on(tmp_path):
     proc, _ = _pytest_verify(tmp_path, "verify/test_forward.py", "--impl", STICKY, "--impl", "fa2_blocked",
                              "-k", FORWARD_TESTS, "-n", "2", "-rA", "--max-worker-restart", "1", timeout=240)

@@ -12,6 +12,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SELECTION = "out_matches_reference or gradients_match_reference or block_size_invariance"
 RUNS = 3
@@ -40,6 +42,7 @@ def _run(report_dir: Path) -> tuple[dict[str, str], list[dict]]:
     return verdicts, measurements
 
 
+@pytest.mark.slow(seconds=110)
 def test_three_ci_runs_give_the_same_verdicts_and_measurements(tmp_path):
     runs = [_run(tmp_path / f"report-{i}") for i in range(RUNS)]
     verdicts, measurements = runs[0]

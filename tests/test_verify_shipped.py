@@ -22,7 +22,7 @@ ACCURACY = ("test_out_matches_reference or test_lse_matches_reference or test_gr
             "or test_softmax_matches_reference")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=300)
 def test_shipped_kernels_pass_the_accuracy_properties(tmp_path):
     report = tmp_path / "report"
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
