@@ -69,3 +69,13 @@ def results(body: str) -> dict:
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS ")]
     assert lines, f"the compile process printed no results (rc {run.returncode}):\n{run.stderr[-3000:]}"
     return json.loads(lines[-1][len("RESULTS "):])
+
+
+def assert_not_serialized(result: dict) -> None:
+    """One record of :func:`results`: compiled, assembled, with warpgroup MMAs, and without ptxas note C7514
+    ("wgmma.mma_async instructions are serialized"), which a product in flight across a loop's back edge
+    brings and which removes every overlap the Gluon kernels exist for."""
+    assert "error" not in result, result.get("error")
+    assert result["rc"] == 0, result["ptxas"]
+    assert result["wgmma"] > 0
+    assert "C7514" not in result["ptxas"] and "serialized" not in result["ptxas"], result["ptxas"]
