@@ -91,3 +91,4 @@ def test_floor_covers_tensor_core_scores_with_same_sign_products():
     without -= (criteria.score_roundings(torch.float16, 184) - 1) * 2.0 ** -24 * mags.scores  # one rounding
     assert without < 1.052e-3
     assert criteria.score_roundings(torch.float16, 184) == 24 and criteria.score_roundings(torch.float32, 184) == 1
+    assert criteria.score_roundings(torch.float64, 184) == 2  # the float64 reference's scores round too

@@ -24,6 +24,16 @@ CASES = [
      dict(batch=1, heads_q=2, heads_kv=2, len_q=19, len_k=6, head_dim=27, dtype="float16",
           spec={"causal": True, "softcap": 30.0, "sinks": [30.0, 30.0]}, magnitude="row_shift", seed=1,
           layout="contiguous", scale=None, block_m=2, block_n=1)),
+    # float64, a row with one visible key beside a sink (paged, chunks of 1): out 26 u from the exact value
+    # in fa2_blocked and fa1_blocked (the score, summed in order over D = 34, 1.16 roundings of its magnitude
+    # off) and the float64 reference's 12.5 u the other way; criterion 1's floor held one rounding of the
+    # score magnitude, for the kernel's alone (error 4.337e-17, allowed 3.324e-17). The reference's float64
+    # scores round as much as the kernel's: the floor counts both (references/criteria.py, score_roundings).
+    ("out_matches_reference",
+     dict(batch=1, heads_q=1, heads_kv=1, len_q=36, len_k=2, head_dim=34, dtype="float64",
+          spec={"causal": False, "alignment": "bottom_right", "attention_chunk": 1, "sinks": [0.0],
+                "sequences": "paged", "seqlens_q": [12, 12, 12], "seqlens_k": [1, 1, 0], "page_size": 1},
+          magnitude="normal", seed=136, layout="contiguous", scale=1.0, block_m=1, block_n=1)),
 ]
 
 
