@@ -29,6 +29,7 @@ compiles it for sm_90 without a GPU and checks it against float64 on one.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -58,6 +59,8 @@ def readable(t: torch.Tensor) -> bool:
     """Whether a descriptor reads the ``[B, H, N, D]`` tensor ``t`` in place: unit last stride, 16-byte aligned
     base and strides, no broadcast (zero-stride) dimension; a dimension of size 1 may have any stride."""
     size = t.element_size()
+    if t.numel() and t.is_contiguous() and t.shape[3] * size % 16 == 0:  # the common case: every stride is a
+        return t.data_ptr() % 16 == 0                                         # multiple of the aligned last dim
     return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
             and all(t.shape[i] == 1 or (t.stride(i) > 0 and t.stride(i) * size % 16 == 0) for i in range(3)))
 
@@ -267,13 +270,18 @@ if AVAILABLE:
                          off_b, off_h, off_h // group, start_m, n_loaded, BLOCK_M, BLOCK_N)),
         ], [4, 1], [240, 24])
 
+    @functools.lru_cache(maxsize=None)
+    def _layout(rows: int, head_dim: int, dtype: torch.dtype) -> "gl.NVMMASharedLayout":
+        """The shared-memory layout of a ``[1, 1, rows, head_dim]`` tile: computed once per tile shape and dtype
+        (Gluon derives it through a constexpr function, a large part of a launch's host time otherwise)."""
+        return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim],
+                                                    gl.float16 if dtype == torch.float16 else gl.bfloat16)
+
     def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
-        block = [1, 1, rows, t.shape[3]]
-        gdt = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
+        shape = list(t.shape)
         # a dimension of size 1 is never stepped over: give it the stride of a contiguous tensor
-        strides = [t.stride(i) if t.shape[i] != 1 else math.prod(t.shape[i + 1:]) for i in range(4)]
-        return TensorDescriptor(t, list(t.shape), strides, block,
-                                gl.NVMMASharedLayout.get_default_for(block, gdt))
+        strides = [t.stride(i) if shape[i] != 1 else math.prod(shape[i + 1:]) for i in range(4)]
+        return TensorDescriptor(t, shape, strides, [1, 1, rows, shape[3]], _layout(rows, shape[3], t.dtype))
 
 
 def forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:

@@ -1322,10 +1322,7 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), "TMA": tma,
             "MASKED_TMA": tma and block_d == 128, **variant_meta}
     atomic = not deterministic
-    # float32 dQ sums for the atomics (zeros), or one unused element
-    dq_sum = torch.zeros(dq4.shape, dtype=torch.float32, device=q.device) if atomic else \
-        torch.zeros(1, dtype=torch.float32, device=q.device)
-    dq_sum_strides = call.batch_strides(dq_sum) if atomic else (0, 0, 0, 0)
+    dq_sum = torch.zeros(dq4.shape, dtype=torch.float32, device=q.device) if atomic else None  # the atomics' sums
     if call.batch * hkv * call.max_k > 0 and _gluon_plan(call, d, (q4, k4, v4, dout4), inner_scaled=False,
                                                          fixed=blocks is not None, gluon=gluon, backward=True,
                                                          deterministic=deterministic):
@@ -1333,12 +1330,14 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
         gluon_backward.dkdv(q4, k4, v4, dout4, lse4, delta, dk4, dv4, causal=causal, scale=call.scale)
     elif call.batch * hkv * call.max_k > 0:
         meta["ALIGNED"] = _aligned(q4, k4, v4, dout4, dk4, dv4)
+        # without the atomics the kernel never reads its DQ argument: one element, left uninitialised
+        dq_arg = dq_sum if atomic else torch.empty(1, dtype=torch.float32, device=q.device)
         _run(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, lambda bm, bn: (triton.cdiv(call.max_k, bn), call.batch * hkv),
-             (q4, k4, v4, dout4, lse4, delta, dk4, dv4, dq_sum,
-              *_descriptors((q4, dout4), tma), *_descriptors((dq_sum,), tma and atomic and _DESC_REDUCE.value),
+             (q4, k4, v4, dout4, lse4, delta, dk4, dv4, dq_arg,
+              *_descriptors((q4, dout4), tma), *_descriptors((dq_arg,), tma and atomic and _DESC_REDUCE.value),
               *common, *call.batch_strides(dk4),
-              *call.batch_strides(dv4), *dq_sum_strides, hq, hkv, group, q4.shape[2], k4.shape[2], bucket,
-              *call.scalars),
+              *call.batch_strides(dv4), *(call.batch_strides(dq_arg) if atomic else (0, 0, 0, 0)), hq, hkv, group,
+              q4.shape[2], k4.shape[2], bucket, *call.scalars),
              {**meta, "ATOMIC_DQ": atomic, "GQA": group > 1}, dkdv_blocks, block_d, q.dtype, name=kernel)
     if atomic:
         dq4.copy_(dq_sum)

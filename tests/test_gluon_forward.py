@@ -63,6 +63,39 @@ def test_unsupported_names_each_rule(monkeypatch):
     assert gf.ENV_OFF in gf.unsupported(**_plain())
 
 
+def _readable_by_strides(t):
+    """readable's rule, stride by stride (what its contiguous fast path must agree with)."""
+    size = t.element_size()
+    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
+            and all(t.shape[i] == 1 or (t.stride(i) > 0 and t.stride(i) * size % 16 == 0) for i in range(3)))
+
+
+@needs_gluon
+def test_readable_fast_path_agrees_with_the_stride_rule():
+    seen = {True: 0, False: 0}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        storage = torch.zeros(4096 + 64, dtype=dtype)
+        for shape in ((1, 1, 1, 1), (2, 1, 5, 8), (1, 2, 3, 16), (2, 2, 0, 64), (3, 2, 5, 64), (1, 1, 4, 3)):
+            for offset in (0, 1, 8):
+                t = storage[offset:offset + torch.Size(shape).numel()].view(shape)
+                for view in (t, t.transpose(1, 2), t.transpose(0, 2), t[:, :, ::2]):
+                    assert gf.readable(view) == _readable_by_strides(view), (shape, dtype, offset, view.stride())
+                    seen[gf.readable(view)] += 1
+    assert seen[True] and seen[False]
+
+
+@needs_gluon
+def test_descriptor_layout_is_cached_and_the_same():
+    from triton.experimental.gluon import language as gl
+    for dtype, gdt in ((torch.float16, gl.float16), (torch.bfloat16, gl.bfloat16)):
+        t = torch.zeros(2, 1, 64, 128, dtype=dtype)
+        desc = gf._descriptor(t, 64)
+        assert desc.layout == gl.NVMMASharedLayout.get_default_for([1, 1, 64, 128], gdt)
+        assert desc.block_shape == [1, 1, 64, 128] and desc.shape == [2, 1, 64, 128]
+        assert desc.strides == [64 * 128, 64 * 128, 128, 1]  # the size-1 head dimension: a contiguous stride
+        assert gf._descriptor(t, 64).layout is desc.layout  # computed once per tile shape and dtype
+
+
 _COMPILE = r"""
 from kernels import gluon_forward as gf
 
