@@ -277,11 +277,28 @@ if AVAILABLE:
         return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim],
                                                     gl.float16 if dtype == torch.float16 else gl.bfloat16)
 
+    # (rows, head dim, dtype) -> a checked descriptor's fields other than base, shape and strides
+    _TILE_FIELDS: dict = {}
+
     def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
+        """A descriptor of ``[1, 1, rows, D]`` tiles of the ``[B, H, N, D]`` tensor ``t``, which must be
+        :func:`readable` (every caller checks, or passes a contiguous copy) with no empty dimension. The
+        first one of a tile shape and dtype goes through ``TensorDescriptor``'s checks; the next ones take
+        its tile fields (block shape, layout, padding) and set their own base, shape and strides, which
+        ``readable`` has checked: the checks cost as much host time as the rest of a launch's Python."""
         shape = list(t.shape)
         # a dimension of size 1 is never stepped over: give it the stride of a contiguous tensor
         strides = [t.stride(i) if shape[i] != 1 else math.prod(shape[i + 1:]) for i in range(4)]
-        return TensorDescriptor(t, shape, strides, [1, 1, rows, shape[3]], _layout(rows, shape[3], t.dtype))
+        key = (rows, shape[3], t.dtype)
+        fields = _TILE_FIELDS.get(key)
+        if fields is None:
+            desc = TensorDescriptor(t, shape, strides, [1, 1, rows, shape[3]], _layout(rows, shape[3], t.dtype))
+            _TILE_FIELDS[key] = {name: value for name, value in vars(desc).items()
+                                 if name not in ("base", "shape", "strides")}
+            return desc
+        desc = object.__new__(TensorDescriptor)
+        vars(desc).update(fields, base=t, shape=shape, strides=strides)
+        return desc
 
 
 def forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:

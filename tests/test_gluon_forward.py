@@ -85,15 +85,32 @@ def test_readable_fast_path_agrees_with_the_stride_rule():
 
 
 @needs_gluon
-def test_descriptor_layout_is_cached_and_the_same():
+def test_descriptors_equal_checked_ones():
+    """The descriptors built from a tile shape's first, checked one (``_descriptor``) hold what Gluon's own
+    constructor, with its checks, gives the same tensor."""
     from triton.experimental.gluon import language as gl
-    for dtype, gdt in ((torch.float16, gl.float16), (torch.bfloat16, gl.bfloat16)):
-        t = torch.zeros(2, 1, 64, 128, dtype=dtype)
-        desc = gf._descriptor(t, 64)
-        assert desc.layout == gl.NVMMASharedLayout.get_default_for([1, 1, 64, 128], gdt)
-        assert desc.block_shape == [1, 1, 64, 128] and desc.shape == [2, 1, 64, 128]
-        assert desc.strides == [64 * 128, 64 * 128, 128, 1]  # the size-1 head dimension: a contiguous stride
-        assert gf._descriptor(t, 64).layout is desc.layout  # computed once per tile shape and dtype
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    def checked(t, rows, strides):
+        block = [1, 1, rows, t.shape[3]]
+        gdt = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
+        return TensorDescriptor(t, list(t.shape), strides, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+    for dtype in (torch.float16, torch.bfloat16):
+        for d in gf.HEAD_DIMS:
+            first = torch.zeros(2, 3, 64, d, dtype=dtype)
+            gf._descriptor(first, 64)  # the tile shape's checked descriptor, if no other test made it
+            same = torch.zeros(2, 3, 40, d, dtype=dtype)
+            one_head = torch.zeros(2, 64, 1, d, dtype=dtype).transpose(1, 2)  # size-1 dim: a contiguous stride
+            strided = torch.zeros(2, 40, 3, d, dtype=dtype).transpose(1, 2)
+            for t, strides in ((same, list(same.stride())), (one_head, [64 * d, 64 * d, d, 1]),
+                               (strided, list(strided.stride()))):
+                got, want = gf._descriptor(t, 64), checked(t, 64, strides)
+                assert type(got) is TensorDescriptor and got.base is t and want.base is t
+                fields = [name for name in vars(want) if name != "base"]
+                assert sorted(vars(got)) == sorted(vars(want))
+                assert all(getattr(got, name) == getattr(want, name) for name in fields), (vars(got), vars(want))
+            assert gf._descriptor(same, 64).layout is gf._descriptor(strided, 64).layout  # computed once
 
 
 _COMPILE = r"""
