@@ -1170,6 +1170,13 @@ class _Call:
         return _seq_bucket(max(self.max_q, self.max_k))
 
 
+def _check_gluon(gluon, *, kernel: str) -> None:
+    """``gluon`` (see :func:`_gluon_plan`) is None, True or False, checked up front: also when there is no
+    work to run."""
+    if gluon is not None and not isinstance(gluon, bool):
+        raise TypeError(f"{kernel}: gluon={gluon!r}, but should be None (where it applies), True or False")
+
+
 def _gluon_plan(call: _Call, head_dim: int, tensors, *, inner_scaled: bool, fixed: bool, gluon,
                 backward: bool = False, deterministic: bool = True) -> bool:
     """Whether the forward (or, ``backward``, the backward's dK/dV kernel) runs the Gluon kernel of Hopper:
@@ -1177,8 +1184,6 @@ def _gluon_plan(call: _Call, head_dim: int, tensors, *, inner_scaled: bool, fixe
     :func:`kernels.gluon_backward.unsupported`; tiles not fixed), ``False`` never, ``True`` always (the tiles
     then fix the Triton dQ kernel's only; tensors no descriptor reads go through contiguous copies), or a
     ValueError naming what rules the call out."""
-    if gluon is not None and not isinstance(gluon, bool):
-        raise TypeError(f"{call.kernel}: gluon={gluon!r}, but should be None (where it applies), True or False")
     if gluon is False:
         return False
     variant = any(call.flags[name] for name in _VARIANT_KEY if name != "SINKS") or call.sinks is not None
@@ -1203,6 +1208,7 @@ def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bo
     """Shared launcher of the FA1 and FA2 forward kernels: returns ``(out, lse)``, no autograd (``[total_q,
     Hq, D]`` and ``[Hq, total_q]`` for packed sequences). ``out``/``lse`` given (dense only): the kernel
     writes into them and they are returned. ``gluon``: see :func:`_gluon_plan`."""
+    _check_gluon(gluon, kernel=kernel)
     call = _Call(q, k, v, kernel=kernel, causal=causal, scale=scale, block_m=block_m, block_n=block_n, sinks=sinks,
                  **variant)
     q4, k4, v4 = call.q, call.k, call.v
@@ -1280,6 +1286,7 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     kernel = "triton_fa2 backward"
     if not isinstance(deterministic, bool):
         raise TypeError(f"{kernel}: deterministic={deterministic!r}, but should be a bool")
+    _check_gluon(gluon, kernel=kernel)
     call = _Call(q, k, v, kernel=kernel, causal=causal, scale=scale, block_m=block_m, block_n=block_n, sinks=sinks,
                  **variant)
     q4, k4, v4 = call.q, call.k, call.v
@@ -1367,6 +1374,7 @@ def _apply(q, k, v, causal, scale, block_m, block_n, inner_scaled: bool, out, ls
     kernel = "triton_fa1" if inner_scaled else "triton_fa2"
     if not isinstance(deterministic, bool):
         raise TypeError(f"{kernel}: deterministic={deterministic!r}, but should be a bool")
+    _check_gluon(gluon, kernel=kernel)
     if gluon is True and not deterministic:
         raise ValueError(f"{kernel}: gluon=True takes the deterministic backward only (its dK/dV kernel), but "
                          "deterministic=False")

@@ -74,6 +74,15 @@ def test_backward_gluon_keyword_is_checked():
     for gluon in (None, False):
         dq, dk, dv, _ = ta.fa2_backward(q, q, q, out, lse, q, gluon=gluon)
         assert dk.shape == q.shape and torch.isfinite(dk).all()
+    # checked with no work to run as well: no key, or no query
+    none = q[:, :, :0]
+    out0, lse0 = ta.fa2_forward_raw(q, none, none, gluon=False)
+    with pytest.raises(TypeError, match="gluon='yes'"):
+        ta.fa2_backward(q, none, none, out0, lse0, q, gluon="yes")
+    with pytest.raises(TypeError, match="gluon=1"):
+        ta.fa2_forward(none, q, q, gluon=1)
+    with pytest.raises(TypeError, match="gluon=1"):
+        ta.fa2_forward_raw(none, q, q, gluon=1)
 
 
 _COMPILE = r"""
