@@ -31,6 +31,7 @@ the chunks, so no ``Nq x Nk`` matrix of the whole problem is held.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -168,10 +169,16 @@ def score_roundings(input_dtype: torch.dtype, head_dim: int) -> float:
     """How many roundings of the score magnitude two correct kernels' scores may differ by.
 
     float32: one (dots summed in other orders, errors of both signs; the float64 reference's own are
-    negligible). float64: two, the kernel's and the reference's, which are float64 dots as well and round
-    as much: a float64 row with one visible key (fa2_blocked, D = 34, score magnitude 23.5) had its out
-    26 u from the exact value (its score 1.16 roundings off, summed in order) and the reference's 12.5 u
-    the other way (tests/test_property_regressions.py). float16 and bfloat16
+    negligible, and float32 eager's scores round as the kernel's do, so ``2 x eager`` covers the rest).
+    float64: ``2 sqrt(D)``. There eager and the reference are the same float64 computation (eager's error
+    is 0, and so is ``2 x eager``), while the reference's scores round as much as the kernel's: the two
+    differ by the sum of two dot products' errors. A dot summed in order over D terms of one sign (all
+    negative scores) carries ``u |partial sum|`` per addition, a spread of about ``sqrt(D / 3)``
+    roundings of ``|s|``; ``sqrt(D)`` per side covers it with room for the largest of a tensor's entries.
+    Seen (tests/test_property_regressions.py): a one-key row at D = 34 whose kernel and reference scores
+    were 1.16 and 0.2 roundings off (out 26 u and 12.5 u from the exact value, opposite signs); an
+    all-negative row at D = 24, |s| = 619, scores 1.35 roundings off in each (out 834 u and 1215 u,
+    opposite signs). float16 and bfloat16
     scores come from matrix units that add ``MATRIX_UNIT_K`` exact products per step to a float32
     accumulator, ``ceil(D / 16)`` steps in sequence, each of which may truncate rather than round
     (``references/bounds.py``, section 12: ``2 u``). When every product has the same sign (all-negative
@@ -179,7 +186,7 @@ def score_roundings(input_dtype: torch.dtype, head_dim: int) -> float:
     float64 one at D = 184 (12 steps), eager (cuBLAS) 1.2 u |s|."""
     if input_dtype in (torch.float16, torch.bfloat16):
         return max(1.0, 2.0 * -(-head_dim // MATRIX_UNIT_K))
-    return 2.0 if input_dtype == torch.float64 else 1.0
+    return 2.0 * math.sqrt(head_dim) if input_dtype == torch.float64 else 1.0
 
 
 def allowed_error(op: str, input_dtype: torch.dtype, *, baseline_error: float, magnitude: Magnitudes) -> float:

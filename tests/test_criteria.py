@@ -91,4 +91,5 @@ def test_floor_covers_tensor_core_scores_with_same_sign_products():
     without -= (criteria.score_roundings(torch.float16, 184) - 1) * 2.0 ** -24 * mags.scores  # one rounding
     assert without < 1.052e-3
     assert criteria.score_roundings(torch.float16, 184) == 24 and criteria.score_roundings(torch.float32, 184) == 1
-    assert criteria.score_roundings(torch.float64, 184) == 2  # the float64 reference's scores round too
+    # float64: the reference's scores round as much as the kernel's, each about sqrt(D) roundings
+    assert criteria.score_roundings(torch.float64, 184) == pytest.approx(2 * 184 ** 0.5)

@@ -34,6 +34,16 @@ CASES = [
           spec={"causal": False, "alignment": "bottom_right", "attention_chunk": 1, "sinks": [0.0],
                 "sequences": "paged", "seqlens_q": [12, 12, 12], "seqlens_k": [1, 1, 0], "page_size": 1},
           magnitude="normal", seed=136, layout="contiguous", scale=1.0, block_m=1, block_n=1)),
+    # float64, all-negative scores (|s| = 619 at D = 24) beside sinks of 0, a window of one key back: out
+    # near 4e-269, the kernel's 834 u and the float64 reference's 1215 u from the exact value, opposite
+    # signs (their scores each 1.35 roundings of |s| off: 24 same-sign products summed in order). Two
+    # roundings of the score magnitude allowed 6.9e-282 for an error of 9.5e-282; found by the thorough
+    # profile (fa2_blocked and fa1_blocked alike).
+    ("out_matches_reference",
+     dict(batch=2, heads_q=6, heads_kv=2, len_q=70, len_k=31, head_dim=24, dtype="float64",
+          spec={"causal": False, "alignment": "bottom_right", "window_left": 1, "window_right": 0,
+                "sinks": [0.0] * 6},
+          magnitude="all_negative", seed=0, layout="contiguous", scale=0.5, block_m=7, block_n=3)),
 ]
 
 
