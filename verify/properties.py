@@ -334,11 +334,13 @@ def hidden_keys_never_reach_output(ctx: Context, case: AttentionCase) -> None:
         raise NotForThisCase("every key is visible to the checked rows")
     poison = [float("nan"), float("inf"), float("-inf"), 0.5 * torch.finfo(t.k.dtype).max][
         int(torch.randint(0, 4, (1,), generator=g))]
-    k1, v1 = t.k.clone(), t.v.clone()
-    k1[:, :, hidden.to(k1.device)] = poison
-    v1[:, :, hidden.to(v1.device)] = 0.5 * torch.finfo(t.v.dtype).max
+    # The poisoned inputs in the case's own layout (a fresh build, written in place): a clone would be
+    # contiguous where the case's tensors are strided views, and a kernel may round differently then.
+    t1 = case.build(ctx.device)
+    t1.k[:, :, hidden.to(t1.k.device)] = poison
+    t1.v[:, :, hidden.to(t1.v.device)] = 0.5 * torch.finfo(t.v.dtype).max
     out0, lse0 = run_forward(ctx, case, t.q, t.k, t.v)
-    out1, lse1 = run_forward(ctx, case, t.q, k1, v1)
+    out1, lse1 = run_forward(ctx, case, t1.q, t1.k, t1.v)
     rows = slice(0, cut + 1)
     bound = _truth(ctx, case, t.q, t.k, t.v).forward_bounds
     what = f"rows 0..{cut} with {int(hidden.sum())} hidden keys set to k={poison}, v=max/2"
