@@ -59,8 +59,9 @@ def readable(t: torch.Tensor) -> bool:
     """Whether a descriptor reads the ``[B, H, N, D]`` tensor ``t`` in place: unit last stride, 16-byte aligned
     base and strides, no broadcast (zero-stride) dimension; a dimension of size 1 may have any stride."""
     size = t.element_size()
-    if t.numel() and t.is_contiguous() and t.shape[3] * size % 16 == 0:  # the common case: every stride is a
-        return t.data_ptr() % 16 == 0                                         # multiple of the aligned last dim
+    # the common case, without the stride loop: a contiguous tensor's strides are multiples of its last dim
+    if t.numel() and t.is_contiguous() and t.shape[3] * size % 16 == 0:
+        return t.data_ptr() % 16 == 0
     return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
             and all(t.shape[i] == 1 or (t.stride(i) > 0 and t.stride(i) * size % 16 == 0) for i in range(3)))
 
