@@ -1,12 +1,11 @@
-"""The FA2 dK/dV kernel on Hopper (compute capability 9.0), written in Gluon.
+"""The FA2 dK/dV kernel on Hopper (compute capability 9.0), written in Gluon, with dQ added in it or not.
 
 :func:`kernels.triton_attention.fa2_backward` runs this kernel instead of its Triton dK/dV kernel where
-:func:`unsupported` has no objection (the cases of :func:`kernels.gluon_forward.unsupported`, with the
-deterministic backward); the Delta and dQ kernels stay Triton ones. Same numerics as the Triton kernel:
-``p^T = exp2(k q^T * scale * log2(e) - lse * log2(e))`` in float32, ``p`` and ``dS`` rounded to the input
-dtype before their products, float32 accumulators, ``dK`` scaled once at the end; every sum runs in a
-fixed order (deterministic: the query heads of a GQA group one after another, each head's Q tiles in
-order).
+:func:`unsupported` has no objection (the cases of :func:`kernels.gluon_forward.unsupported`). Same numerics
+as the Triton kernel: ``p^T = exp2(k q^T * scale * log2(e) - lse * log2(e))`` in float32, ``p`` and ``dS``
+rounded to the input dtype before their products, float32 accumulators, ``dK`` scaled once at the end;
+dK and dV summed in a fixed order (the query heads of a GQA group one after another, each head's Q tiles
+in order).
 
 Each program owns ``2 * BLOCK_N`` keys of one (batch, KV head). One warp issues the TMA loads (the
 program's K and V tiles once, then Q and dO tile by tile into shared-memory stages); two consumer
@@ -18,6 +17,15 @@ warpgroups of four warps, ``BLOCK_N`` keys each, run per Q tile, in the transpos
     wait for dP^T;  dS^T = P^T (dP^T - Delta)     <- overlaps dV's product
     issue dK += dS^T Q;  wait for both
 
+The deterministic backward runs this form, and the Triton dQ kernel after it (7 tile products per (Q
+tile, KV tile) pair in all). With ``ATOMIC_DQ`` (``deterministic=False``: 5 products, no dQ kernel) each
+warpgroup also writes its dS^T to shared memory; once both have (an mbarrier), warpgroup ``w`` issues
+``dK += dS^T Q`` from there and ``dQ[:, w half of D] = dS K[:, w half]`` over the program's 128 keys (K
+loaded a second time, in column halves), and adds that float32 tile to a ``[B, Hq, Nq, D]`` buffer by a
+TMA reduce: dK and dV stay bitwise the deterministic ones, dQ's sum follows the order the reduces arrive
+in. At head dim 128 the dQ products are issued before dK's so that the tile's store and reduce overlap
+it.
+
 No product is in flight across the loop's back edge (see kernels/gluon_forward.py: ptxas would serialize
 every product). The two warpgroups share each stage and release it once each.
 
@@ -26,6 +34,7 @@ GPU and checks it against float64 on one.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -44,33 +53,54 @@ HEAD_DIMS = gluon_forward.HEAD_DIMS
 BLOCK_N = 64  # keys per consumer warpgroup; a program covers 2 * BLOCK_N
 BLOCK_M = 64  # query rows per stage (128 at head dim 64 spills, and ran 1.3-1.6x slower on an H200)
 STAGES = 2
+DS_BUFS = 2  # dS^T buffers of the atomic-dQ form: a warpgroup may write one while the other's dQ reads the other
 
 
 def unsupported(*, deterministic: bool, **forward_rules) -> str:
     """Why the dK/dV kernel of a backward call does not run here ("" where it does): the forward's rules
-    (:func:`kernels.gluon_forward.unsupported`; ``tensors`` are q, k, v and dO), and the deterministic
-    backward only (the atomic-dQ one adds dQ inside the Triton dK/dV kernel)."""
-    if not deterministic:
-        return "deterministic=False (the atomic-dQ backward runs its own dK/dV kernel)"
+    (:func:`kernels.gluon_forward.unsupported`; ``tensors`` are q, k, v and dO). ``deterministic`` does not
+    matter: the deterministic backward runs the kernel without dQ, the other one with it."""
     return gluon_forward.unsupported(**forward_rules)
 
-
 if AVAILABLE:
+    @functools.lru_cache(maxsize=None)
+    def _ds_layout(dtype: torch.dtype):
+        """The shared-memory layout of a warpgroup's ``[BLOCK_N, BLOCK_M]`` dS^T (atomic-dQ form)."""
+        return gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gluon_forward._GLUON_DTYPES[dtype])
+
     _tma_load = gluon_forward._tma_load
     _tma_store = gluon_forward._tma_store
+    _tma_add = getattr(tma, "async_atomic_add", None)
+    if _tma_add is None:  # Triton 3.6's Gluon has the builder's reduce but no function for it
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        @_builtin
+        def _tma_add(tensor_desc, coord, src, _semantic=None):
+            """global[tile at coord] += src (shared memory), by a TMA reduce; waited for as a TMA store."""
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
 
     @gluon.jit
-    def _consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, dk_desc, dv_desc, Lse, Delta,
-                  stride_lb, stride_lh, stride_ln, stride_db, stride_dh, c, scale, off_b, off_hkv, group, start_n,
-                  lo, n_tiles, len_q, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-        """One warpgroup: keys [start_n, start_n + BLOCK_N) against every Q tile of the group's heads."""
+    def _consumer(k_smem, v_smem, q_smem, do_smem, kh_smem, ds_smem, dq_smem, kv_bar, kh_bar, ready, empty,
+                  ds_ready, ds_free, dk_desc, dv_desc, dq_desc, Lse, Delta, stride_lb, stride_lh, stride_ln,
+                  stride_db, stride_dh, c, scale, off_b, off_hkv, group, start_n, lo, n_tiles, len_q, len_k,
+                  causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr, WG: gl.constexpr, ATOMIC_DQ: gl.constexpr, DS_BUFS: gl.constexpr):
+        """One warpgroup (``WG``: 0 or 1): keys [start_n, start_n + BLOCK_N) against every Q tile of the
+        group's heads. ``ATOMIC_DQ``: also dQ's columns [WG * D / 2, (WG + 1) * D / 2) of each Q tile over
+        the program's 2 * BLOCK_N keys, from both warpgroups' dS^T in shared memory, added to ``dq_desc``'s
+        float32 buffer by a TMA reduce."""
         dtype: gl.constexpr = dk_desc.dtype
+        DH: gl.constexpr = D // 2
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         A_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, D, 16])
         P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A_LAYOUT, k_width=2)
+        Q_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, DH, 16])
         COL: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
         ROW: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
         k_tile = k_smem.reshape([BLOCK_N, D])
@@ -83,6 +113,9 @@ if AVAILABLE:
         # Q tiles whose first row sees the last key see the whole tile: the mask is for tiles before that.
         unmasked_from = start_n + BLOCK_N - 1 - causal_offset
         mbarrier.wait(kv_bar, 0)
+        if ATOMIC_DQ:
+            dq_tile = dq_smem.index(WG).reshape([BLOCK_M, DH])
+            mbarrier.wait(kh_bar, 0)
         n_tiles_nz = gl.maximum(n_tiles, 1)
         for step in range(group * n_tiles):
             g = step // n_tiles_nz
@@ -93,27 +126,78 @@ if AVAILABLE:
             in_q = rows < len_q
             lse = gl.load(Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows * stride_ln,
                           mask=in_q, other=float("inf"))
-            delta = gl.load(Delta + off_b.to(gl.int64) * stride_db + off_h.to(gl.int64) * stride_dh + rows,
-                            mask=in_q, other=0.0)
+            if not (ATOMIC_DQ and D > 64):
+                delta = gl.load(Delta + off_b.to(gl.int64) * stride_db + off_h.to(gl.int64) * stride_dh + rows,
+                                mask=in_q, other=0.0)
             # a row that sees no key has lse = -inf: +inf makes its p 0 (not NaN)
             lse2 = gl.expand_dims(gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), 0)
             mbarrier.wait(ready.index(st), (step // STAGES) & 1)
             q_tile = q_smem.index(st).reshape([BLOCK_M, D])
             do_tile = do_smem.index(st).reshape([BLOCK_M, D])
+            if ATOMIC_DQ:  # zeros made here: one kept across the loop would hold 32 registers
+                s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=S_LAYOUT)
             s = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s, ))  # S^T done, dP^T still running ...
             arg = s * c - lse2
-            if CAUSAL:
+            if CAUSAL:  # (a row that sees a key past the end is past the end itself)
                 if start_m < unmasked_from:
                     arg = gl.where(keys <= gl.expand_dims(rows, 0) + causal_offset, arg, float("-inf"))
+            elif ATOMIC_DQ:  # keys past the end: K's rows are 0 there, but p * 0 is NaN where p overflows
+                if start_n + BLOCK_N > len_k:
+                    arg = gl.where(keys < len_k, arg, float("-inf"))
             p = gl.exp2(arg)  # ... during this
             dv = warpgroup_mma(gl.convert_layout(p.to(dtype), P_LAYOUT), do_tile, dv, is_async=True)
+            if ATOMIC_DQ and D > 64:  # loaded here, where fewer registers are live (at 128 they are short)
+                delta = gl.load(Delta + off_b.to(gl.int64) * stride_db + off_h.to(gl.int64) * stride_dh + rows,
+                                mask=in_q, other=0.0)
             dp = warpgroup_mma_wait(1, deps=(dp, ))  # dP^T done, dV's product still running ...
-            ds = p * (dp - gl.expand_dims(delta, 0))  # ... during this
-            dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), P_LAYOUT), q_tile, dk, is_async=True)
-            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-            mbarrier.arrive(empty.index(st), count=1)
+            ds = (p * (dp - gl.expand_dims(delta, 0))).to(dtype)  # ... during this
+            if ATOMIC_DQ:
+                # dS^T to shared memory (the buffer free once both warpgroups' dQ products of DS_BUFS steps
+                # ago are done); then dK += dS^T Q from it, and dQ[:, cols] = dS K[:, cols] over both
+                # warpgroups' keys (their dS^T transposed)
+                buf = step % DS_BUFS
+                mbarrier.wait(ds_free.index(buf), ((step // DS_BUFS) & 1) ^ 1, pred=step >= DS_BUFS)
+                ds_smem.index(buf * 2 + WG).store(ds)
+                fence_async_shared()
+                mbarrier.arrive(ds_ready.index(buf), count=1)
+                mbarrier.wait(ds_ready.index(buf), (step // DS_BUFS) & 1)
+                if D > 64:  # dQ's products first: its store and reduce overlap dK's product
+                    dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)),
+                                       kh_smem.index(WG).reshape([BLOCK_N, DH]),
+                                       gl.zeros([BLOCK_M, DH], gl.float32, layout=Q_LAYOUT), use_acc=False,
+                                       is_async=True)
+                    dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
+                                       kh_smem.index(2 + WG).reshape([BLOCK_N, DH]), dq, is_async=True)
+                    dk = warpgroup_mma(ds_smem.index(buf * 2 + WG), q_tile, dk, is_async=True)
+                    dq = warpgroup_mma_wait(1, deps=(dq, ))  # dQ's products done, dK's still running ...
+                    tma.store_wait(pendings=0)  # (the previous tile's reduce has read dq_tile)
+                    dq_tile.store(dq * scale)  # ... during this
+                    fence_async_shared()
+                    _tma_add(dq_desc, [off_b, off_h, start_m, WG * DH], dq_smem.index(WG))
+                    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                    mbarrier.arrive(ds_free.index(buf), count=1)
+                    mbarrier.arrive(empty.index(st), count=1)
+                else:  # at head dim 64 this order ran 5-15% faster on an H200 (docs/benchmarks.md)
+                    dk = warpgroup_mma(ds_smem.index(buf * 2 + WG), q_tile, dk, is_async=True)
+                    dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)),
+                                       kh_smem.index(WG).reshape([BLOCK_N, DH]),
+                                       gl.zeros([BLOCK_M, DH], gl.float32, layout=Q_LAYOUT), use_acc=False,
+                                       is_async=True)
+                    dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
+                                       kh_smem.index(2 + WG).reshape([BLOCK_N, DH]), dq, is_async=True)
+                    dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
+                    mbarrier.arrive(ds_free.index(buf), count=1)
+                    mbarrier.arrive(empty.index(st), count=1)
+                    tma.store_wait(pendings=0)  # the previous tile's reduce has read dq_tile
+                    dq_tile.store(dq * scale)
+                    fence_async_shared()
+                    _tma_add(dq_desc, [off_b, off_h, start_m, WG * DH], dq_smem.index(WG))
+            else:
+                dk = warpgroup_mma(gl.convert_layout(ds, P_LAYOUT), q_tile, dk, is_async=True)
+                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                mbarrier.arrive(empty.index(st), count=1)
         # K and V are read no more: their buffers stage dK and dV (keys past the end clipped by the store)
         k_tile.store((dk * scale).to(dtype))
         v_tile.store(dv.to(dtype))
@@ -123,14 +207,22 @@ if AVAILABLE:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, off_b,
-                  off_hkv, group, start_n, lo, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr):
-        """One warp: both warpgroups' K and V tiles, then Q and dO tile by tile as the stages are freed."""
+    def _producer(k_desc, v_desc, q_desc, do_desc, kh_desc, k_smem, v_smem, q_smem, do_smem, kh_smem, kv_bar, kh_bar,
+                  ready, empty, off_b, off_hkv, group, start_n, lo, n_tiles, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+        """One warp: both warpgroups' K and V tiles (with ``ATOMIC_DQ`` K once more, in column halves, the dQ
+        products' operands), then Q and dO tile by tile as the stages are freed."""
         for w in gl.static_range(2):
             mbarrier.expect(kv_bar.index(w), 2 * k_desc.block_type.nbytes)
             _tma_load(k_desc, [off_b, off_hkv, start_n + w * BLOCK_N, 0], kv_bar.index(w), k_smem.index(w))
             _tma_load(v_desc, [off_b, off_hkv, start_n + w * BLOCK_N, 0], kv_bar.index(w), v_smem.index(w))
+        if ATOMIC_DQ:
+            DH: gl.constexpr = kh_desc.block_type.shape[3]
+            mbarrier.expect(kh_bar, 4 * kh_desc.block_type.nbytes)
+            for h in gl.static_range(2):
+                for w in gl.static_range(2):
+                    _tma_load(kh_desc, [off_b, off_hkv, start_n + h * BLOCK_N, w * DH], kh_bar,
+                              kh_smem.index(h * 2 + w))
         n_tiles_nz = gl.maximum(n_tiles, 1)
         for step in range(group * n_tiles):
             g = step // n_tiles_nz
@@ -143,10 +235,11 @@ if AVAILABLE:
             _tma_load(do_desc, [off_b, off_h, start_m, 0], ready.index(st), do_smem.index(st))
 
     @gluon.jit
-    def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, stride_lb, stride_lh,
-                          stride_ln, stride_db, stride_dh, c, scale, heads_kv, group, len_q, len_k,
-                          CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                          STAGES: gl.constexpr):
+    def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, kh_desc, dq_desc, Lse, Delta,
+                          stride_lb, stride_lh, stride_ln, stride_db, stride_dh, c, scale, heads_kv, group, len_q,
+                          len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          D: gl.constexpr, STAGES: gl.constexpr, ATOMIC_DQ: gl.constexpr, DS_BUFS: gl.constexpr,
+                          DS_LAYOUT: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         pid_n = gl.program_id(0)  # causal: the first key tiles have the most Q tiles, and run first
         pid_bh = gl.program_id(1)
@@ -164,32 +257,51 @@ if AVAILABLE:
         v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, D], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, D], do_desc.layout)
+        if ATOMIC_DQ:  # K in (key half, column half) tiles; both warpgroups' dS^T; each one's dQ columns
+            kh_smem = gl.allocate_shared_memory(dtype, [4, 1, 1, BLOCK_N, D // 2], kh_desc.layout)
+            ds_smem = gl.allocate_shared_memory(dtype, [2 * DS_BUFS, BLOCK_N, BLOCK_M], DS_LAYOUT)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, D // 2], dq_desc.layout)
+        else:  # never read
+            kh_smem = k_smem
+            ds_smem = k_smem
+            dq_smem = k_smem
         kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kh_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(kv_bar.index(i), count=1)
+        mbarrier.init(kh_bar.index(0), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one release per consumer warpgroup
+        for i in gl.static_range(DS_BUFS):
+            mbarrier.init(ds_ready.index(i), count=2)
+            mbarrier.init(ds_free.index(i), count=2)
         gl.warp_specialize([
-            (_consumer, (k_smem.index(0), v_smem.index(0), q_smem, do_smem, kv_bar.index(0), ready, empty, dk_desc,
-                         dv_desc, Lse, Delta, stride_lb, stride_lh, stride_ln, stride_db, stride_dh, c, scale, off_b,
-                         off_hkv, group, start_n, lo, n_tiles, len_q, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, D,
-                         STAGES)),
-            (_consumer, (k_smem.index(1), v_smem.index(1), q_smem, do_smem, kv_bar.index(1), ready, empty, dk_desc,
-                         dv_desc, Lse, Delta, stride_lb, stride_lh, stride_ln, stride_db, stride_dh, c, scale, off_b,
-                         off_hkv, group, start_n + BLOCK_N, lo, n_tiles, len_q, causal_offset, CAUSAL, BLOCK_M,
-                         BLOCK_N, D, STAGES)),
-            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-                         off_b, off_hkv, group, start_n, lo, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
+            (_consumer, (k_smem.index(0), v_smem.index(0), q_smem, do_smem, kh_smem, ds_smem, dq_smem, kv_bar.index(0), kh_bar.index(0), ready, empty,
+                         ds_ready, ds_free, dk_desc, dv_desc, dq_desc, Lse, Delta, stride_lb, stride_lh, stride_ln,
+                         stride_db, stride_dh, c, scale, off_b, off_hkv, group, start_n, lo, n_tiles, len_q, len_k,
+                         causal_offset, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 0, ATOMIC_DQ, DS_BUFS)),
+            (_consumer, (k_smem.index(1), v_smem.index(1), q_smem, do_smem, kh_smem, ds_smem, dq_smem, kv_bar.index(1), kh_bar.index(0), ready, empty,
+                         ds_ready, ds_free, dk_desc, dv_desc, dq_desc, Lse, Delta, stride_lb, stride_lh, stride_ln,
+                         stride_db, stride_dh, c, scale, off_b, off_hkv, group, start_n + BLOCK_N, lo, n_tiles, len_q,
+                         len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 1, ATOMIC_DQ, DS_BUFS)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, kh_desc, k_smem, v_smem, q_smem, do_smem, kh_smem, kv_bar,
+                         kh_bar.index(0), ready, empty, off_b, off_hkv, group, start_n, lo, n_tiles, BLOCK_M, BLOCK_N,
+                         STAGES, ATOMIC_DQ)),
         ], [4, 1], [240, 24])
 
 
-def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float) -> None:
+def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float, dq_sum=None) -> None:
     """Write dK and dV of the FA2 backward of ``[B, H, N, D]`` float16/bfloat16 tensors into ``dk``, ``dv``
     (``k``'s shape, contiguous); ``lse`` and ``delta`` (``rowsum(dO * O)``) are ``[B, Hq, Nq]`` float32,
-    ``delta`` with unit last stride. Tensors no descriptor reads go through contiguous copies."""
+    ``delta`` with unit last stride. ``dq_sum``: a contiguous float32 tensor of ``q``'s shape, zeros, to
+    which the kernel adds dQ (each program its keys' share, by TMA reduces: the order the additions arrive
+    in, and so dQ's last bits, vary from run to run); ``None``: no dQ (the deterministic backward's dQ
+    kernel computes it). Tensors no descriptor reads go through contiguous copies."""
     b, hkv, len_k, d = k.shape
     hq, len_q = q.shape[1], q.shape[2]
     if b * hkv * len_k == 0:
@@ -202,14 +314,18 @@ def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float) -> No
     q, k, v, dout = (t if readable(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
                      for t in (q, k, v, dout))
     targets = [t if readable(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (dk, dv)]
-    block_m = BLOCK_M
     descriptor = gluon_forward._descriptor
+    atomic = dq_sum is not None
+    k_desc, dk_desc = descriptor(k, BLOCK_N), descriptor(targets[0], BLOCK_N)
+    # without dQ the kernel reads neither: any descriptor of the right kind stands in
+    kh_desc = descriptor(k, BLOCK_N, d // 2) if atomic else k_desc
+    dq_desc = descriptor(dq_sum, BLOCK_M, d // 2) if atomic else dk_desc
     _attn_bwd_dkdv_ws[(-(-len_k // (2 * BLOCK_N)), b * hkv)](
-        descriptor(q, block_m), descriptor(k, BLOCK_N), descriptor(v, BLOCK_N), descriptor(dout, block_m),
-        descriptor(targets[0], BLOCK_N), descriptor(targets[1], BLOCK_N), lse, delta,
-        lse.stride(0), lse.stride(1), lse.stride(2), delta.stride(0), delta.stride(1), scale * LOG2E, scale, hkv,
-        hq // hkv, len_q, len_k, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=d, STAGES=STAGES, num_warps=4)
+        descriptor(q, BLOCK_M), k_desc, descriptor(v, BLOCK_N), descriptor(dout, BLOCK_M), dk_desc,
+        descriptor(targets[1], BLOCK_N), kh_desc, dq_desc, lse, delta, lse.stride(0), lse.stride(1), lse.stride(2),
+        delta.stride(0), delta.stride(1), scale * LOG2E, scale, hkv, hq // hkv, len_q, len_k, CAUSAL=causal,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, STAGES=STAGES, ATOMIC_DQ=atomic, DS_BUFS=DS_BUFS,
+        DS_LAYOUT=_ds_layout(q.dtype), num_warps=4)
     for target, given in zip(targets, (dk, dv)):
         if target is not given:
             given.copy_(target)
-

@@ -271,36 +271,38 @@ if AVAILABLE:
                          off_b, off_h, off_h // group, start_m, n_loaded, BLOCK_M, BLOCK_N)),
         ], [4, 1], [240, 24])
 
-    @functools.lru_cache(maxsize=None)
-    def _layout(rows: int, head_dim: int, dtype: torch.dtype) -> "gl.NVMMASharedLayout":
-        """The shared-memory layout of a ``[1, 1, rows, head_dim]`` tile: computed once per tile shape and dtype
-        (Gluon derives it through a constexpr function, a large part of a launch's host time otherwise)."""
-        return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim],
-                                                    gl.float16 if dtype == torch.float16 else gl.bfloat16)
+    _GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
-    # (rows, head dim, dtype) -> a checked descriptor's fields other than base, shape and strides
+    @functools.lru_cache(maxsize=None)
+    def _layout(rows: int, cols: int, dtype: torch.dtype) -> "gl.NVMMASharedLayout":
+        """The shared-memory layout of a ``[1, 1, rows, cols]`` tile: computed once per tile shape and dtype
+        (Gluon derives it through a constexpr function, a large part of a launch's host time otherwise)."""
+        return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], _GLUON_DTYPES[dtype])
+
+    # (rows, cols, dtype) -> a checked descriptor's fields other than base, shape and strides
     _TILE_FIELDS: dict = {}
 
-    def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
-        """A descriptor of ``[1, 1, rows, D]`` tiles of the ``[B, H, N, D]`` tensor ``t``, which must be
-        :func:`readable` (every caller checks, or passes a contiguous copy) with no empty dimension. The
-        first one of a tile shape and dtype goes through ``TensorDescriptor``'s checks; the next ones take
-        its tile fields (block shape, layout, padding) and set their own base, shape and strides, which
-        ``readable`` has checked: the checks cost as much host time as the rest of a launch's Python."""
+    def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> "TensorDescriptor":
+        """A descriptor of ``[1, 1, rows, cols]`` tiles (``cols=None``: D) of the ``[B, H, N, D]`` tensor ``t``,
+        which must be :func:`readable` (every caller checks, or passes a contiguous copy) with no empty
+        dimension. The first one of a tile shape and dtype goes through ``TensorDescriptor``'s checks; the
+        next ones take its tile fields (block shape, layout, padding) and set their own base, shape and
+        strides, which ``readable`` has checked: the checks cost as much host time as the rest of a
+        launch's Python."""
         shape = list(t.shape)
+        cols = shape[3] if cols is None else cols
         # a dimension of size 1 is never stepped over: give it the stride of a contiguous tensor
         strides = [t.stride(i) if shape[i] != 1 else math.prod(shape[i + 1:]) for i in range(4)]
-        key = (rows, shape[3], t.dtype)
+        key = (rows, cols, t.dtype)
         fields = _TILE_FIELDS.get(key)
         if fields is None:
-            desc = TensorDescriptor(t, shape, strides, [1, 1, rows, shape[3]], _layout(rows, shape[3], t.dtype))
+            desc = TensorDescriptor(t, shape, strides, [1, 1, rows, cols], _layout(rows, cols, t.dtype))
             _TILE_FIELDS[key] = {name: value for name, value in vars(desc).items()
                                  if name not in ("base", "shape", "strides")}
             return desc
         desc = object.__new__(TensorDescriptor)
         vars(desc).update(fields, base=t, shape=shape, strides=strides)
         return desc
-
 
 def forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
     """Write the FA2 forward of ``[B, H, N, D]`` float16/bfloat16 tensors into ``out`` and ``lse`` (``[B, Hq,

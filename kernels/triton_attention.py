@@ -1279,9 +1279,10 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     both kernels (see :func:`_bwd_tiles` for the float32 cap at head dims above 128); both ``None``
     autotunes each kernel's tiles on the GPU. The variant keywords are the forward's.
 
-    On Hopper the dK/dV kernel of a plain deterministic call runs the warp-specialized Gluon kernel of
-    :mod:`kernels.gluon_backward` (same numerics and summation order); ``gluon`` decides it as it decides
-    the forward's kernel in :func:`fa2_forward` (``True``: the fixed tiles are the dQ kernel's only).
+    On Hopper the dK/dV kernel of a plain call runs the warp-specialized Gluon kernel of
+    :mod:`kernels.gluon_backward` (same numerics and summation order; with ``deterministic=False`` it adds
+    dQ by TMA reduces, its dK and dV still bitwise the deterministic ones); ``gluon`` decides it as it
+    decides the forward's kernel in :func:`fa2_forward` (``True``: the fixed tiles are the dQ kernel's only).
     """
     kernel = "triton_fa2 backward"
     if not isinstance(deterministic, bool):
@@ -1334,7 +1335,7 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
                                                          fixed=blocks is not None, gluon=gluon, backward=True,
                                                          deterministic=deterministic):
         # Hopper: the warp-specialized Gluon dK/dV kernel (kernels/gluon_backward.py), same numerics.
-        gluon_backward.dkdv(q4, k4, v4, dout4, lse4, delta, dk4, dv4, causal=causal, scale=call.scale)
+        gluon_backward.dkdv(q4, k4, v4, dout4, lse4, delta, dk4, dv4, causal=causal, scale=call.scale, dq_sum=dq_sum)
     elif call.batch * hkv * call.max_k > 0:
         meta["ALIGNED"] = _aligned(q4, k4, v4, dout4, dk4, dv4)
         # without the atomics the kernel never reads its DQ argument: one element, left uninitialised
@@ -1375,9 +1376,6 @@ def _apply(q, k, v, causal, scale, block_m, block_n, inner_scaled: bool, out, ls
     if not isinstance(deterministic, bool):
         raise TypeError(f"{kernel}: deterministic={deterministic!r}, but should be a bool")
     _check_gluon(gluon, kernel=kernel)
-    if gluon is True and not deterministic:
-        raise ValueError(f"{kernel}: gluon=True takes the deterministic backward only (its dK/dV kernel), but "
-                         "deterministic=False")
     buffers = None
     if out is not None or lse is not None:
         if variant.get("cu_seqlens_q") is not None or variant.get("cu_seqlens_k") is not None:
@@ -1411,12 +1409,13 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     logits, float32) and packed variable-length sequences: ``q [total_q, Hq, D]``, ``k``, ``v [total_k,
     Hkv, D]`` with ``cu_seqlens_q``, ``cu_seqlens_k`` (int32) and ``max_seqlen_q``, ``max_seqlen_k``,
     returning ``out [total_q, Hq, D]`` and ``lse [Hq, total_q]``. ``deterministic=False``: the backward adds
-    dQ with atomics (see :func:`fa2_backward`), faster and not bitwise reproducible.
+    dQ with atomics (see :func:`fa2_backward`): dQ not bitwise reproducible; faster on Hopper in most rows
+    measured (docs/benchmarks.md), not in all.
 
     On Hopper (compute capability 9.0) the forward of a plain call (no variant keyword; float16/bfloat16;
     head dim 64 or 128; ``scale > 0``; tiles not fixed) runs the warp-specialized Gluon kernel of
-    :mod:`kernels.gluon_forward`, and its deterministic backward the Gluon dK/dV kernel of
-    :mod:`kernels.gluon_backward` (the Delta and dQ kernels stay Triton ones): same numerics, faster.
+    :mod:`kernels.gluon_forward`, and its backward the Gluon dK/dV kernel of :mod:`kernels.gluon_backward`
+    (the Delta kernel, and in the deterministic backward the dQ kernel, stay Triton ones): same numerics.
     ``gluon=False`` keeps the Triton kernels; ``gluon=True`` requires the Gluon ones (a ValueError names
     what rules the call out; ``block_m``/``block_n`` then fix the dQ kernel's tiles only; inputs no
     descriptor reads are copied contiguous first).

@@ -38,7 +38,7 @@ on_hopper = pytest.mark.skipif(not _on_hopper(), reason="the Gluon kernels run o
 
 
 @needs_gluon
-def test_unsupported_adds_the_deterministic_rule(monkeypatch):
+def test_unsupported_takes_the_forwards_rules(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.delenv(gf.ENV_OFF, raising=False)
@@ -46,7 +46,7 @@ def test_unsupported_adds_the_deterministic_rule(monkeypatch):
     plain = dict(device=torch.device("cuda"), dtype=torch.float16, head_dim=128, scale=0.1, variant=False,
                  inner_scaled=False, fixed_blocks=False, tensors=(t, t, t, t))
     assert gb.unsupported(deterministic=True, **plain) == ""
-    assert "deterministic=False" in gb.unsupported(deterministic=False, **plain)
+    assert gb.unsupported(deterministic=False, **plain) == ""  # the kernel adds dQ itself then
     # the forward's rules, each named
     assert "head dim" in gb.unsupported(deterministic=True, **{**plain, "head_dim": 96})
     assert "fixed" in gb.unsupported(deterministic=True, **{**plain, "fixed_blocks": True})
@@ -54,10 +54,15 @@ def test_unsupported_adds_the_deterministic_rule(monkeypatch):
     assert gf.ENV_OFF in gb.unsupported(deterministic=True, **plain)
 
 
-def test_gluon_true_refuses_the_atomic_backward():
+def test_gluon_true_names_what_rules_the_atomic_backward_out():
+    """gluon=True with deterministic=False asks for the Gluon kernel that adds dQ: off Hopper the error names
+    what rules the call out, as for the deterministic backward."""
+    if _on_hopper():
+        pytest.skip("on Hopper the call runs (test_gradients_within_the_bound_on_hopper)")
     q = torch.zeros(1, 2, 16, 64, dtype=torch.float16)
-    with pytest.raises(ValueError, match="gluon=True takes the deterministic backward only"):
-        ta.fa2_forward(q, q, q, gluon=True, deterministic=False)
+    out, lse = ta.fa2_forward_raw(q.float(), q.float(), q.float(), gluon=False)
+    with pytest.raises(ValueError, match="gluon=True, but the Gluon dK/dV kernel does not take this call"):
+        ta.fa2_backward(q, q, q, out.half(), lse, q, gluon=True, deterministic=False)
 
 
 def test_backward_gluon_keyword_is_checked():
@@ -91,15 +96,24 @@ from kernels import gluon_backward as gb
 for d in gb.HEAD_DIMS:
     for dt, gdt in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
         for causal in (False, True):
-            q_rows, keys = desc(dt, gdt, gb.BLOCK_M, d), desc(dt, gdt, gb.BLOCK_N, d)
-            signature = {"q_desc": q_rows, "k_desc": keys, "v_desc": keys, "do_desc": q_rows, "dk_desc": keys,
-                         "dv_desc": keys, "Lse": "*fp32", "Delta": "*fp32",
-                         **{name: "i32" for name in ("stride_lb", "stride_lh", "stride_ln", "stride_db", "stride_dh")},
-                         "c": "fp32", "scale": "fp32",
-                         **{name: "i32" for name in ("heads_kv", "group", "len_q", "len_k")},
-                         **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "STAGES")}}
-            build(f"d{d}-{dt}-{'causal' if causal else 'full'}", gb._attn_bwd_dkdv_ws, signature,
-                  {"CAUSAL": causal, "BLOCK_M": gb.BLOCK_M, "BLOCK_N": gb.BLOCK_N, "D": d, "STAGES": gb.STAGES})
+            for atomic in (False, True):
+                q_rows, keys = desc(dt, gdt, gb.BLOCK_M, d), desc(dt, gdt, gb.BLOCK_N, d)
+                # the atomic-dQ form's K in column halves and float32 dQ tiles; otherwise stand-ins
+                kh = desc(dt, gdt, gb.BLOCK_N, d // 2) if atomic else keys
+                dq = desc("fp32", gl.float32, gb.BLOCK_M, d // 2) if atomic else keys
+                signature = {"q_desc": q_rows, "k_desc": keys, "v_desc": keys, "do_desc": q_rows, "dk_desc": keys,
+                             "dv_desc": keys, "kh_desc": kh, "dq_desc": dq, "Lse": "*fp32", "Delta": "*fp32",
+                             **{name: "i32" for name in ("stride_lb", "stride_lh", "stride_ln", "stride_db",
+                                                         "stride_dh")},
+                             "c": "fp32", "scale": "fp32",
+                             **{name: "i32" for name in ("heads_kv", "group", "len_q", "len_k")},
+                             **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "STAGES",
+                                                               "ATOMIC_DQ", "DS_BUFS", "DS_LAYOUT")}}
+                ds_layout = gl.NVMMASharedLayout.get_default_for([gb.BLOCK_N, gb.BLOCK_M], gdt)
+                build(f"d{d}-{dt}-{'causal' if causal else 'full'}-{'atomic' if atomic else 'det'}",
+                      gb._attn_bwd_dkdv_ws, signature,
+                      {"CAUSAL": causal, "BLOCK_M": gb.BLOCK_M, "BLOCK_N": gb.BLOCK_N, "D": d, "STAGES": gb.STAGES,
+                       "ATOMIC_DQ": atomic, "DS_BUFS": gb.DS_BUFS, "DS_LAYOUT": ds_layout})
 """
 
 
@@ -112,8 +126,9 @@ def compiled():
 @pytest.mark.parametrize("d", gb.HEAD_DIMS)
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_compiles_for_sm90_without_serialized_products(compiled, d, dt, causal):
-    result = compiled[f"d{d}-{dt}-{'causal' if causal else 'full'}"]
+@pytest.mark.parametrize("form", ["det", "atomic"])
+def test_compiles_for_sm90_without_serialized_products(compiled, d, dt, causal, form):
+    result = compiled[f"d{d}-{dt}-{'causal' if causal else 'full'}-{form}"]
     gluon_compile.assert_not_serialized(result)
 
 
@@ -130,9 +145,10 @@ SHAPES = [
 
 
 @on_hopper
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
-def test_gradients_within_the_bound_on_hopper(shape, dtype, monkeypatch):
+def test_gradients_within_the_bound_on_hopper(shape, dtype, deterministic, monkeypatch):
     b, hq, hkv, nq, nk, d, causal, layout = shape
     gen = torch.Generator(device="cuda").manual_seed(nq * 7 + nk)
 
@@ -146,7 +162,7 @@ def test_gradients_within_the_bound_on_hopper(shape, dtype, monkeypatch):
     real = gb.dkdv
     monkeypatch.setattr(gb, "dkdv", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, _ = ta.fa2_forward(*leaves, causal=causal)
+    out, _ = ta.fa2_forward(*leaves, causal=causal, deterministic=deterministic)
     dq, dk, dv = torch.autograd.grad(out, leaves, dout)
     assert calls, "the Triton dK/dV kernel ran, not the Gluon one"
     ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=causal), dout=dout)
@@ -157,9 +173,25 @@ def test_gradients_within_the_bound_on_hopper(shape, dtype, monkeypatch):
 
 
 @on_hopper
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3], SHAPES[6]], ids=lambda s: "-".join(map(str, s)))
+def test_atomic_dq_changes_only_dq_on_hopper(shape):
+    """deterministic=False runs the same kernel with dQ added in it: dK and dV bitwise the deterministic
+    backward's (same products, same order), dQ within a few roundings of the dQ kernel's."""
+    b, hq, hkv, nq, nk, d, causal, _ = shape
+    gen = torch.Generator(device="cuda").manual_seed(nq + nk)
+    q, dout = (torch.randn((b, hq, nq, d), generator=gen, device="cuda", dtype=torch.float16) for _ in range(2))
+    k, v = (torch.randn((b, hkv, nk, d), generator=gen, device="cuda", dtype=torch.float16) for _ in range(2))
+    out, lse = ta.fa2_forward_raw(q, k, v, causal=causal)
+    det = ta.fa2_backward(q, k, v, out, lse, dout, causal=causal, gluon=True)
+    atomic = ta.fa2_backward(q, k, v, out, lse, dout, causal=causal, gluon=True, deterministic=False)
+    assert torch.equal(det[1], atomic[1]) and torch.equal(det[2], atomic[2])
+    torch.testing.assert_close(atomic[0], det[0], rtol=2e-3, atol=2e-3 * det[0].abs().max().item())
+
+
+@on_hopper
 def test_routing_on_hopper(monkeypatch):
-    """gluon=None: Gluon unless the tiles are fixed, the backward is not deterministic or a tensor is one no
-    descriptor reads (``out.sum()``'s dO broadcasts one element); gluon=False: never; gluon=True: always
+    """gluon=None: Gluon unless the tiles are fixed or a tensor is one no descriptor reads (``out.sum()``'s dO
+    broadcasts one element), deterministic or not; gluon=False: never; gluon=True: always
     (the tiles then the dQ kernel's), through contiguous copies where no descriptor reads a tensor (dO
     broadcast, or at a storage offset of one element); no query row: dK = dV = 0."""
     calls = []
@@ -169,8 +201,8 @@ def test_routing_on_hopper(monkeypatch):
     q, k, v = (torch.randn((1, 2, 300, 64), generator=gen, device="cuda", dtype=torch.float16) for _ in range(3))
     dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=torch.float16)
     expected = {(None, None, True, False): 1, (None, 64, True, False): 0, (False, None, True, False): 0,
-                (True, 64, True, False): 1, (None, None, False, False): 0, (None, None, True, True): 0,
-                (True, None, True, True): 1}
+                (True, 64, True, False): 1, (None, None, False, False): 1, (False, None, False, False): 0,
+                (True, None, False, False): 1, (None, None, True, True): 0, (True, None, True, True): 1}
     for (gluon, block, deterministic, broadcast), runs in expected.items():
         calls.clear()
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
