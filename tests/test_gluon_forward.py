@@ -91,26 +91,30 @@ def test_descriptors_equal_checked_ones():
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    def checked(t, rows, strides):
-        block = [1, 1, rows, t.shape[3]]
-        gdt = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
+    def checked(t, rows, cols, strides):
+        block = [1, 1, rows, cols]
+        gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[t.dtype]
         return TensorDescriptor(t, list(t.shape), strides, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
 
-    for dtype in (torch.float16, torch.bfloat16):
+    # whole rows of float16/bfloat16 (Q, K, V, O tiles); half rows as well (the atomic-dQ backward's K in
+    # column halves, and its float32 dQ tiles)
+    for dtype, half in ((torch.float16, False), (torch.bfloat16, False), (torch.float16, True),
+                        (torch.float32, True)):
         for d in gf.HEAD_DIMS:
+            cols = d // 2 if half else None
             first = torch.zeros(2, 3, 64, d, dtype=dtype)
-            gf._descriptor(first, 64)  # the tile shape's checked descriptor, if no other test made it
+            gf._descriptor(first, 64, cols)  # the tile shape's checked descriptor, if no other test made it
             same = torch.zeros(2, 3, 40, d, dtype=dtype)
             one_head = torch.zeros(2, 64, 1, d, dtype=dtype).transpose(1, 2)  # size-1 dim: a contiguous stride
             strided = torch.zeros(2, 40, 3, d, dtype=dtype).transpose(1, 2)
             for t, strides in ((same, list(same.stride())), (one_head, [64 * d, 64 * d, d, 1]),
                                (strided, list(strided.stride()))):
-                got, want = gf._descriptor(t, 64), checked(t, 64, strides)
+                got, want = gf._descriptor(t, 64, cols), checked(t, 64, cols or d, strides)
                 assert type(got) is TensorDescriptor and got.base is t and want.base is t
                 fields = [name for name in vars(want) if name != "base"]
                 assert sorted(vars(got)) == sorted(vars(want))
                 assert all(getattr(got, name) == getattr(want, name) for name in fields), (vars(got), vars(want))
-            assert gf._descriptor(same, 64).layout is gf._descriptor(strided, 64).layout  # computed once
+            assert gf._descriptor(same, 64, cols).layout is gf._descriptor(strided, 64, cols).layout  # computed once
 
 
 _COMPILE = r"""
