@@ -13,9 +13,9 @@ this card and torch build offer:
 ``sdpa_efficient``  the same under ``SDPBackend.EFFICIENT_ATTENTION``
 ``flex``            ``torch.compile(flex_attention)`` with a causal block mask (none when not causal)
 
-with ``triton.testing.do_bench`` (CUDA events, median). ``--atomic-dq`` also times the Triton backward
-with ``deterministic=False`` (dQ added with atomics by the dK/dV kernel), beside the deterministic one,
-in two more columns. A peer that cannot run a configuration (no cuDNN, a head dim a backend refuses) is
+with ``triton.testing.do_bench`` (CUDA events, median). ``--atomic-dq`` also times the backward
+with ``deterministic=False`` (dQ added with atomics by the dK/dV kernel: the Gluon one on Hopper), beside
+the deterministic one, in two more columns. A peer that cannot run a configuration (no cuDNN, a head dim a backend refuses) is
 listed with torch's reason and left out of that row. The table gives TFLOP/s, the fastest peer of each
 row and the ratio Triton / fastest peer, forward and backward apart, and a second table every peer's
 figures. With Nq == Nk SDPA's top-left and the Triton kernel's bottom-right causal masks coincide; ``max|dout|`` is the largest difference of any peer's output from
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp16", "bf16"])
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--atomic-dq", action="store_true",
-                        help="also time Triton's backward with deterministic=False (dQ added with atomics, no dQ "
+                        help="also time the backward with deterministic=False (dQ added with atomics, no dQ "
                              "kernel), in two more columns")
     parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS),
                         help="the peers to time (default: all; none: Triton alone)")

@@ -236,15 +236,22 @@ if triton_attention is not None and triton_softmax is not None:
     # and the backward's dK/dV kernel, warp-specialized, in Gluon), with gluon=True so that every drawn case
     # runs them (the drawn tiles go to the Triton dQ kernel): declared as those kernels' limits
     # (float16/bfloat16, head dim 64 or 128, plain attention, positive scales).
-    # Registered on a GPU of compute capability 9.0 only, and in the default selection there.
+    # Registered on a GPU of compute capability 9.0 only: the deterministic one in the default selection
+    # there, the one whose dK/dV kernel adds dQ (deterministic=False) when named.
+    _GLUON_FIELDS = dict(dtypes=(torch.float16, torch.bfloat16), head_dims=triton_attention.gluon_forward.HEAD_DIMS,
+                         windows=False, chunks=False, softcap=False, alibi=False, sinks=False, sequences=("dense",),
+                         scales=(None, 0.5, 0.125, 1.0, 2.5, 1e-8, 0.1, 1 / 3))
     _GLUON = () if _INTERPRET or not triton_attention.gluon_forward.AVAILABLE or not torch.cuda.is_available() \
         or torch.cuda.get_device_capability() != (9, 0) else (_triton_attention(
             name="triton_fa2_gluon", forward=functools.partial(triton_attention.fa2_forward, gluon=True),
-            dtypes=(torch.float16, torch.bfloat16), head_dims=triton_attention.gluon_forward.HEAD_DIMS,
-            windows=False, chunks=False, softcap=False, alibi=False, sinks=False, sequences=("dense",),
-            scales=(None, 0.5, 0.125, 1.0, 2.5, 1e-8, 0.1, 1 / 3),
             description="FlashAttention-2 forward and backward dK/dV of Hopper (Gluon, warp-specialized); "
-                        "Triton Delta and dQ"),)
+                        "Triton Delta and dQ", **_GLUON_FIELDS), _triton_attention(
+            name="triton_fa2_gluon_atomic_dq",
+            forward=functools.partial(triton_attention.fa2_forward, gluon=True, deterministic=False),
+            backward=functools.partial(triton_attention.fa2_backward, gluon=True, deterministic=False),
+            deterministic=False, in_default=False,
+            description="FlashAttention-2 forward and backward dK/dV of Hopper (Gluon, warp-specialized), dQ "
+                        "added by TMA reduces in the dK/dV kernel; Triton Delta", **_GLUON_FIELDS))
     _TRITON: tuple[Implementation, ...] = (TRITON_SOFTMAX, TRITON_FA2, TRITON_FA1, *_AUTOTUNED, *_GLUON,
                                            TRITON_FA2_ATOMIC_DQ, TRITON_DECODE)
 else:
