@@ -83,6 +83,25 @@ if AVAILABLE:
                                                       src.handle)
 
     @gluon.jit
+    def _issue_dq(ds_smem, kh_smem, buf, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  DH: gl.constexpr, Q_LAYOUT: gl.constexpr):
+        """Issue (asynchronously) warpgroup ``WG``'s dQ tile, ``dS K[:, WG half]`` over both warpgroups' keys:
+        their dS^T in ``ds_smem`` buffer ``buf``, transposed, against K's column-half tiles."""
+        dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)), kh_smem.index(WG).reshape([BLOCK_N, DH]),
+                           gl.zeros([BLOCK_M, DH], gl.float32, layout=Q_LAYOUT), use_acc=False, is_async=True)
+        return warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)), kh_smem.index(2 + WG).reshape([BLOCK_N, DH]),
+                             dq, is_async=True)
+
+    @gluon.jit
+    def _add_dq(dq, scale, dq_tile, dq_smem, dq_desc, at):
+        """Add the float32 tile ``dq * scale`` to ``dq_desc``'s buffer at ``at`` by a TMA reduce, staged in
+        ``dq_tile`` (``dq_smem`` reshaped) once the previous reduce has read it."""
+        tma.store_wait(pendings=0)
+        dq_tile.store(dq * scale)
+        fence_async_shared()
+        _tma_add(dq_desc, at, dq_smem)
+
+    @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, kh_smem, ds_smem, dq_smem, kv_bar, kh_bar, ready, empty,
                   ds_ready, ds_free, dk_desc, dv_desc, dq_desc, Lse, Delta, stride_lb, stride_lh, stride_ln,
                   stride_db, stride_dh, c, scale, off_b, off_hkv, group, start_n, lo, n_tiles, len_q, len_k,
@@ -163,37 +182,22 @@ if AVAILABLE:
                 fence_async_shared()
                 mbarrier.arrive(ds_ready.index(buf), count=1)
                 mbarrier.wait(ds_ready.index(buf), (step // DS_BUFS) & 1)
+                dq_at = [off_b, off_h, start_m, WG * DH]
                 if D > 64:  # dQ's products first: its store and reduce overlap dK's product
-                    dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)),
-                                       kh_smem.index(WG).reshape([BLOCK_N, DH]),
-                                       gl.zeros([BLOCK_M, DH], gl.float32, layout=Q_LAYOUT), use_acc=False,
-                                       is_async=True)
-                    dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
-                                       kh_smem.index(2 + WG).reshape([BLOCK_N, DH]), dq, is_async=True)
+                    dq = _issue_dq(ds_smem, kh_smem, buf, WG, BLOCK_M, BLOCK_N, DH, Q_LAYOUT)
                     dk = warpgroup_mma(ds_smem.index(buf * 2 + WG), q_tile, dk, is_async=True)
                     dq = warpgroup_mma_wait(1, deps=(dq, ))  # dQ's products done, dK's still running ...
-                    tma.store_wait(pendings=0)  # (the previous tile's reduce has read dq_tile)
-                    dq_tile.store(dq * scale)  # ... during this
-                    fence_async_shared()
-                    _tma_add(dq_desc, [off_b, off_h, start_m, WG * DH], dq_smem.index(WG))
+                    _add_dq(dq, scale, dq_tile, dq_smem.index(WG), dq_desc, dq_at)  # ... during this
                     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
                     mbarrier.arrive(ds_free.index(buf), count=1)
                     mbarrier.arrive(empty.index(st), count=1)
-                else:  # at head dim 64 this order ran 5-15% faster on an H200 (docs/benchmarks.md)
+                else:  # at head dim 64 this order ran 5-14% faster on an H200 (docs/benchmarks.md)
                     dk = warpgroup_mma(ds_smem.index(buf * 2 + WG), q_tile, dk, is_async=True)
-                    dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)),
-                                       kh_smem.index(WG).reshape([BLOCK_N, DH]),
-                                       gl.zeros([BLOCK_M, DH], gl.float32, layout=Q_LAYOUT), use_acc=False,
-                                       is_async=True)
-                    dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
-                                       kh_smem.index(2 + WG).reshape([BLOCK_N, DH]), dq, is_async=True)
+                    dq = _issue_dq(ds_smem, kh_smem, buf, WG, BLOCK_M, BLOCK_N, DH, Q_LAYOUT)
                     dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
                     mbarrier.arrive(ds_free.index(buf), count=1)
                     mbarrier.arrive(empty.index(st), count=1)
-                    tma.store_wait(pendings=0)  # the previous tile's reduce has read dq_tile
-                    dq_tile.store(dq * scale)
-                    fence_async_shared()
-                    _tma_add(dq_desc, [off_b, off_h, start_m, WG * DH], dq_smem.index(WG))
+                    _add_dq(dq, scale, dq_tile, dq_smem.index(WG), dq_desc, dq_at)
             else:
                 dk = warpgroup_mma(gl.convert_layout(ds, P_LAYOUT), q_tile, dk, is_async=True)
                 dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
