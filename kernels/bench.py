@@ -159,7 +159,7 @@ def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, peers=PEERS, 
     rules = dict(device=q.device, dtype=dtype, head_dim=d, scale=d ** -0.5, variant=False, inner_scaled=False,
                  fixed_blocks=False, tensors=(q, k, v))
     row["fwd_kernel"] = "triton" if triton_attention.gluon_forward.unsupported(**rules) else "gluon"
-    row["bwd_kernel"] = "triton" if triton_attention.gluon_backward.unsupported(deterministic=True, **rules) \
+    row["bwd_kernel"] = "triton" if triton_attention.gluon_backward.unsupported(**rules) \
         else "gluon"
     reference = triton_attention.fa2_forward(q, k, v, causal=causal)[0]
     measure("triton", lambda: triton_attention.fa2_forward(q, k, v, causal=causal)[0])

@@ -56,10 +56,10 @@ STAGES = 2
 DS_BUFS = 2  # dS^T buffers of the atomic-dQ form: a warpgroup may write one while the other's dQ reads the other
 
 
-def unsupported(*, deterministic: bool, **forward_rules) -> str:
+def unsupported(**forward_rules) -> str:
     """Why the dK/dV kernel of a backward call does not run here ("" where it does): the forward's rules
-    (:func:`kernels.gluon_forward.unsupported`; ``tensors`` are q, k, v and dO). ``deterministic`` does not
-    matter: the deterministic backward runs the kernel without dQ, the other one with it."""
+    (:func:`kernels.gluon_forward.unsupported`; ``tensors`` are q, k, v and dO), deterministic backward or
+    not (without dQ then, or adding it)."""
     return gluon_forward.unsupported(**forward_rules)
 
 if AVAILABLE:

@@ -1178,7 +1178,7 @@ def _check_gluon(gluon, *, kernel: str) -> None:
 
 
 def _gluon_plan(call: _Call, head_dim: int, tensors, *, inner_scaled: bool, fixed: bool, gluon,
-                backward: bool = False, deterministic: bool = True) -> bool:
+                backward: bool = False) -> bool:
     """Whether the forward (or, ``backward``, the backward's dK/dV kernel) runs the Gluon kernel of Hopper:
     ``gluon=None`` where it takes the call as it is (:func:`kernels.gluon_forward.unsupported`,
     :func:`kernels.gluon_backward.unsupported`; tiles not fixed), ``False`` never, ``True`` always (the tiles
@@ -1190,7 +1190,7 @@ def _gluon_plan(call: _Call, head_dim: int, tensors, *, inner_scaled: bool, fixe
     common = dict(device=call.q.device, dtype=call.q.dtype, head_dim=head_dim, scale=call.scale, variant=variant,
                   inner_scaled=inner_scaled)
     if backward:
-        rules, what = functools.partial(gluon_backward.unsupported, deterministic=deterministic), "dK/dV kernel"
+        rules, what = gluon_backward.unsupported, "dK/dV kernel"
     else:
         rules, what = gluon_forward.unsupported, "forward"
     if not rules(**common, fixed_blocks=fixed and gluon is None, tensors=tensors):
@@ -1332,8 +1332,7 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     atomic = not deterministic
     dq_sum = torch.zeros(dq4.shape, dtype=torch.float32, device=q.device) if atomic else None  # the atomics' sums
     if call.batch * hkv * call.max_k > 0 and _gluon_plan(call, d, (q4, k4, v4, dout4), inner_scaled=False,
-                                                         fixed=blocks is not None, gluon=gluon, backward=True,
-                                                         deterministic=deterministic):
+                                                         fixed=blocks is not None, gluon=gluon, backward=True):
         # Hopper: the warp-specialized Gluon dK/dV kernel (kernels/gluon_backward.py), same numerics.
         gluon_backward.dkdv(q4, k4, v4, dout4, lse4, delta, dk4, dv4, causal=causal, scale=call.scale, dq_sum=dq_sum)
     elif call.batch * hkv * call.max_k > 0:

@@ -1,14 +1,15 @@
 """The Gluon dK/dV kernel of Hopper (kernels/gluon_backward.py): when it runs, that it compiles without
 serialized products, and (on an H100/H200) that its gradients are right.
 
-* Dispatch rules, without a GPU: :func:`gluon_backward.unsupported` adds the deterministic backward to the
-  forward's rules; ``gluon=True`` with ``deterministic=False`` is refused by name.
-* Compilation, without a GPU: the kernel compiled for sm_90 in a fresh process, in each head dim, dtype and
-  causal flag, and its PTX assembled by Triton's own ptxas, whose report must not carry note C7514
-  ("wgmma.mma_async instructions are serialized": see tests/test_gluon_forward.py).
-* On a GPU of compute capability 9.0: the gradients of ``fa2_forward`` (whose backward dispatches here)
-  within the suite's bound of the float64 ones (references/bounds.py) over tails, Nq != Nk with the causal
-  diagonal (rows that see no key, keys no row sees), GQA and strided inputs; and that the Gluon kernel ran.
+* Dispatch rules, without a GPU: :func:`gluon_backward.unsupported` are the forward's, for the deterministic
+  backward and the one that adds dQ alike; off Hopper ``gluon=True`` names what rules a call out.
+* Compilation, without a GPU: the kernel compiled for sm_90 in a fresh process, in each head dim, dtype,
+  causal flag and form (with dQ added or not), and its PTX assembled by Triton's own ptxas, whose report
+  must not carry note C7514 ("wgmma.mma_async instructions are serialized": see tests/test_gluon_forward.py).
+* On a GPU of compute capability 9.0: the gradients of ``fa2_forward`` (whose backward dispatches here),
+  deterministic or not, within the suite's bound of the float64 ones (references/bounds.py) over tails,
+  Nq != Nk with the causal diagonal (rows that see no key, keys no row sees), GQA and strided inputs; that
+  the Gluon kernel ran; and that adding dQ leaves dK and dV bitwise the deterministic ones.
 """
 
 from __future__ import annotations
@@ -45,13 +46,12 @@ def test_unsupported_takes_the_forwards_rules(monkeypatch):
     t = torch.zeros(2, 4, 64, 128, dtype=torch.float16)
     plain = dict(device=torch.device("cuda"), dtype=torch.float16, head_dim=128, scale=0.1, variant=False,
                  inner_scaled=False, fixed_blocks=False, tensors=(t, t, t, t))
-    assert gb.unsupported(deterministic=True, **plain) == ""
-    assert gb.unsupported(deterministic=False, **plain) == ""  # the kernel adds dQ itself then
+    assert gb.unsupported(**plain) == ""
     # the forward's rules, each named
-    assert "head dim" in gb.unsupported(deterministic=True, **{**plain, "head_dim": 96})
-    assert "fixed" in gb.unsupported(deterministic=True, **{**plain, "fixed_blocks": True})
+    assert "head dim" in gb.unsupported(**{**plain, "head_dim": 96})
+    assert "fixed" in gb.unsupported(**{**plain, "fixed_blocks": True})
     monkeypatch.setenv(gf.ENV_OFF, "0")
-    assert gf.ENV_OFF in gb.unsupported(deterministic=True, **plain)
+    assert gf.ENV_OFF in gb.unsupported(**plain)
 
 
 def test_gluon_true_names_what_rules_the_atomic_backward_out():
