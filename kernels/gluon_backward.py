@@ -93,11 +93,11 @@ if AVAILABLE:
                              dq, is_async=True)
 
     @gluon.jit
-    def _add_dq(dq, scale, dq_tile, dq_smem, dq_desc, at):
+    def _add_dq(dq, scale, dq_smem, dq_desc, at):
         """Add the float32 tile ``dq * scale`` to ``dq_desc``'s buffer at ``at`` by a TMA reduce, staged in
-        ``dq_tile`` (``dq_smem`` reshaped) once the previous reduce has read it."""
+        ``dq_smem`` once the previous reduce has read it."""
         tma.store_wait(pendings=0)
-        dq_tile.store(dq * scale)
+        dq_smem.reshape(dq.shape).store(dq * scale)
         fence_async_shared()
         _tma_add(dq_desc, at, dq_smem)
 
@@ -133,7 +133,6 @@ if AVAILABLE:
         unmasked_from = start_n + BLOCK_N - 1 - causal_offset
         mbarrier.wait(kv_bar, 0)
         if ATOMIC_DQ:
-            dq_tile = dq_smem.index(WG).reshape([BLOCK_M, DH])
             mbarrier.wait(kh_bar, 0)
         n_tiles_nz = gl.maximum(n_tiles, 1)
         for step in range(group * n_tiles):
@@ -187,7 +186,7 @@ if AVAILABLE:
                     dq = _issue_dq(ds_smem, kh_smem, buf, WG, BLOCK_M, BLOCK_N, DH, Q_LAYOUT)
                     dk = warpgroup_mma(ds_smem.index(buf * 2 + WG), q_tile, dk, is_async=True)
                     dq = warpgroup_mma_wait(1, deps=(dq, ))  # dQ's products done, dK's still running ...
-                    _add_dq(dq, scale, dq_tile, dq_smem.index(WG), dq_desc, dq_at)  # ... during this
+                    _add_dq(dq, scale, dq_smem.index(WG), dq_desc, dq_at)  # ... during this
                     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
                     mbarrier.arrive(ds_free.index(buf), count=1)
                     mbarrier.arrive(empty.index(st), count=1)
@@ -197,7 +196,7 @@ if AVAILABLE:
                     dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
                     mbarrier.arrive(ds_free.index(buf), count=1)
                     mbarrier.arrive(empty.index(st), count=1)
-                    _add_dq(dq, scale, dq_tile, dq_smem.index(WG), dq_desc, dq_at)
+                    _add_dq(dq, scale, dq_smem.index(WG), dq_desc, dq_at)
             else:
                 dk = warpgroup_mma(gl.convert_layout(ds, P_LAYOUT), q_tile, dk, is_async=True)
                 dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
@@ -285,14 +284,16 @@ if AVAILABLE:
             mbarrier.init(ds_ready.index(i), count=2)
             mbarrier.init(ds_free.index(i), count=2)
         gl.warp_specialize([
-            (_consumer, (k_smem.index(0), v_smem.index(0), q_smem, do_smem, kh_smem, ds_smem, dq_smem, kv_bar.index(0), kh_bar.index(0), ready, empty,
-                         ds_ready, ds_free, dk_desc, dv_desc, dq_desc, Lse, Delta, stride_lb, stride_lh, stride_ln,
-                         stride_db, stride_dh, c, scale, off_b, off_hkv, group, start_n, lo, n_tiles, len_q, len_k,
-                         causal_offset, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 0, ATOMIC_DQ, DS_BUFS)),
-            (_consumer, (k_smem.index(1), v_smem.index(1), q_smem, do_smem, kh_smem, ds_smem, dq_smem, kv_bar.index(1), kh_bar.index(0), ready, empty,
-                         ds_ready, ds_free, dk_desc, dv_desc, dq_desc, Lse, Delta, stride_lb, stride_lh, stride_ln,
-                         stride_db, stride_dh, c, scale, off_b, off_hkv, group, start_n + BLOCK_N, lo, n_tiles, len_q,
-                         len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 1, ATOMIC_DQ, DS_BUFS)),
+            (_consumer, (k_smem.index(0), v_smem.index(0), q_smem, do_smem, kh_smem, ds_smem, dq_smem, kv_bar.index(0),
+                         kh_bar.index(0), ready, empty, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, Lse, Delta,
+                         stride_lb, stride_lh, stride_ln, stride_db, stride_dh, c, scale, off_b, off_hkv, group,
+                         start_n, lo, n_tiles, len_q, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 0,
+                         ATOMIC_DQ, DS_BUFS)),
+            (_consumer, (k_smem.index(1), v_smem.index(1), q_smem, do_smem, kh_smem, ds_smem, dq_smem, kv_bar.index(1),
+                         kh_bar.index(0), ready, empty, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, Lse, Delta,
+                         stride_lb, stride_lh, stride_ln, stride_db, stride_dh, c, scale, off_b, off_hkv, group,
+                         start_n + BLOCK_N, lo, n_tiles, len_q, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, D,
+                         STAGES, 1, ATOMIC_DQ, DS_BUFS)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, kh_desc, k_smem, v_smem, q_smem, do_smem, kh_smem, kv_bar,
                          kh_bar.index(0), ready, empty, off_b, off_hkv, group, start_n, lo, n_tiles, BLOCK_M, BLOCK_N,
                          STAGES, ATOMIC_DQ)),
