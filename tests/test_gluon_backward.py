@@ -160,11 +160,12 @@ def test_gradients_within_the_bound_on_hopper(shape, dtype, deterministic, monke
     q, k, v, dout = make(hq, nq), make(hkv, nk), make(hkv, nk), make(hq, nq)
     calls = []
     real = gb.dkdv
-    monkeypatch.setattr(gb, "dkdv", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    monkeypatch.setattr(gb, "dkdv", lambda *a, **kw: (calls.append(kw.get("dq_sum") is not None), real(*a, **kw))[1])
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out, _ = ta.fa2_forward(*leaves, causal=causal, deterministic=deterministic)
     dq, dk, dv = torch.autograd.grad(out, leaves, dout)
     assert calls, "the Triton dK/dV kernel ran, not the Gluon one"
+    assert calls == [not deterministic], "the Gluon kernel should add dQ exactly when deterministic=False"
     ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=causal), dout=dout)
     bq, bk, bv, _ = bounds.backward_bounds(ref, q, k, v, dtype=dtype, out=out.detach())
     for name, got, exact, bound in (("dq", dq, ref.dq, bq), ("dk", dk, ref.dk, bk), ("dv", dv, ref.dv, bv)):
