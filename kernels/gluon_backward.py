@@ -53,6 +53,8 @@ HEAD_DIMS = gluon_forward.HEAD_DIMS
 BLOCK_N = 64  # keys per consumer warpgroup; a program covers 2 * BLOCK_N
 BLOCK_M = 64  # query rows per stage (128 at head dim 64 spills, and ran 1.3-1.6x slower on an H200)
 STAGES = 2
+# the atomic-dQ loop's order per head dim: dQ's products before dK's (True) or after (docs/benchmarks.md)
+DQ_FIRST = {64: False, 128: True}
 DS_BUFS = 2  # dS^T buffers of the atomic-dQ form: a warpgroup may write one while the other's dQ reads the other
 
 
@@ -71,9 +73,9 @@ if AVAILABLE:
     _tma_load = gluon_forward._tma_load
     _tma_store = gluon_forward._tma_store
     _tma_add = getattr(tma, "async_atomic_add", None)
+    from triton.experimental.gluon.language._core import builtin as _builtin
     if _tma_add is None:  # Triton 3.6's Gluon has the builder's reduce but no function for it
         from triton._C.libtriton import ir as _ir
-        from triton.experimental.gluon.language._core import builtin as _builtin
 
         @_builtin
         def _tma_add(tensor_desc, coord, src, _semantic=None):
@@ -81,6 +83,13 @@ if AVAILABLE:
             coord = _semantic._convert_to_ir_values(coord, require_i64=False)
             _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                       src.handle)
+
+    @_builtin
+    def _smem_as(desc, shape, layout, _semantic=None):
+        """``desc`` (shared memory) seen with another shape and layout: Gluon's ``reinterpret``, which Triton
+        3.6 names ``_reinterpret``."""
+        shape = [gl._core._unwrap_if_constexpr(n) for n in shape]
+        return _semantic.memdesc_reinterpret(desc, desc.dtype, shape, gl._core._unwrap_if_constexpr(layout))
 
     @gluon.jit
     def _issue_dq(ds_smem, kh_smem, buf, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -102,11 +111,11 @@ if AVAILABLE:
         _tma_add(dq_desc, at, dq_smem)
 
     @gluon.jit
-    def _consumer(k_smem, v_smem, q_smem, do_smem, kh_smem, ds_smem, dq_smem, kv_bar, kh_bar, ready, empty,
-                  ds_ready, ds_free, dk_desc, dv_desc, dq_desc, Lse, Delta, stride_lb, stride_lh, stride_ln,
-                  stride_db, stride_dh, c, scale, off_b, off_hkv, group, start_n, lo, n_tiles, len_q, len_k,
-                  causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                  STAGES: gl.constexpr, WG: gl.constexpr, ATOMIC_DQ: gl.constexpr, DS_BUFS: gl.constexpr):
+    def _consumer(k_smem, v_smem, q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem, kv_bar, kh_bar, ready,
+                  empty, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n, lo,
+                  n_tiles, len_k, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr, WG: gl.constexpr, ATOMIC_DQ: gl.constexpr, DS_BUFS: gl.constexpr,
+                  DQ_FIRST: gl.constexpr):
         """One warpgroup (``WG``: 0 or 1): keys [start_n, start_n + BLOCK_N) against every Q tile of the
         group's heads. ``ATOMIC_DQ``: also dQ's columns [WG * D / 2, (WG + 1) * D / 2) of each Q tile over
         the program's 2 * BLOCK_N keys, from both warpgroups' dS^T in shared memory, added to ``dq_desc``'s
@@ -140,15 +149,9 @@ if AVAILABLE:
             start_m = lo + (step - g * n_tiles_nz) * BLOCK_M
             off_h = off_hkv * group + g
             st = step % STAGES
-            rows = start_m + cols
-            in_q = rows < len_q
-            lse = gl.load(Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows * stride_ln,
-                          mask=in_q, other=float("inf"))
-            if not (ATOMIC_DQ and D > 64):
-                delta = gl.load(Delta + off_b.to(gl.int64) * stride_db + off_h.to(gl.int64) * stride_dh + rows,
-                                mask=in_q, other=0.0)
-            # a row that sees no key has lse = -inf: +inf makes its p 0 (not NaN)
-            lse2 = gl.expand_dims(gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), 0)
+            # the stage's rows: LSE * log2(e) and Delta, read from shared memory where used (loaded into
+            # registers at the top of the step, with their indices and mask, they made the loop spill)
+            rows_tile = _smem_as(rows_smem.index(st), [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
             mbarrier.wait(ready.index(st), (step // STAGES) & 1)
             q_tile = q_smem.index(st).reshape([BLOCK_M, D])
             do_tile = do_smem.index(st).reshape([BLOCK_M, D])
@@ -157,20 +160,17 @@ if AVAILABLE:
             s = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s, ))  # S^T done, dP^T still running ...
-            arg = s * c - lse2
+            arg = s * c - gl.expand_dims(rows_tile.index(0).load(COL), 0)
             if CAUSAL:  # (a row that sees a key past the end is past the end itself)
                 if start_m < unmasked_from:
-                    arg = gl.where(keys <= gl.expand_dims(rows, 0) + causal_offset, arg, float("-inf"))
+                    arg = gl.where(keys <= gl.expand_dims(start_m + cols, 0) + causal_offset, arg, float("-inf"))
             elif ATOMIC_DQ:  # keys past the end: K's rows are 0 there, but p * 0 is NaN where p overflows
                 if start_n + BLOCK_N > len_k:
                     arg = gl.where(keys < len_k, arg, float("-inf"))
             p = gl.exp2(arg)  # ... during this
             dv = warpgroup_mma(gl.convert_layout(p.to(dtype), P_LAYOUT), do_tile, dv, is_async=True)
-            if ATOMIC_DQ and D > 64:  # loaded here, where fewer registers are live (at 128 they are short)
-                delta = gl.load(Delta + off_b.to(gl.int64) * stride_db + off_h.to(gl.int64) * stride_dh + rows,
-                                mask=in_q, other=0.0)
             dp = warpgroup_mma_wait(1, deps=(dp, ))  # dP^T done, dV's product still running ...
-            ds = (p * (dp - gl.expand_dims(delta, 0))).to(dtype)  # ... during this
+            ds = (p * (dp - gl.expand_dims(rows_tile.index(1).load(COL), 0))).to(dtype)  # ... during this
             if ATOMIC_DQ:
                 # dS^T to shared memory (the buffer free once both warpgroups' dQ products of DS_BUFS steps
                 # ago are done); then dK += dS^T Q from it, and dQ[:, cols] = dS K[:, cols] over both
@@ -182,7 +182,7 @@ if AVAILABLE:
                 mbarrier.arrive(ds_ready.index(buf), count=1)
                 mbarrier.wait(ds_ready.index(buf), (step // DS_BUFS) & 1)
                 dq_at = [off_b, off_h, start_m, WG * DH]
-                if D > 64:  # dQ's products first: its store and reduce overlap dK's product
+                if DQ_FIRST:  # dQ's products first: its store and reduce overlap dK's product
                     dq = _issue_dq(ds_smem, kh_smem, buf, WG, BLOCK_M, BLOCK_N, DH, Q_LAYOUT)
                     dk = warpgroup_mma(ds_smem.index(buf * 2 + WG), q_tile, dk, is_async=True)
                     dq = warpgroup_mma_wait(1, deps=(dq, ))  # dQ's products done, dK's still running ...
@@ -190,7 +190,7 @@ if AVAILABLE:
                     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
                     mbarrier.arrive(ds_free.index(buf), count=1)
                     mbarrier.arrive(empty.index(st), count=1)
-                else:  # at head dim 64 this order ran 5-14% faster on an H200 (docs/benchmarks.md)
+                else:
                     dk = warpgroup_mma(ds_smem.index(buf * 2 + WG), q_tile, dk, is_async=True)
                     dq = _issue_dq(ds_smem, kh_smem, buf, WG, BLOCK_M, BLOCK_N, DH, Q_LAYOUT)
                     dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
@@ -210,11 +210,12 @@ if AVAILABLE:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _producer(k_desc, v_desc, q_desc, do_desc, kh_desc, k_smem, v_smem, q_smem, do_smem, kh_smem, kv_bar, kh_bar,
-                  ready, empty, off_b, off_hkv, group, start_n, lo, n_tiles, BLOCK_M: gl.constexpr,
+    def _producer(k_desc, v_desc, q_desc, do_desc, rows_desc, kh_desc, k_smem, v_smem, q_smem, do_smem, rows_smem,
+                  kh_smem, kv_bar, kh_bar, ready, empty, off_b, off_hkv, group, start_n, lo, n_tiles, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ATOMIC_DQ: gl.constexpr):
         """One warp: both warpgroups' K and V tiles (with ``ATOMIC_DQ`` K once more, in column halves, the dQ
-        products' operands), then Q and dO tile by tile as the stages are freed."""
+        products' operands), then Q, dO and their rows' LSE * log2(e) and Delta tile by tile as the stages are
+        freed."""
         for w in gl.static_range(2):
             mbarrier.expect(kv_bar.index(w), 2 * k_desc.block_type.nbytes)
             _tma_load(k_desc, [off_b, off_hkv, start_n + w * BLOCK_N, 0], kv_bar.index(w), k_smem.index(w))
@@ -233,16 +234,16 @@ if AVAILABLE:
             off_h = off_hkv * group + g
             st = step % STAGES
             mbarrier.wait(empty.index(st), ((step // STAGES) & 1) ^ 1, pred=step >= STAGES)
-            mbarrier.expect(ready.index(st), 2 * q_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(st), 2 * q_desc.block_type.nbytes + rows_desc.block_type.nbytes)
             _tma_load(q_desc, [off_b, off_h, start_m, 0], ready.index(st), q_smem.index(st))
             _tma_load(do_desc, [off_b, off_h, start_m, 0], ready.index(st), do_smem.index(st))
+            _tma_load(rows_desc, [off_b, off_h, 0, start_m], ready.index(st), rows_smem.index(st))
 
     @gluon.jit
-    def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, kh_desc, dq_desc, Lse, Delta,
-                          stride_lb, stride_lh, stride_ln, stride_db, stride_dh, c, scale, heads_kv, group, len_q,
-                          len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, rows_desc, dk_desc, dv_desc, kh_desc, dq_desc, c, scale,
+                          heads_kv, group, len_q, len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           D: gl.constexpr, STAGES: gl.constexpr, ATOMIC_DQ: gl.constexpr, DS_BUFS: gl.constexpr,
-                          DS_LAYOUT: gl.constexpr):
+                          DS_LAYOUT: gl.constexpr, DQ_FIRST: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         pid_n = gl.program_id(0)  # causal: the first key tiles have the most Q tiles, and run first
         pid_bh = gl.program_id(1)
@@ -260,6 +261,7 @@ if AVAILABLE:
         v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, D], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, D], do_desc.layout)
+        rows_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, 2, BLOCK_M], rows_desc.layout)
         if ATOMIC_DQ:  # K in (key half, column half) tiles; both warpgroups' dS^T; each one's dQ columns
             kh_smem = gl.allocate_shared_memory(dtype, [4, 1, 1, BLOCK_N, D // 2], kh_desc.layout)
             ds_smem = gl.allocate_shared_memory(dtype, [2 * DS_BUFS, BLOCK_N, BLOCK_M], DS_LAYOUT)
@@ -284,26 +286,45 @@ if AVAILABLE:
             mbarrier.init(ds_ready.index(i), count=2)
             mbarrier.init(ds_free.index(i), count=2)
         gl.warp_specialize([
-            (_consumer, (k_smem.index(0), v_smem.index(0), q_smem, do_smem, kh_smem, ds_smem, dq_smem, kv_bar.index(0),
-                         kh_bar.index(0), ready, empty, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, Lse, Delta,
-                         stride_lb, stride_lh, stride_ln, stride_db, stride_dh, c, scale, off_b, off_hkv, group,
-                         start_n, lo, n_tiles, len_q, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 0,
-                         ATOMIC_DQ, DS_BUFS)),
-            (_consumer, (k_smem.index(1), v_smem.index(1), q_smem, do_smem, kh_smem, ds_smem, dq_smem, kv_bar.index(1),
-                         kh_bar.index(0), ready, empty, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, Lse, Delta,
-                         stride_lb, stride_lh, stride_ln, stride_db, stride_dh, c, scale, off_b, off_hkv, group,
-                         start_n + BLOCK_N, lo, n_tiles, len_q, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, D,
-                         STAGES, 1, ATOMIC_DQ, DS_BUFS)),
-            (_producer, (k_desc, v_desc, q_desc, do_desc, kh_desc, k_smem, v_smem, q_smem, do_smem, kh_smem, kv_bar,
-                         kh_bar.index(0), ready, empty, off_b, off_hkv, group, start_n, lo, n_tiles, BLOCK_M, BLOCK_N,
-                         STAGES, ATOMIC_DQ)),
+            (_consumer, (k_smem.index(0), v_smem.index(0), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,
+                         kv_bar.index(0), kh_bar.index(0), ready, empty, ds_ready, ds_free, dk_desc, dv_desc, dq_desc,
+                         c, scale, off_b, off_hkv, group, start_n, lo, n_tiles, len_k, causal_offset, CAUSAL, BLOCK_M,
+                         BLOCK_N, D, STAGES, 0, ATOMIC_DQ, DS_BUFS, DQ_FIRST)),
+            (_consumer, (k_smem.index(1), v_smem.index(1), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,
+                         kv_bar.index(1), kh_bar.index(0), ready, empty, ds_ready, ds_free, dk_desc, dv_desc, dq_desc,
+                         c, scale, off_b, off_hkv, group, start_n + BLOCK_N, lo, n_tiles, len_k, causal_offset, CAUSAL,
+                         BLOCK_M, BLOCK_N, D, STAGES, 1, ATOMIC_DQ, DS_BUFS, DQ_FIRST)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, rows_desc, kh_desc, k_smem, v_smem, q_smem, do_smem,
+                         rows_smem, kh_smem, kv_bar, kh_bar.index(0), ready, empty, off_b, off_hkv, group, start_n, lo,
+                         n_tiles, BLOCK_M, BLOCK_N, STAGES, ATOMIC_DQ)),
         ], [4, 1], [240, 24])
 
 
-def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float, dq_sum=None) -> None:
+def rows_buffer(lse: torch.Tensor) -> torch.Tensor:
+    """An empty ``[B, Hq, 2, Np]`` float32 buffer for :func:`dkdv`'s ``rows`` (``lse``'s ``[B, Hq, Nq]``;
+    ``Np`` is Nq rounded up to whole ``BLOCK_M`` tiles): LSE * log2(e) (+inf where LSE is -inf, and on the
+    padding rows) at ``[:, :, 0]``, Delta (0 on the padding) at ``[:, :, 1]``."""
+    b, hq, len_q = lse.shape
+    return torch.empty((b, hq, 2, -(-len_q // BLOCK_M) * BLOCK_M), dtype=torch.float32, device=lse.device)
+
+
+def fill_rows(rows: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """Fill a :func:`rows_buffer` from ``lse`` and ``delta`` with torch operations (the backward's Delta
+    kernel writes it in the same pass as Delta instead); returns it."""
+    len_q = lse.shape[2]
+    torch.mul(lse, LOG2E, out=rows[:, :, 0, :len_q])
+    rows[:, :, 0, :len_q].masked_fill_(lse == float("-inf"), float("inf"))
+    rows[:, :, 0, len_q:] = float("inf")
+    rows[:, :, 1, :len_q] = delta
+    rows[:, :, 1, len_q:] = 0.0
+    return rows
+
+
+def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float, dq_sum=None, rows=None) -> None:
     """Write dK and dV of the FA2 backward of ``[B, H, N, D]`` float16/bfloat16 tensors into ``dk``, ``dv``
-    (``k``'s shape, contiguous); ``lse`` and ``delta`` (``rowsum(dO * O)``) are ``[B, Hq, Nq]`` float32,
-    ``delta`` with unit last stride. ``dq_sum``: a contiguous float32 tensor of ``q``'s shape, zeros, to
+    (``k``'s shape, contiguous); ``lse`` and ``delta`` (``rowsum(dO * O)``) are ``[B, Hq, Nq]`` float32.
+    ``rows``: a :func:`rows_buffer` holding them as the kernel reads them (``None``: made here by
+    :func:`fill_rows`). ``dq_sum``: a contiguous float32 tensor of ``q``'s shape, zeros, to
     which the kernel adds dQ (each program its keys' share, by TMA reduces: the order the additions arrive
     in, and so dQ's last bits, vary from run to run); ``None``: no dQ (the deterministic backward's dQ
     kernel computes it). Tensors no descriptor reads go through contiguous copies."""
@@ -315,6 +336,8 @@ def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float, dq_su
         dk.zero_()
         dv.zero_()
         return
+    if rows is None:
+        rows = fill_rows(rows_buffer(lse), lse, delta)
     readable = gluon_forward.readable
     q, k, v, dout = (t if readable(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
                      for t in (q, k, v, dout))
@@ -326,11 +349,10 @@ def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float, dq_su
     kh_desc = descriptor(k, BLOCK_N, d // 2) if atomic else k_desc
     dq_desc = descriptor(dq_sum, BLOCK_M, d // 2) if atomic else dk_desc
     _attn_bwd_dkdv_ws[(-(-len_k // (2 * BLOCK_N)), b * hkv)](
-        descriptor(q, BLOCK_M), k_desc, descriptor(v, BLOCK_N), descriptor(dout, BLOCK_M), dk_desc,
-        descriptor(targets[1], BLOCK_N), kh_desc, dq_desc, lse, delta, lse.stride(0), lse.stride(1), lse.stride(2),
-        delta.stride(0), delta.stride(1), scale * LOG2E, scale, hkv, hq // hkv, len_q, len_k, CAUSAL=causal,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, STAGES=STAGES, ATOMIC_DQ=atomic, DS_BUFS=DS_BUFS,
-        DS_LAYOUT=_ds_layout(q.dtype), num_warps=4)
+        descriptor(q, BLOCK_M), k_desc, descriptor(v, BLOCK_N), descriptor(dout, BLOCK_M), descriptor(rows, 2, BLOCK_M, swizzled=False),
+        dk_desc, descriptor(targets[1], BLOCK_N), kh_desc, dq_desc, scale * LOG2E, scale, hkv, hq // hkv, len_q,
+        len_k, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, STAGES=STAGES, ATOMIC_DQ=atomic,
+        DS_BUFS=DS_BUFS, DS_LAYOUT=_ds_layout(q.dtype), DQ_FIRST=DQ_FIRST[d], num_warps=4)
     for target, given in zip(targets, (dk, dv)):
         if target is not given:
             given.copy_(target)

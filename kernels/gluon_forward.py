@@ -274,16 +274,20 @@ if AVAILABLE:
     _GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
     @functools.lru_cache(maxsize=None)
-    def _layout(rows: int, cols: int, dtype: torch.dtype) -> "gl.NVMMASharedLayout":
+    def _layout(rows: int, cols: int, dtype: torch.dtype, swizzled: bool = True) -> "gl.NVMMASharedLayout":
         """The shared-memory layout of a ``[1, 1, rows, cols]`` tile: computed once per tile shape and dtype
-        (Gluon derives it through a constexpr function, a large part of a launch's host time otherwise)."""
+        (Gluon derives it through a constexpr function, a large part of a launch's host time otherwise);
+        ``swizzled=False``: rows one after another, unpermuted (a tile read row by row as 1-D vectors)."""
+        if not swizzled:
+            return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=dtype.itemsize * 8, rank=4)
         return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], _GLUON_DTYPES[dtype])
 
     # (rows, cols, dtype) -> a checked descriptor's fields other than base, shape and strides
     _TILE_FIELDS: dict = {}
 
-    def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> "TensorDescriptor":
-        """A descriptor of ``[1, 1, rows, cols]`` tiles (``cols=None``: D) of the ``[B, H, N, D]`` tensor ``t``,
+    def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None, swizzled: bool = True) -> "TensorDescriptor":
+        """A descriptor of ``[1, 1, rows, cols]`` tiles (``cols=None``: D; ``swizzled``: see :func:`_layout`)
+        of the ``[B, H, N, D]`` tensor ``t``,
         which must be :func:`readable` (every caller checks, or passes a contiguous copy) with no empty
         dimension. The first one of a tile shape and dtype goes through ``TensorDescriptor``'s checks; the
         next ones take its tile fields (block shape, layout, padding) and set their own base, shape and
@@ -293,10 +297,10 @@ if AVAILABLE:
         cols = shape[3] if cols is None else cols
         # a dimension of size 1 is never stepped over: give it the stride of a contiguous tensor
         strides = [t.stride(i) if shape[i] != 1 else math.prod(shape[i + 1:]) for i in range(4)]
-        key = (rows, cols, t.dtype)
+        key = (rows, cols, t.dtype, swizzled)
         fields = _TILE_FIELDS.get(key)
         if fields is None:
-            desc = TensorDescriptor(t, shape, strides, [1, 1, rows, cols], _layout(rows, cols, t.dtype))
+            desc = TensorDescriptor(t, shape, strides, [1, 1, rows, cols], _layout(rows, cols, t.dtype, swizzled))
             _TILE_FIELDS[key] = {name: value for name, value in vars(desc).items()
                                  if name not in ("base", "shape", "strides")}
             return desc

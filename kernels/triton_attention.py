@@ -614,14 +614,17 @@ _attn_fwd_tuned = triton.autotune(
 # --------------------------------------------------------------------------------------------------
 
 @_kernel
-def _attn_bwd_delta(Out, DOut, Delta, CuQ,
+def _attn_bwd_delta(Out, DOut, Delta, CuQ, Lse, Rows,
                     stride_ob, stride_oh, stride_om, stride_od,
                     stride_gb, stride_gh, stride_gm, stride_gd,
-                    stride_db, stride_dh,
+                    stride_db, stride_dh, stride_lb, stride_lh, stride_lm, stride_rb, stride_rh, stride_rs,
                     heads_q, len_q,
                     head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, ALIGNED: tl.constexpr,
-                    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Delta = rowsum(dO * O) in float32, stored with the LSE's layout ([B, Hq, Nq]; [Hq, total] packed)."""
+                    VARLEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Delta = rowsum(dO * O) in float32, stored with the LSE's layout ([B, Hq, Nq]; [Hq, total] packed).
+    ROWS (dense batches; the grid covers the padding rows): also the Gluon dK/dV kernel's rows buffer
+    (kernels/gluon_backward.py, ``rows_buffer``): LSE * log2(e) at ``Rows``, +inf where LSE is -inf and
+    past Nq, and Delta ``stride_rs`` after it, 0 past Nq."""
     stride_ob, stride_oh = _hint16(stride_ob, ALIGNED), _hint16(stride_oh, ALIGNED)
     stride_gb, stride_gh = _hint16(stride_gb, ALIGNED), _hint16(stride_gh, ALIGNED)
     pid_m = tl.program_id(0)
@@ -642,6 +645,14 @@ def _attn_bwd_delta(Out, DOut, Delta, CuQ,
                     offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(Delta + off_b * stride_db + off_h * stride_dh + q_start + offs_m, delta, mask=offs_m < len_q)
+    if ROWS:
+        lse = tl.load(Lse + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm, mask=offs_m < len_q,
+                      other=float("-inf"))
+        # a row that sees no key has lse = -inf: +inf makes its p 0 (not NaN)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        rows = Rows + off_b * stride_rb + off_h * stride_rh + offs_m
+        tl.store(rows, lse2)
+        tl.store(rows + stride_rs, delta)
 
 
 @triton.jit
@@ -1313,12 +1324,18 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     variant_meta = {**flags, "NATURAL": flags["SOFTCAP"] or flags["ALIBI"]}
     pointers = call.pointers(q4)
     stride_lse, stride_delta = call.batch_strides(lse4), call.batch_strides(delta)
+    # Hopper: the warp-specialized Gluon dK/dV kernel (kernels/gluon_backward.py), same numerics; it reads
+    # each Q tile's LSE * log2(e) and Delta from a padded buffer the Delta kernel fills
+    gluon_dkdv = call.batch * hkv * call.max_k > 0 and _gluon_plan(
+        call, d, (q4, k4, v4, dout4), inner_scaled=False, fixed=blocks is not None, gluon=gluon, backward=True)
+    rows = gluon_backward.rows_buffer(lse4) if gluon_dkdv else None
     if call.batch * hq * call.max_q > 0:
         delta_block = 32 if INTERPRET or block_d > 128 else 64
-        _attn_bwd_delta[(triton.cdiv(call.max_q, delta_block), call.batch * hq)](
-            out4, dout4, delta, call.cu_q, *call.batch_strides(out4), *call.batch_strides(dout4), *stride_delta[:2],
-            hq, q4.shape[2], **_head_dim_meta(d, block_d), ALIGNED=_aligned(out4, dout4), VARLEN=call.varlen,
-            BLOCK_M=delta_block)
+        rows_args = (lse4, rows, *lse4.stride(), *rows.stride()[:3]) if gluon_dkdv else (delta, delta, *[0] * 6)
+        _attn_bwd_delta[(triton.cdiv(rows.shape[3] if gluon_dkdv else call.max_q, delta_block), call.batch * hq)](
+            out4, dout4, delta, call.cu_q, *rows_args[:2], *call.batch_strides(out4), *call.batch_strides(dout4),
+            *stride_delta[:2], *rows_args[2:], hq, q4.shape[2], **_head_dim_meta(d, block_d),
+            ALIGNED=_aligned(out4, dout4), VARLEN=call.varlen, ROWS=gluon_dkdv, BLOCK_M=delta_block)
     common = (call.scale, call.scale * LOG2E, pointers[0], pointers[2], pointers[3],
               *call.batch_strides(q4), *call.batch_strides(k4), *call.batch_strides(v4), *call.batch_strides(dout4),
               *stride_lse, *stride_delta[:2], call.stride_sb)
@@ -1331,10 +1348,9 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
             "MASKED_TMA": tma and block_d == 128, **variant_meta}
     atomic = not deterministic
     dq_sum = torch.zeros(dq4.shape, dtype=torch.float32, device=q.device) if atomic else None  # the atomics' sums
-    if call.batch * hkv * call.max_k > 0 and _gluon_plan(call, d, (q4, k4, v4, dout4), inner_scaled=False,
-                                                         fixed=blocks is not None, gluon=gluon, backward=True):
-        # Hopper: the warp-specialized Gluon dK/dV kernel (kernels/gluon_backward.py), same numerics.
-        gluon_backward.dkdv(q4, k4, v4, dout4, lse4, delta, dk4, dv4, causal=causal, scale=call.scale, dq_sum=dq_sum)
+    if gluon_dkdv:
+        gluon_backward.dkdv(q4, k4, v4, dout4, lse4, delta, dk4, dv4, causal=causal, scale=call.scale, dq_sum=dq_sum,
+                            rows=rows)
     elif call.batch * hkv * call.max_k > 0:
         meta["ALIGNED"] = _aligned(q4, k4, v4, dout4, dk4, dv4)
         # without the atomics the kernel never reads its DQ argument: one element, left uninitialised

@@ -90,6 +90,46 @@ def test_backward_gluon_keyword_is_checked():
         ta.fa2_forward_raw(none, q, q, gluon=1)
 
 
+def test_fill_rows_lays_out_what_the_kernel_reads():
+    """The rows buffer of a Q tile: LSE * log2(e) (+inf for a row that sees no key, lse = -inf, and for the
+    padding to whole tiles, so that p = 0 there) and Delta (0 on the padding)."""
+    lse = torch.tensor([[[1.0, float("-inf"), -2.0]]])
+    delta = torch.tensor([[[0.5, 0.25, -1.0]]])
+    rows = gb.fill_rows(gb.rows_buffer(lse).fill_(float("nan")), lse, delta)
+    assert rows.shape == (1, 1, 2, gb.BLOCK_M)
+    assert torch.equal(rows[0, 0, 0, :3], torch.tensor([1.0 * gb.LOG2E, float("inf"), -2.0 * gb.LOG2E]))
+    assert (rows[0, 0, 0, 3:] == float("inf")).all() and (rows[0, 0, 1, 3:] == 0).all()
+    assert rows[0, 0, 1, :3].tolist() == [0.5, 0.25, -1.0]
+
+
+@pytest.mark.parametrize("nq, nk, causal, lse_layout", [(70, 50, True, "bhn"), (5, 5, False, "nhb"),
+                                                      (128, 300, True, "bhn")])
+def test_delta_kernel_fills_the_rows_buffer(nq, nk, causal, lse_layout, monkeypatch):
+    """Where the Gluon dK/dV kernel runs, fa2_backward's Delta kernel fills its rows buffer in the same pass:
+    equal to :func:`gluon_backward.fill_rows` over the whole padded buffer (filled with NaN first), with
+    rows that see no key (causal, Nq > Nk), a tail short of a whole tile and an LSE of any strides. Runs
+    the launch of any machine (the interpreter's here), the Gluon kernel stubbed out."""
+    device = "cpu" if ta.INTERPRET or not torch.cuda.is_available() else "cuda"
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    gen = torch.Generator(device=device).manual_seed(nq + nk)
+    q, dout = (torch.randn((2, 3, nq, 64), generator=gen, device=device, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn((2, 3, nk, 64), generator=gen, device=device, dtype=dtype) for _ in range(2))
+    out, lse = ta.fa2_forward_raw(q, k, v, causal=causal, gluon=False)
+    if lse_layout == "nhb":
+        lse = lse.permute(2, 1, 0).contiguous().permute(2, 1, 0)
+    if causal and nq > nk:
+        assert (lse == float("-inf")).any()
+    got = {}
+    real_buffer = gb.rows_buffer
+    monkeypatch.setattr(gb, "rows_buffer", lambda lse: real_buffer(lse).fill_(float("nan")))
+    monkeypatch.setattr(ta, "_gluon_plan", lambda *a, **kw: True)
+    monkeypatch.setattr(gb, "dkdv", lambda *a, **kw: got.update(kw))
+    _, _, _, delta = ta.fa2_backward(q, k, v, out, lse, dout, causal=causal)
+    want = gb.fill_rows(real_buffer(lse), lse, delta)
+    assert got["rows"].shape == want.shape
+    assert torch.equal(got["rows"], want)
+
+
 _COMPILE = r"""
 from kernels import gluon_backward as gb
 
@@ -101,19 +141,20 @@ for d in gb.HEAD_DIMS:
                 # the atomic-dQ form's K in column halves and float32 dQ tiles; otherwise stand-ins
                 kh = desc(dt, gdt, gb.BLOCK_N, d // 2) if atomic else keys
                 dq = desc("fp32", gl.float32, gb.BLOCK_M, d // 2) if atomic else keys
-                signature = {"q_desc": q_rows, "k_desc": keys, "v_desc": keys, "do_desc": q_rows, "dk_desc": keys,
-                             "dv_desc": keys, "kh_desc": kh, "dq_desc": dq, "Lse": "*fp32", "Delta": "*fp32",
-                             **{name: "i32" for name in ("stride_lb", "stride_lh", "stride_ln", "stride_db",
-                                                         "stride_dh")},
-                             "c": "fp32", "scale": "fp32",
+                rows_desc = "tensordesc<fp32[1,1,2,%d],%r>" % (gb.BLOCK_M, gl.NVMMASharedLayout(
+                    swizzle_byte_width=0, element_bitwidth=32, rank=4))
+                signature = {"q_desc": q_rows, "k_desc": keys, "v_desc": keys, "do_desc": q_rows,
+                             "rows_desc": rows_desc, "dk_desc": keys,
+                             "dv_desc": keys, "kh_desc": kh, "dq_desc": dq, "c": "fp32", "scale": "fp32",
                              **{name: "i32" for name in ("heads_kv", "group", "len_q", "len_k")},
                              **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "STAGES",
-                                                               "ATOMIC_DQ", "DS_BUFS", "DS_LAYOUT")}}
+                                                               "ATOMIC_DQ", "DS_BUFS", "DS_LAYOUT", "DQ_FIRST")}}
                 ds_layout = gl.NVMMASharedLayout.get_default_for([gb.BLOCK_N, gb.BLOCK_M], gdt)
                 build(f"d{d}-{dt}-{'causal' if causal else 'full'}-{'atomic' if atomic else 'det'}",
                       gb._attn_bwd_dkdv_ws, signature,
                       {"CAUSAL": causal, "BLOCK_M": gb.BLOCK_M, "BLOCK_N": gb.BLOCK_N, "D": d, "STAGES": gb.STAGES,
-                       "ATOMIC_DQ": atomic, "DS_BUFS": gb.DS_BUFS, "DS_LAYOUT": ds_layout})
+                       "ATOMIC_DQ": atomic, "DS_BUFS": gb.DS_BUFS, "DS_LAYOUT": ds_layout,
+                       "DQ_FIRST": gb.DQ_FIRST[d]})
 """
 
 

@@ -33,7 +33,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parent.parent
 F16, F32, I32 = "*fp16", "*fp32", "*i32"
 POINTERS = {"Q": F16, "K": F16, "V": F16, "Out": F16, "DO": F16, "DOut": F16, "DK": F16, "DV": F16, "DQ": F16,
-            "Lse": F32, "Delta": F32, "Slopes": F32, "Sinks": F32, "OutPart": F32, "LsePart": F32,
+            "Lse": F32, "Delta": F32, "Rows": F32, "Slopes": F32, "Sinks": F32, "OutPart": F32, "LsePart": F32,
             "CuQ": I32, "CuK": I32, "BlockTable": I32, "SeqlensK": I32}
 FLOATS = {"qk_scale", "sm_scale", "softcap"}
 DESCRIPTORS = {"DescK": ("fp16", "BLOCK_N"), "DescV": ("fp16", "BLOCK_N"), "DescQ": ("fp16", "BLOCK_M"),
@@ -75,7 +75,10 @@ CASES = {
            ("_tma_atomic_dq", {**_BWD_FLAGS, "WINDOW": False, "CHUNK": False, "VARLEN": False}, True, True))
        if kernel == "_attn_bwd_dkdv" or not atomic},
     "_attn_bwd_delta": ("triton_attention", "_attn_bwd_delta",
-                        dict(BLOCK_D=64, EVEN_D=True, ALIGNED=True, VARLEN=True, BLOCK_M=64)),
+                        dict(BLOCK_D=64, EVEN_D=True, ALIGNED=True, VARLEN=True, ROWS=False, BLOCK_M=64)),
+    # ROWS: also the Gluon dK/dV kernel's rows buffer (dense batches)
+    "_attn_bwd_delta_rows": ("triton_attention", "_attn_bwd_delta",
+                             dict(BLOCK_D=64, EVEN_D=True, ALIGNED=True, VARLEN=False, ROWS=True, BLOCK_M=64)),
     "_decode_split": ("triton_decode", "_decode_split",
                       dict(BLOCK_D=64, EVEN_D=True, BLOCK_M=16, BLOCK_N=64, CAUSAL=True, WINDOW=True, SOFTCAP=True,
                            ALIBI=True, SINKS=True, NATURAL=True, LIBDEVICE=True)),
