@@ -8,7 +8,9 @@ dK and dV summed in a fixed order (the query heads of a GQA group one after anot
 in order).
 
 Each program owns ``2 * BLOCK_N`` keys of one (batch, KV head). One warp issues the TMA loads (the
-program's K and V tiles once, then Q and dO tile by tile into shared-memory stages); two consumer
+program's K and V tiles once, then Q, dO and their rows' ``lse * log2(e)`` and Delta tile by tile into
+shared-memory stages, the rows from the padded buffer of :func:`rows_buffer`, which the backward's Delta
+kernel fills, read where the step uses them: in registers across the step they made it spill); two consumer
 warpgroups of four warps, ``BLOCK_N`` keys each, run per Q tile, in the transposed form (rows are keys)::
 
     issue S^T = K Q^T, dP^T = V dO^T             (asynchronous)
