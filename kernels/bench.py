@@ -2,7 +2,7 @@
 
     python -m kernels.bench [--out FILE] [--jsonl FILE] [--dims 64 128] [--lengths 1024 ... 16384]
                             [--dtypes fp16 bf16] [--causal both|yes|no] [--peers sdpa_flash sdpa_cudnn ...]
-                            [--atomic-dq]
+                            [--atomic-dq] [--rounds 3]
 
 For each head dim, sequence length N (Nq = Nk), causal flag and dtype it times, in one process, the
 forward and the backward of ``kernels.triton_attention.fa2_forward`` (autotuned tiles) and of each peer
@@ -13,10 +13,12 @@ this card and torch build offer:
 ``sdpa_efficient``  the same under ``SDPBackend.EFFICIENT_ATTENTION``
 ``flex``            ``torch.compile(flex_attention)`` with a causal block mask (none when not causal)
 
-with ``triton.testing.do_bench`` (CUDA events, median). ``--atomic-dq`` also times the backward
-with ``deterministic=False`` (dQ added with atomics by the dK/dV kernel: the Gluon one on Hopper), beside
-the deterministic one, in two more columns. A peer that cannot run a configuration (no cuDNN, a head dim a backend refuses) is
-listed with torch's reason and left out of that row. The table gives TFLOP/s, the fastest peer of each
+with ``triton.testing.do_bench`` (CUDA events, median), in ``--rounds`` rounds (default 3) over every
+kernel of the row, the order reversed every other round; each figure is the median over the rounds.
+``--atomic-dq`` also times the backward with ``deterministic=False`` (dQ added with atomics by the dK/dV
+kernel: the Gluon one on Hopper), beside the deterministic one, in two more columns. A peer that cannot
+run a configuration (no cuDNN, a head dim a backend refuses) is listed with torch's reason and left out
+of that row. The table gives TFLOP/s, the fastest peer of each
 row and the ratio Triton / fastest peer, forward and backward apart, and a second table every peer's
 figures. With Nq == Nk SDPA's top-left and the Triton kernel's bottom-right causal masks coincide; ``max|dout|`` is the largest difference of any peer's output from
 Triton's.
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 from collections.abc import Callable
@@ -63,6 +66,19 @@ def _time(fn) -> float:
     fn()  # compile and autotune outside the measurement
     torch.cuda.synchronize()
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def timed_in_rounds(measurements: dict, rounds: int, time=_time) -> dict:
+    """The median over ``rounds`` of each measurement's time (``time(fn)``, ms), the measurements timed one
+    after another in each round, in their order in even rounds and reversed in odd ones: on an H200 the
+    first thing timed after a row's setup read up to 9% slow (docs/benchmarks.md), and no measurement
+    should always take that place."""
+    keys = list(measurements)
+    times: dict = {key: [] for key in keys}
+    for r in range(rounds):
+        for key in keys if r % 2 == 0 else keys[::-1]:
+            times[key].append(time(measurements[key]))
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
 def _sdpa(backend_name: str) -> Callable:
@@ -132,10 +148,12 @@ def finish_row(row: dict) -> dict:
 
 
 def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, peers=PEERS, tokens: int = 16384,
-              width: int = 2048, atomic_dq: bool = False) -> dict:
+              width: int = 2048, atomic_dq: bool = False, rounds: int = 3) -> dict:
     """Time one configuration; returns a dict of times (ms), TFLOP/s, the fastest peers and ratios, the
     peers that could not run (with torch's reason) and the largest output difference from Triton's.
-    ``atomic_dq``: also the backward with ``deterministic=False`` (``triton_atomic_bwd_ms``)."""
+    ``atomic_dq``: also the backward with ``deterministic=False`` (``triton_atomic_bwd_ms``). Each time is
+    the median of ``rounds`` (:func:`timed_in_rounds`); every forward and backward runs once first, so that
+    a peer that cannot run is found before the timing starts."""
     from kernels import triton_attention
 
     batch, heads = max(1, tokens // n), max(1, width // d)
@@ -145,14 +163,17 @@ def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, peers=PEERS, 
     dout = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
     row = {"d": d, "n": n, "causal": causal, "dtype": next(k for k, v in DTYPES.items() if v == dtype),
            "batch": batch, "heads": heads, "device": torch.cuda.get_device_name(), "peers": [],
-           "not_run": {}, "max_diff": 0.0}
+           "not_run": {}, "max_diff": 0.0, "rounds": rounds}
+    measurements = {}
 
     def measure(name: str, fwd) -> None:
         out = fwd()
         if name != "triton":
             row["max_diff"] = max(row["max_diff"], (out.float() - reference.float()).abs().max().item())
-        row[f"{name}_fwd_ms"] = _time(fwd)
-        row[f"{name}_bwd_ms"] = _time(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+        bwd = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+        bwd()
+        torch.cuda.synchronize()
+        measurements[f"{name}_fwd_ms"], measurements[f"{name}_bwd_ms"] = fwd, bwd
 
     # which kernels fa2_forward runs for this row: the Gluon forward and dK/dV kernel on Hopper where they
     # take the call
@@ -164,9 +185,9 @@ def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, peers=PEERS, 
     reference = triton_attention.fa2_forward(q, k, v, causal=causal)[0]
     measure("triton", lambda: triton_attention.fa2_forward(q, k, v, causal=causal)[0])
     if atomic_dq:
-        out = triton_attention.fa2_forward(q, k, v, causal=causal, deterministic=False)[0]
-        row["triton_atomic_bwd_ms"] = _time(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
-        del out
+        atomic_out = triton_attention.fa2_forward(q, k, v, causal=causal, deterministic=False)[0]
+        measurements["triton_atomic_bwd_ms"] = lambda: torch.autograd.grad(atomic_out, (q, k, v), dout,
+                                                                           retain_graph=True)
     for name in peers:
         try:
             measure(name, PEER_MAKERS[name](q, k, v, causal))
@@ -175,7 +196,8 @@ def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, peers=PEERS, 
             row["not_run"][name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}" \
                 if str(exc).strip() else type(exc).__name__
             torch.cuda.synchronize()
-    del q, k, v, dout, reference
+    row.update(timed_in_rounds(measurements, rounds))
+    del q, k, v, dout, reference, measurements
     torch.cuda.empty_cache()
     return finish_row(row)
 
@@ -267,7 +289,12 @@ def main(argv: list[str] | None = None) -> int:
                              "kernel), in two more columns")
     parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS),
                         help="the peers to time (default: all; none: Triton alone)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of timing per row, the order reversed every other round; each figure is "
+                             "the median over them (default: 3)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: should be 1 or more")
     if not torch.cuda.is_available():
         print("kernels.bench needs a CUDA GPU (the compiled Triton kernels and the peers run on one)",
               file=sys.stderr)
@@ -276,14 +303,16 @@ def main(argv: list[str] | None = None) -> int:
 
     header = (f"Triton FA2 beside the fastest attention on {torch.cuda.get_device_name()} "
               f"(torch {torch.__version__}, triton {triton.__version__})"
-              + (", and its backward with dQ added by atomics (deterministic=False)" if args.atomic_dq else ""))
+              + (", and its backward with dQ added by atomics (deterministic=False)" if args.atomic_dq else "")
+              + f"; each time the median of {args.rounds} round{'s' if args.rounds > 1 else ''}")
     causal_flags = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     rows = []
     for d in args.dims:
         for causal in causal_flags:
             for dtype in args.dtypes:
                 for n in args.lengths:
-                    row = bench_one(d, n, causal, DTYPES[dtype], peers=args.peers, atomic_dq=args.atomic_dq)
+                    row = bench_one(d, n, causal, DTYPES[dtype], peers=args.peers, atomic_dq=args.atomic_dq,
+                                    rounds=args.rounds)
                     rows.append(row)
                     atomic = f" (atomic dQ {row['triton_atomic_bwd_tflops']:.0f})" if args.atomic_dq else ""
                     print(f"D={d} N={n} causal={causal} {dtype}: fwd ({row['fwd_kernel']}) "

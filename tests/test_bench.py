@@ -93,3 +93,24 @@ def test_a_row_whose_backward_ran_gluon_dkdv_says_so():
     assert f"| {r['triton_bwd_tflops']:.0f} (gluon) | " in line
     assert line.count("|") == text.splitlines()[3].count("|")
     assert "dK/dV kernel was the Gluon one of kernels/gluon_backward.py" in text
+
+
+def test_rounds_reverse_the_order_every_other_round_and_keep_the_median():
+    """No measurement is always timed first after a row's setup (the first one read slow on an H200): the
+    order flips every round, and each figure is the median of its rounds."""
+    calls = []
+    made_up = {"a": [5.0, 1.0, 2.0], "b": [3.0, 9.0, 4.0], "c": [7.0, 7.0, 6.0]}
+
+    def time(fn):
+        calls.append(fn)
+        return made_up[fn].pop(0)
+
+    got = bench.timed_in_rounds({"a_ms": "a", "b_ms": "b", "c_ms": "c"}, 3, time=time)
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert got == {"a_ms": 2.0, "b_ms": 4.0, "c_ms": 7.0}
+
+
+def test_rounds_below_one_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "0"])
+    assert "--rounds 0: should be 1 or more" in capsys.readouterr().err
