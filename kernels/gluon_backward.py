@@ -115,9 +115,9 @@ if AVAILABLE:
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem, kv_bar, kh_bar, ready,
                   empty, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n, lo,
-                  n_tiles, len_k, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                  STAGES: gl.constexpr, WG: gl.constexpr, ATOMIC_DQ: gl.constexpr, DS_BUFS: gl.constexpr,
-                  DQ_FIRST: gl.constexpr):
+                  n_tiles, len_k, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  D: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+                  DS_BUFS: gl.constexpr, DQ_FIRST: gl.constexpr):
         """One warpgroup (``WG``: 0 or 1): keys [start_n, start_n + BLOCK_N) against every Q tile of the
         group's heads. ``ATOMIC_DQ``: also dQ's columns [WG * D / 2, (WG + 1) * D / 2) of each Q tile over
         the program's 2 * BLOCK_N keys, from both warpgroups' dS^T in shared memory, added to ``dq_desc``'s
@@ -213,8 +213,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _producer(k_desc, v_desc, q_desc, do_desc, rows_desc, kh_desc, k_smem, v_smem, q_smem, do_smem, rows_smem,
-                  kh_smem, kv_bar, kh_bar, ready, empty, off_b, off_hkv, group, start_n, lo, n_tiles, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+                  kh_smem, kv_bar, kh_bar, ready, empty, off_b, off_hkv, group, start_n, lo, n_tiles,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ATOMIC_DQ: gl.constexpr):
         """One warp: both warpgroups' K and V tiles (with ``ATOMIC_DQ`` K once more, in column halves, the dQ
         products' operands), then Q, dO and their rows' LSE * log2(e) and Delta tile by tile as the stages are
         freed."""
@@ -243,9 +243,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, rows_desc, dk_desc, dv_desc, kh_desc, dq_desc, c, scale,
-                          heads_kv, group, len_q, len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          D: gl.constexpr, STAGES: gl.constexpr, ATOMIC_DQ: gl.constexpr, DS_BUFS: gl.constexpr,
-                          DS_LAYOUT: gl.constexpr, DQ_FIRST: gl.constexpr):
+                          heads_kv, group, len_q, len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+                          DS_BUFS: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_FIRST: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         pid_n = gl.program_id(0)  # causal: the first key tiles have the most Q tiles, and run first
         pid_bh = gl.program_id(1)
@@ -351,10 +351,11 @@ def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float, dq_su
     kh_desc = descriptor(k, BLOCK_N, d // 2) if atomic else k_desc
     dq_desc = descriptor(dq_sum, BLOCK_M, d // 2) if atomic else dk_desc
     _attn_bwd_dkdv_ws[(-(-len_k // (2 * BLOCK_N)), b * hkv)](
-        descriptor(q, BLOCK_M), k_desc, descriptor(v, BLOCK_N), descriptor(dout, BLOCK_M), descriptor(rows, 2, BLOCK_M, swizzled=False),
-        dk_desc, descriptor(targets[1], BLOCK_N), kh_desc, dq_desc, scale * LOG2E, scale, hkv, hq // hkv, len_q,
-        len_k, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, STAGES=STAGES, ATOMIC_DQ=atomic,
-        DS_BUFS=DS_BUFS, DS_LAYOUT=_ds_layout(q.dtype), DQ_FIRST=DQ_FIRST[d], num_warps=4)
+        descriptor(q, BLOCK_M), k_desc, descriptor(v, BLOCK_N), descriptor(dout, BLOCK_M),
+        descriptor(rows, 2, BLOCK_M, swizzled=False), dk_desc, descriptor(targets[1], BLOCK_N), kh_desc, dq_desc,
+        scale * LOG2E, scale, hkv, hq // hkv, len_q, len_k, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d,
+        STAGES=STAGES, ATOMIC_DQ=atomic, DS_BUFS=DS_BUFS, DS_LAYOUT=_ds_layout(q.dtype), DQ_FIRST=DQ_FIRST[d],
+        num_warps=4)
     for target, given in zip(targets, (dk, dv)):
         if target is not given:
             given.copy_(target)
