@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from kernels import gluon_forward
+from kernels import gluon_forward, replay
 
 AVAILABLE = gluon_forward.AVAILABLE
 if AVAILABLE:
@@ -307,7 +307,7 @@ def rows_buffer(lse: torch.Tensor) -> torch.Tensor:
     ``Np`` is Nq rounded up to whole ``BLOCK_M`` tiles): LSE * log2(e) (+inf where LSE is -inf, and on the
     padding rows) at ``[:, :, 0]``, Delta (0 on the padding) at ``[:, :, 1]``."""
     b, hq, len_q = lse.shape
-    return torch.empty((b, hq, 2, -(-len_q // BLOCK_M) * BLOCK_M), dtype=torch.float32, device=lse.device)
+    return replay.empty((b, hq, 2, -(-len_q // BLOCK_M) * BLOCK_M), dtype=torch.float32, device=lse.device)
 
 
 def fill_rows(rows: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -335,24 +335,28 @@ def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float, dq_su
     if b * hkv * len_k == 0:
         return
     if len_q == 0:
+        replay.unrecordable("no query: dk and dv zeroed in place")
         dk.zero_()
         dv.zero_()
         return
     if rows is None:
+        replay.unrecordable("the rows buffer filled by torch operations")
         rows = fill_rows(rows_buffer(lse), lse, delta)
     readable = gluon_forward.readable
     q, k, v, dout = (t if readable(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
                      for t in (q, k, v, dout))
     targets = [t if readable(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (dk, dv)]
+    if targets[0] is not dk or targets[1] is not dv:
+        replay.unrecordable("dk or dv copied from a contiguous buffer")
     descriptor = gluon_forward._descriptor
     atomic = dq_sum is not None
     k_desc, dk_desc = descriptor(k, BLOCK_N), descriptor(targets[0], BLOCK_N)
     # without dQ the kernel reads neither: any descriptor of the right kind stands in
     kh_desc = descriptor(k, BLOCK_N, d // 2) if atomic else k_desc
     dq_desc = descriptor(dq_sum, BLOCK_M, d // 2) if atomic else dk_desc
-    _attn_bwd_dkdv_ws[(-(-len_k // (2 * BLOCK_N)), b * hkv)](
-        descriptor(q, BLOCK_M), k_desc, descriptor(v, BLOCK_N), descriptor(dout, BLOCK_M),
-        descriptor(rows, 2, BLOCK_M, swizzled=False), dk_desc, descriptor(targets[1], BLOCK_N), kh_desc, dq_desc,
+    replay.launch(
+        _attn_bwd_dkdv_ws, (-(-len_k // (2 * BLOCK_N)), b * hkv),
+        descriptor(q, BLOCK_M), k_desc, descriptor(v, BLOCK_N), descriptor(dout, BLOCK_M), descriptor(rows, 2, BLOCK_M, swizzled=False), dk_desc, descriptor(targets[1], BLOCK_N), kh_desc, dq_desc,
         scale * LOG2E, scale, hkv, hq // hkv, len_q, len_k, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d,
         STAGES=STAGES, ATOMIC_DQ=atomic, DS_BUFS=DS_BUFS, DS_LAYOUT=_ds_layout(q.dtype), DQ_FIRST=DQ_FIRST[d],
         num_warps=4)

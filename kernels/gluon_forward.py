@@ -35,6 +35,8 @@ import os
 
 import torch
 
+from kernels import replay
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -316,14 +318,17 @@ def forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
     if b * hq * len_q == 0:
         return
     if k.shape[2] == 0:
+        replay.unrecordable("no key: out and lse filled in place")
         out.zero_()
         lse.fill_(float("-inf"))
         return
     q, k, v = (t if readable(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t) for t in (q, k, v))
     target = out if readable(out) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
-    _attn_fwd_ws[(-(-len_q // (2 * BLOCK_M)), b * hq)](
-        _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(target, BLOCK_M),
-        lse, lse.stride(0), lse.stride(1), lse.stride(2), scale * LOG2E, hq, hq // k.shape[1], len_q, k.shape[2],
+    if target is not out:
+        replay.unrecordable("out copied from a contiguous buffer")
+    replay.launch(
+        _attn_fwd_ws, (-(-len_q // (2 * BLOCK_M)), b * hq),
+        _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(target, BLOCK_M), lse, lse.stride(0), lse.stride(1), lse.stride(2), scale * LOG2E, hq, hq // k.shape[1], len_q, k.shape[2],
         CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, num_warps=4)
     if target is not out:
         out.copy_(target)

@@ -94,7 +94,7 @@ try:  # the portable entry point (CUDA's libdevice on NVIDIA GPUs)
 except ImportError:  # pragma: no cover - older Triton
     from triton.language.extra.cuda import libdevice
 
-from kernels import _autograd, _validate, gluon_backward, gluon_forward
+from kernels import _autograd, _validate, gluon_backward, gluon_forward, replay
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -1063,12 +1063,13 @@ def _run(kernel, tuned, grid_of, args: tuple, meta: dict, blocks, block_d: int, 
         signature = _signature(kernel, args, meta)
         config = _CHOSEN.get(signature)
         if config is None:
+            replay.unrecordable("the autotuner's first launch")
             tuned[lambda cfg: grid_of(cfg["BLOCK_M"], cfg["BLOCK_N"])](*args, **meta)
             _CHOSEN[signature] = tuned.best_config
             return
         tiles = config.all_kwargs()
         _set_tiles({**dict(zip(kernel.arg_names, args)), **meta, **tiles})
-        kernel[grid_of(tiles["BLOCK_M"], tiles["BLOCK_N"])](*args, **meta, **tiles)
+        replay.launch(kernel, grid_of(tiles["BLOCK_M"], tiles["BLOCK_N"]), *args, **meta, **tiles)
         return
     block_m, block_n = blocks
     grid = grid_of(block_m, block_n)
@@ -1077,13 +1078,13 @@ def _run(kernel, tuned, grid_of, args: tuple, meta: dict, blocks, block_d: int, 
     options = _launch_options(block_m, block_n, block_d, dtype)
     _set_tiles({**dict(zip(kernel.arg_names, args)), **meta, "BLOCK_M": block_m, "BLOCK_N": block_n})
     try:
-        kernel[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, **options)
+        replay.launch(kernel, grid, *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, **options)
     except triton.runtime.errors.OutOfResources as exc:
         if options["num_stages"] == 1:
             raise ValueError(f"{name}: block_m={block_m}, block_n={block_n} do not fit this GPU for "
                              f"head_dim padded to {block_d} and {dtype}: {exc}") from exc
-        kernel[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
-                     num_warps=options["num_warps"], num_stages=1)
+        replay.launch(kernel, grid, *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
+                      num_warps=options["num_warps"], num_stages=1)
 
 
 def _outputs(q, k, v, out, lse, *, kernel: str):
@@ -1092,9 +1093,9 @@ def _outputs(q, k, v, out, lse, *, kernel: str):
     _validate.check_out_buffers(q, k, v, out, lse, kernel=kernel, lse_dtypes=(torch.float32,))
     b, hq, len_q, d = q.shape
     if out is None:
-        out = torch.empty((b, hq, len_q, d), dtype=q.dtype, device=q.device)
+        out = replay.empty((b, hq, len_q, d), dtype=q.dtype, device=q.device)
     if lse is None:
-        lse = torch.empty((b, hq, len_q), dtype=torch.float32, device=q.device)
+        lse = replay.empty((b, hq, len_q), dtype=torch.float32, device=q.device)
     return out, lse
 
 
@@ -1174,8 +1175,8 @@ class _Call:
     def rows_buffer(self, dtype=torch.float32) -> torch.Tensor:
         """A row-wise result (lse, Delta) ``[B, Hq, N]``, or ``[1, Hq, total]`` over packed sequences (a
         ``[Hq, total]`` tensor, flash_attn's LSE layout)."""
-        return torch.empty((1 if self.varlen else self.batch, self.q.shape[1], self.q.shape[2]), dtype=dtype,
-                           device=self.q.device)
+        return replay.empty((1 if self.varlen else self.batch, self.q.shape[1], self.q.shape[2]), dtype=dtype,
+                            device=self.q.device)
 
     def seq_bucket(self) -> int:
         return _seq_bucket(max(self.max_q, self.max_k))
@@ -1214,11 +1215,61 @@ def _gluon_plan(call: _Call, head_dim: int, tensors, *, inner_scaled: bool, fixe
     return True
 
 
+# A plain call's variant keywords (those of fa2_forward), as a call that uses none passes them
+_PLAIN = dict(window_size=(-1, -1), attention_chunk=0, softcap=0.0, alibi_slopes=None, cu_seqlens_q=None,
+              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
+_SETTING_TYPES = (type(None), bool, int, float, str)
+_UNKNOWN = object()
+_PLAN_SCOPE = object()
+
+
+def _plan_key(name: str, tensors: tuple, settings: tuple, variant: dict) -> tuple | None:
+    """The signature under which :mod:`kernels.replay` keeps a launch plan of a plain dense call (every
+    tensor non-empty, no variant keyword, settings of plain types), None for a call that takes the full
+    path every time (and with plans off: ``FLASHVERIFY_REPLAY=0``). Besides the tensors' metadata and the settings, what the full path's choices read:
+    the Gluon switch of the environment and the device Triton launches on; :data:`_PLAN_SCOPE` keeps apart
+    the plans of two copies of this module (docs/experiments load older ones beside it)."""
+    if not replay.enabled():
+        return None
+    for value in settings:
+        if type(value) not in _SETTING_TYPES:
+            return None
+    for label, value in variant.items():
+        plain = _PLAIN.get(label, _UNKNOWN)
+        if value is not plain and (plain is None or type(value) is not type(plain) or value != plain):
+            return None
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            return None
+    return (_PLAN_SCOPE, name, *((type(value), value) for value in settings), os.environ.get(gluon_forward.ENV_OFF),
+            replay.current_device(), *map(replay.tensor_key, tensors))
+
+
 def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bool, kernel: str,
              out=None, lse=None, sinks=None, gluon: bool | None = None, **variant):
     """Shared launcher of the FA1 and FA2 forward kernels: returns ``(out, lse)``, no autograd (``[total_q,
     Hq, D]`` and ``[Hq, total_q]`` for packed sequences). ``out``/``lse`` given (dense only): the kernel
-    writes into them and they are returned. ``gluon``: see :func:`_gluon_plan`."""
+    writes into them and they are returned. ``gluon``: see :func:`_gluon_plan`. A plain call replays the
+    launch plan of its signature where one was recorded (:mod:`kernels.replay`)."""
+    tensors = (q, k, v)
+    key = None
+    if out is None and lse is None and sinks is None:
+        key = _plan_key("forward", tensors, (causal, scale, block_m, block_n, inner_scaled, gluon, kernel),
+                        variant)
+        plan = replay.PLANS.get(key) if key is not None else None
+        if plan is not None:
+            return plan(*tensors)
+    with replay.recording(key, tensors) as outputs:
+        result = _forward_full(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
+                               inner_scaled=inner_scaled, kernel=kernel, out=out, lse=lse, sinks=sinks, gluon=gluon,
+                               **variant)
+        outputs(result)
+    return result
+
+
+def _forward_full(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bool, kernel: str,
+                  out=None, lse=None, sinks=None, gluon: bool | None = None, **variant):
+    """:func:`_forward`'s full path: validation, the choice of kernel and tiles, the launch."""
     _check_gluon(gluon, kernel=kernel)
     call = _Call(q, k, v, kernel=kernel, causal=causal, scale=scale, block_m=block_m, block_n=block_n, sinks=sinks,
                  **variant)
@@ -1294,7 +1345,25 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     :mod:`kernels.gluon_backward` (same numerics and summation order; with ``deterministic=False`` it adds
     dQ by TMA reduces, its dK and dV still bitwise the deterministic ones); ``gluon`` decides it as it
     decides the forward's kernel in :func:`fa2_forward` (``True``: the fixed tiles are the dQ kernel's only).
+    A plain call replays the launch plan of its signature where one was recorded (:mod:`kernels.replay`).
     """
+    tensors = (q, k, v, out, lse, dout)
+    key = None
+    if sinks is None:
+        key = _plan_key("backward", tensors, (causal, scale, block_m, block_n, deterministic, gluon), variant)
+        plan = replay.PLANS.get(key) if key is not None else None
+        if plan is not None:
+            return plan(*tensors)
+    with replay.recording(key, tensors) as outputs:
+        result = _backward_full(q, k, v, out, lse, dout, causal=causal, scale=scale, block_m=block_m,
+                                block_n=block_n, sinks=sinks, deterministic=deterministic, gluon=gluon, **variant)
+        outputs(result)
+    return result
+
+
+def _backward_full(q, k, v, out, lse, dout, *, causal: bool, scale, block_m, block_n, sinks,
+                   deterministic: bool, gluon: bool | None, **variant):
+    """:func:`fa2_backward`'s full path: validation, the choice of kernels and tiles, the launches."""
     kernel = "triton_fa2 backward"
     if not isinstance(deterministic, bool):
         raise TypeError(f"{kernel}: deterministic={deterministic!r}, but should be a bool")
@@ -1317,7 +1386,7 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     bucket = call.seq_bucket()
     blocks = _fixed_blocks(block_m, block_n)
     dkdv_blocks, dq_blocks = (None, None) if blocks is None else _bwd_tiles(*blocks, block_d, q.dtype)
-    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    dq, dk, dv = (replay.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dq4, dk4, dv4 = (t.transpose(0, 1)[None] for t in (dq, dk, dv)) if call.varlen else (dq, dk, dv)
     delta = call.rows_buffer()
     flags = call.flags
@@ -1332,7 +1401,8 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     if call.batch * hq * call.max_q > 0:
         delta_block = 32 if INTERPRET or block_d > 128 else 64
         rows_args = (lse4, rows, *lse4.stride(), *rows.stride()[:3]) if gluon_dkdv else (delta, delta, *[0] * 6)
-        _attn_bwd_delta[(triton.cdiv(rows.shape[3] if gluon_dkdv else call.max_q, delta_block), call.batch * hq)](
+        replay.launch(
+            _attn_bwd_delta, (triton.cdiv(rows.shape[3] if gluon_dkdv else call.max_q, delta_block), call.batch * hq),
             out4, dout4, delta, call.cu_q, *rows_args[:2], *call.batch_strides(out4), *call.batch_strides(dout4),
             *stride_delta[:2], *rows_args[2:], hq, q4.shape[2], **_head_dim_meta(d, block_d),
             ALIGNED=_aligned(out4, dout4), VARLEN=call.varlen, ROWS=gluon_dkdv, BLOCK_M=delta_block)
@@ -1347,14 +1417,14 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), "TMA": tma,
             "MASKED_TMA": tma and block_d == 128, **variant_meta}
     atomic = not deterministic
-    dq_sum = torch.zeros(dq4.shape, dtype=torch.float32, device=q.device) if atomic else None  # the atomics' sums
+    dq_sum = replay.zeros(dq4.shape, dtype=torch.float32, device=q.device) if atomic else None  # the atomics' sums
     if gluon_dkdv:
         gluon_backward.dkdv(q4, k4, v4, dout4, lse4, delta, dk4, dv4, causal=causal, scale=call.scale, dq_sum=dq_sum,
                             rows=rows)
     elif call.batch * hkv * call.max_k > 0:
         meta["ALIGNED"] = _aligned(q4, k4, v4, dout4, dk4, dv4)
         # without the atomics the kernel never reads its DQ argument: one element, left uninitialised
-        dq_arg = dq_sum if atomic else torch.empty(1, dtype=torch.float32, device=q.device)
+        dq_arg = dq_sum if atomic else replay.empty(1, dtype=torch.float32, device=q.device)
         _run(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, lambda bm, bn: (triton.cdiv(call.max_k, bn), call.batch * hkv),
              (q4, k4, v4, dout4, lse4, delta, dk4, dv4, dq_arg,
               *_descriptors((q4, dout4), tma), *_descriptors((dq_arg,), tma and atomic and _DESC_REDUCE.value),
@@ -1363,7 +1433,7 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
               q4.shape[2], k4.shape[2], bucket, *call.scalars),
              {**meta, "ATOMIC_DQ": atomic, "GQA": group > 1}, dkdv_blocks, block_d, q.dtype, name=kernel)
     if atomic:
-        dq4.copy_(dq_sum)
+        replay.copy(dq4, dq_sum)
     elif call.batch * hq * call.max_q > 0:
         meta["ALIGNED"] = _aligned(q4, k4, v4, dout4, dq4)
         _run(_attn_bwd_dq, _attn_bwd_dq_tuned, lambda bm, bn: (triton.cdiv(call.max_q, bm), call.batch * hq),
@@ -1375,6 +1445,7 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     if call.sinks is None:
         return dq, dk, dv, delta
     # The sink's dS is P_sink (0 - Delta), summed over batch and rows (a fixed-order reduction).
+    replay.unrecordable("the sinks' gradient, computed by torch operations")
     rows = lse4.to(torch.float32)
     p_sink = torch.exp(call.sinks.to(torch.float32)[None, :, None] - rows)
     dsinks = -(p_sink * (delta[None] if call.varlen else delta)).sum(dim=(0, 2))

@@ -55,3 +55,23 @@ def pytest_xdist_make_scheduler(config, log):
     scheduler = LoadScheduling(config, log)
     scheduler.maxschedchunk = 1
     return scheduler
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans(request):
+    """Every test starts and ends with no launch plan (kernels/replay.py), so that none recorded in one
+    test replays in another. A test that patches with ``monkeypatch`` runs with plans off: a plan replays
+    the launches a signature's first call made and skips the functions that decided them, so a patched
+    function would run once and then be skipped (tests/test_replay.py turns plans back on where it means to)."""
+    from kernels import replay
+
+    replay.clear()
+    before = os.environ.get(replay.ENV_OFF)
+    if "monkeypatch" in request.fixturenames:
+        os.environ[replay.ENV_OFF] = "0"
+    yield
+    if before is None:
+        os.environ.pop(replay.ENV_OFF, None)
+    else:
+        os.environ[replay.ENV_OFF] = before
+    replay.clear()
