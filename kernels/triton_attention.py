@@ -1505,6 +1505,11 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     ``gluon=False`` keeps the Triton kernels; ``gluon=True`` requires the Gluon ones (a ValueError names
     what rules the call out; ``block_m``/``block_n`` then fix the dQ kernel's tiles only; inputs no
     descriptor reads are copied contiguous first).
+
+    A plain call (no variant keyword, no sinks, no ``out``/``lse`` buffers) whose tensors have the shapes,
+    strides, dtypes and alignment of an earlier call, with the same other arguments, replays the launches
+    that call made (:mod:`kernels.replay`): the same kernels, a fraction of the host time.
+    ``FLASHVERIFY_REPLAY=0`` runs the full path on every call.
     """
     variant = dict(window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
                    alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
