@@ -356,7 +356,8 @@ def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float, dq_su
     dq_desc = descriptor(dq_sum, BLOCK_M, d // 2) if atomic else dk_desc
     replay.launch(
         _attn_bwd_dkdv_ws, (-(-len_k // (2 * BLOCK_N)), b * hkv),
-        descriptor(q, BLOCK_M), k_desc, descriptor(v, BLOCK_N), descriptor(dout, BLOCK_M), descriptor(rows, 2, BLOCK_M, swizzled=False), dk_desc, descriptor(targets[1], BLOCK_N), kh_desc, dq_desc,
+        descriptor(q, BLOCK_M), k_desc, descriptor(v, BLOCK_N), descriptor(dout, BLOCK_M),
+        descriptor(rows, 2, BLOCK_M, swizzled=False), dk_desc, descriptor(targets[1], BLOCK_N), kh_desc, dq_desc,
         scale * LOG2E, scale, hkv, hq // hkv, len_q, len_k, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d,
         STAGES=STAGES, ATOMIC_DQ=atomic, DS_BUFS=DS_BUFS, DS_LAYOUT=_ds_layout(q.dtype), DQ_FIRST=DQ_FIRST[d],
         num_warps=4)

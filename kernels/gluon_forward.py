@@ -328,7 +328,8 @@ def forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
         replay.unrecordable("out copied from a contiguous buffer")
     replay.launch(
         _attn_fwd_ws, (-(-len_q // (2 * BLOCK_M)), b * hq),
-        _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(target, BLOCK_M), lse, lse.stride(0), lse.stride(1), lse.stride(2), scale * LOG2E, hq, hq // k.shape[1], len_q, k.shape[2],
+        _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(target, BLOCK_M),
+        lse, lse.stride(0), lse.stride(1), lse.stride(2), scale * LOG2E, hq, hq // k.shape[1], len_q, k.shape[2],
         CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, num_warps=4)
     if target is not out:
         out.copy_(target)

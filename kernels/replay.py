@@ -208,20 +208,22 @@ def unrecordable(why: str) -> None:
         recorder.fail(why)
 
 
-def empty(shape, *, dtype, device) -> torch.Tensor:
-    t = torch.empty(shape, dtype=dtype, device=device)
+def _allocate(shape, dtype, device, zero: bool) -> torch.Tensor:
+    t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
     recorder = _active()
     if recorder is not None:
-        recorder.add(t, zero=False)
+        recorder.add(t, zero=zero)
     return t
+
+
+def empty(shape, *, dtype, device) -> torch.Tensor:
+    """``torch.empty``, recorded."""
+    return _allocate(shape, dtype, device, zero=False)
 
 
 def zeros(shape, *, dtype, device) -> torch.Tensor:
-    t = torch.zeros(shape, dtype=dtype, device=device)
-    recorder = _active()
-    if recorder is not None:
-        recorder.add(t, zero=True)
-    return t
+    """``torch.zeros``, recorded."""
+    return _allocate(shape, dtype, device, zero=True)
 
 
 def copy(dst: torch.Tensor, src: torch.Tensor) -> None:

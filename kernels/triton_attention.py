@@ -1226,9 +1226,10 @@ _PLAN_SCOPE = object()
 def _plan_key(name: str, tensors: tuple, settings: tuple, variant: dict) -> tuple | None:
     """The signature under which :mod:`kernels.replay` keeps a launch plan of a plain dense call (every
     tensor non-empty, no variant keyword, settings of plain types), None for a call that takes the full
-    path every time (and with plans off: ``FLASHVERIFY_REPLAY=0``). Besides the tensors' metadata and the settings, what the full path's choices read:
-    the Gluon switch of the environment and the device Triton launches on; :data:`_PLAN_SCOPE` keeps apart
-    the plans of two copies of this module (docs/experiments load older ones beside it)."""
+    path every time (and with plans off: ``FLASHVERIFY_REPLAY=0``). Besides the tensors' metadata and the
+    settings, what the full path's choices read: the Gluon switch of the environment and the device
+    Triton launches on; :data:`_PLAN_SCOPE` keeps apart the plans of two copies of this module
+    (docs/experiments load older ones beside it)."""
     if not replay.enabled():
         return None
     for value in settings:

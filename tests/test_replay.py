@@ -53,7 +53,10 @@ def _count_full_calls(monkeypatch) -> list:
     calls = []
     for name in ("_forward_full", "_backward_full"):
         real = getattr(ta, name)
-        monkeypatch.setattr(ta, name, lambda *a, _real=real, _name=name, **kw: (calls.append(_name), _real(*a, **kw))[1])
+        def counted(*a, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*a, **kw)
+        monkeypatch.setattr(ta, name, counted)
     return calls
 
 
