@@ -25,7 +25,8 @@ case) calls :func:`unrecordable` or refers to a tensor the recorder does not kno
 then takes the full path again next time. Under Triton's interpreter, and where a launch returned no
 compiled kernel, the plan replays through ``kernel[grid](...)`` (the allocations and arguments still
 replayed), so the CPU suite runs the same plans. ``FLASHVERIFY_REPLAY=0`` turns plans off;
-:func:`clear` forgets them (tests that patch the modules a plan skips call it).
+:func:`clear` forgets them: a plan keeps the kernels its first call launched, so code that patches or
+swaps the functions or kernel modules a plan skips (tests, A/B experiments) clears plans or turns them off.
 """
 from __future__ import annotations
 
