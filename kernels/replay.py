@@ -82,7 +82,6 @@ class Recorder:
     def __init__(self, inputs):
         self.tensors = list(inputs)  # slot -> tensor (kept alive, so that ids stay unique)
         self.slots = {id(t): i for i, t in enumerate(self.tensors)}
-        self.inputs = len(self.tensors)
         self.steps: list[tuple] = []
         self.failed = ""
 
@@ -157,7 +156,7 @@ class Recorder:
         slots = tuple(self.slot(t) for t in outputs)
         if None in slots:
             return None
-        return Plan(self.inputs, tuple(self.steps), slots)
+        return Plan(tuple(self.steps), slots)
 
 
 _PARAMETERS: dict = {}
@@ -255,8 +254,8 @@ def _current_stream():
 class Plan:
     """A recorded call: ``plan(*inputs)`` runs its steps over new input tensors and returns its outputs."""
 
-    def __init__(self, inputs: int, steps: tuple, outputs: tuple):
-        self.inputs, self.steps, self.outputs = inputs, steps, outputs
+    def __init__(self, steps: tuple, outputs: tuple):
+        self.steps, self.outputs = steps, outputs
 
     def __call__(self, *inputs):
         tensors = list(inputs)
