@@ -233,6 +233,18 @@ def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         recorder.copy(dst, src)
 
 
+def run(key, inputs: tuple, full):
+    """A call: the plan kept under ``key`` replayed over ``inputs`` where there is one, else ``full()`` (the
+    full path, which returns the call's outputs), recorded under ``key`` (None: not recorded)."""
+    plan = PLANS.get(key) if key is not None else None
+    if plan is not None:
+        return plan(*inputs)
+    with recording(key, inputs) as outputs:
+        result = full()
+        outputs(result)
+    return result
+
+
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, recorded; returns what the launch returned (the compiled kernel)."""
     compiled = kernel[grid](*args, **kwargs)

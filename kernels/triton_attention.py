@@ -1257,15 +1257,9 @@ def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bo
     if out is None and lse is None and sinks is None:
         key = _plan_key("forward", tensors, (causal, scale, block_m, block_n, inner_scaled, gluon, kernel),
                         variant)
-        plan = replay.PLANS.get(key) if key is not None else None
-        if plan is not None:
-            return plan(*tensors)
-    with replay.recording(key, tensors) as outputs:
-        result = _forward_full(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                               inner_scaled=inner_scaled, kernel=kernel, out=out, lse=lse, sinks=sinks, gluon=gluon,
-                               **variant)
-        outputs(result)
-    return result
+    return replay.run(key, tensors, lambda: _forward_full(
+        q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n, inner_scaled=inner_scaled,
+        kernel=kernel, out=out, lse=lse, sinks=sinks, gluon=gluon, **variant))
 
 
 def _forward_full(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bool, kernel: str,
@@ -1352,14 +1346,9 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     key = None
     if sinks is None:
         key = _plan_key("backward", tensors, (causal, scale, block_m, block_n, deterministic, gluon), variant)
-        plan = replay.PLANS.get(key) if key is not None else None
-        if plan is not None:
-            return plan(*tensors)
-    with replay.recording(key, tensors) as outputs:
-        result = _backward_full(q, k, v, out, lse, dout, causal=causal, scale=scale, block_m=block_m,
-                                block_n=block_n, sinks=sinks, deterministic=deterministic, gluon=gluon, **variant)
-        outputs(result)
-    return result
+    return replay.run(key, tensors, lambda: _backward_full(
+        q, k, v, out, lse, dout, causal=causal, scale=scale, block_m=block_m, block_n=block_n, sinks=sinks,
+        deterministic=deterministic, gluon=gluon, **variant))
 
 
 def _backward_full(q, k, v, out, lse, dout, *, causal: bool, scale, block_m, block_n, sinks,
