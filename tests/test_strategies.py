@@ -87,7 +87,9 @@ def test_each_shape_class_builds_what_it_names(shape_class, blocks):
                                shape_classes=[shape_class])
     seen = []
 
-    @settings(max_examples=40, database=None)
+    # derandomize: the share asserted below is a statistic of 40 draws; with a random seed it fell under a
+    # quarter once in a CI run (8 of 40 long cases), so the draws are fixed
+    @settings(max_examples=40, database=None, derandomize=True)
     @given(strategy)
     def check(case):
         assert case.len_q >= 1 and case.len_k <= WIDE.max_len + 128 and case.head_dim <= WIDE.max_head_dim
