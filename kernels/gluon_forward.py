@@ -9,8 +9,8 @@ LSE; bottom-right causal alignment; rows that see no key give ``out = 0``, ``lse
 
 Why a second forward: Triton's compiler waits for every tensor-core product right after issuing it, so a
 tile's exponentials never overlap a product. Here each program has three partitions (warp specialization):
-one warp issues every TMA load into shared-memory stages (K: 3, V: 2) and two consumer warpgroups of four
-warps, 64 query rows each, run the loop below, releasing the stages through "empty" barriers::
+one warp issues every TMA load into shared-memory stages (K: 3, V: 2) and two or three consumer warpgroups
+(:func:`warpgroups`) of four warps, 64 query rows each, run the loop below, releasing the stages through "empty" barriers::
 
     S_0 = Q K_0^T;  P_0 = softmax step(S_0)
     for j in 0 .. n - 2:
@@ -52,8 +52,23 @@ else:
 
 LOG2E = math.log2(math.e)
 HEAD_DIMS = (64, 128)
-BLOCK_M = 64  # query rows per consumer warpgroup; a program covers 2 * BLOCK_M
+BLOCK_M = 64  # query rows per consumer warpgroup; a program covers warpgroups(...) * BLOCK_M
 BLOCK_N = 128  # keys per KV block
+CONSUMER_REGS = 160  # registers per thread of a consumer warpgroup where there are three (240 with two)
+THREE_WARPGROUPS_CAUSAL_MIN_KEYS = 4096
+
+
+def warpgroups(head_dim: int, causal: bool, len_k: int) -> int:
+    """Consumer warpgroups per program. Three at head dim 64 (192 query rows share each K and V block; its
+    accumulators fit 160 registers a thread), except causal attention over fewer than 4096 keys: on the H200
+    three ran 3-8% faster than two wherever not causal (N = 1024-16384) and causal from 4096 keys on, but 2%
+    slower causal at 2048 and 14% at 1024, where a 192-row tile on the diagonal leaves more of its
+    warpgroups idle. Two at head dim 128 (three would need 64-key blocks, 5-9% slower there)."""
+    if head_dim == 64 and (not causal or len_k >= THREE_WARPGROUPS_CAUSAL_MIN_KEYS):
+        return 3
+    return 2
+
+
 ENV_OFF = "FLASHVERIFY_GLUON"  # "0": never take the Gluon kernels (forward, backward dK/dV): the Triton ones run
 
 
@@ -136,7 +151,7 @@ if AVAILABLE:
                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
         """One warpgroup: query rows [start_m, start_m + BLOCK_M) over KV blocks [0, n_blocks); then it
         releases the stages of the blocks the producer loaded for the other warpgroup only (up to
-        ``n_loaded``), so that every stage gets its two releases."""
+        ``n_loaded``), so that every stage gets one release per warpgroup."""
         dtype: gl.constexpr = o_desc.dtype
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -194,16 +209,18 @@ if AVAILABLE:
         rows = start_m + gl.arange(0, BLOCK_M, layout=ROW_O)
         gl.store(Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows * stride_ln, lse,
                  mask=rows < len_q)
-        q_tile.store(out.to(dtype))  # Q is read no more: its buffer stages the output (rows past the end clipped)
-        fence_async_shared()
-        _tma_store(o_desc, [off_b, off_h, start_m, 0], q_smem)
-        tma.store_wait(pendings=0)
+        if start_m < len_q:
+            q_tile.store(out.to(dtype))  # Q is read no more: its buffer stages the output (rows past the end clipped)
+            fence_async_shared()
+            _tma_store(o_desc, [off_b, off_h, start_m, 0], q_smem)
+            tma.store_wait(pendings=0)
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, off_b,
-                  off_h, off_hkv, start_m, n_loaded, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """One warp: both warpgroups' Q tiles, then K and V block by block into the stages as they are freed."""
-        for w in gl.static_range(2):
+                  off_h, off_hkv, start_m, n_loaded, WARPGROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+        """One warp: every warpgroup's Q tile, then K and V block by block into the stages as they are freed."""
+        for w in gl.static_range(WARPGROUPS):
             mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
             _tma_load(q_desc, [off_b, off_h, start_m + w * BLOCK_M, 0], q_bar.index(w), q_smem.index(w))
         for i in range(n_loaded):
@@ -217,9 +234,10 @@ if AVAILABLE:
             _tma_load(v_desc, [off_b, off_hkv, i * BLOCK_N, 0], v_ready.index(vs), v_smem.index(vs))
 
     @gluon.jit
-    def _blocks(start_m, len_k, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _blocks(start_m, len_q, len_k, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr):
-        """(KV blocks to read, blocks every row sees whole) for query rows [start_m, start_m + BLOCK_M)."""
+        """(KV blocks to read, blocks every row sees whole) for query rows [start_m, start_m + BLOCK_M); no
+        block where those rows are all past the end."""
         if CAUSAL:
             kv_end = gl.minimum(start_m + BLOCK_M + causal_offset, len_k)
             n_blocks = gl.maximum(gl.cdiv(kv_end, BLOCK_N), 0)
@@ -227,11 +245,14 @@ if AVAILABLE:
         else:
             n_blocks = gl.cdiv(len_k, BLOCK_N)
             n_full = len_k // BLOCK_N
+        if start_m >= len_q:
+            n_blocks = 0
         return n_blocks, n_full
 
     @gluon.jit
     def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, group, len_q, len_k,
-                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
+                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                     WARPGROUPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         if CAUSAL:  # the longest rows first
             pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
@@ -240,38 +261,56 @@ if AVAILABLE:
         pid_bh = gl.program_id(1)
         off_b = pid_bh // heads_q
         off_h = pid_bh % heads_q
-        start_m = pid_m * 2 * BLOCK_M
+        start_m = pid_m * WARPGROUPS * BLOCK_M
         causal_offset = len_k - len_q
-        n0, full0 = _blocks(start_m, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
-        n1, full1 = _blocks(start_m + BLOCK_M, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
-        n_loaded = gl.maximum(n0, n1)
+        n0, full0 = _blocks(start_m, len_q, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+        n1, full1 = _blocks(start_m + BLOCK_M, len_q, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+        n2, full2 = _blocks(start_m + 2 * BLOCK_M, len_q, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+        if WARPGROUPS == 2:
+            n2 = 0
+        n_loaded = gl.maximum(gl.maximum(n0, n1), n2)
 
-        q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, D], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [WARPGROUPS, 1, 1, BLOCK_M, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, 1, 1, BLOCK_N, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, 1, 1, BLOCK_N, D], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [WARPGROUPS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
+        for i in gl.static_range(WARPGROUPS):
             mbarrier.init(q_bar.index(i), count=1)
         for i in gl.static_range(K_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # one release per consumer warpgroup
+            mbarrier.init(k_empty.index(i), count=WARPGROUPS)  # one release per consumer warpgroup
         for i in gl.static_range(V_STAGES):
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=2)
-        gl.warp_specialize([
-            (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty, o_desc,
-                         Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k, causal_offset, n0, full0,
-                         n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
-            (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty, v_empty, o_desc,
-                         Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m + BLOCK_M, len_q, len_k, causal_offset,
-                         n1, full1, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                         off_b, off_h, off_h // group, start_m, n_loaded, BLOCK_M, BLOCK_N)),
-        ], [4, 1], [240, 24])
+            mbarrier.init(v_empty.index(i), count=WARPGROUPS)
+        if WARPGROUPS == 2:
+            gl.warp_specialize([
+                (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
+                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k,
+                             causal_offset, n0, full0, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
+                (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty, v_empty,
+                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m + BLOCK_M, len_q,
+                             len_k, causal_offset, n1, full1, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                             v_empty, off_b, off_h, off_h // group, start_m, n_loaded, WARPGROUPS, BLOCK_M, BLOCK_N)),
+            ], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
+                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k,
+                             causal_offset, n0, full0, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
+                (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty, v_empty,
+                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m + BLOCK_M, len_q,
+                             len_k, causal_offset, n1, full1, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
+                (_consumer, (q_smem.index(2), k_smem, v_smem, q_bar.index(2), k_ready, v_ready, k_empty, v_empty,
+                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m + 2 * BLOCK_M,
+                             len_q, len_k, causal_offset, n2, full2, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                             v_empty, off_b, off_h, off_h // group, start_m, n_loaded, WARPGROUPS, BLOCK_M, BLOCK_N)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
     _GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
@@ -324,10 +363,12 @@ def forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
         return
     q, k, v = (t if readable(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t) for t in (q, k, v))
     target = out if readable(out) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    groups = warpgroups(d, causal, k.shape[2])
     replay.launch(
-        _attn_fwd_ws, (-(-len_q // (2 * BLOCK_M)), b * hq),
+        _attn_fwd_ws, (-(-len_q // (groups * BLOCK_M)), b * hq),
         _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(target, BLOCK_M),
         lse, lse.stride(0), lse.stride(1), lse.stride(2), scale * LOG2E, hq, hq // k.shape[1], len_q, k.shape[2],
-        CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, num_warps=4)
+        CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, WARPGROUPS=groups, CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=4)
     if target is not out:
         out.copy_(target)

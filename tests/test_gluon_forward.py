@@ -117,19 +117,23 @@ def test_descriptors_equal_checked_ones():
             assert gf._descriptor(same, 64, cols).layout is gf._descriptor(strided, 64, cols).layout  # computed once
 
 
-_COMPILE = r"""
+# (head dim, consumer warpgroups) pairs that gf.warpgroups chooses
+WARPGROUP_CONFIGS = [(64, 2), (64, 3), (128, 2)]
+_COMPILE = f"WARPGROUP_CONFIGS = {WARPGROUP_CONFIGS!r}\n" + r"""
 from kernels import gluon_forward as gf
 
-for d in gf.HEAD_DIMS:
+for d, groups in WARPGROUP_CONFIGS:
     for dt, gdt in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
         for causal in (False, True):
             signature = {"q_desc": desc(dt, gdt, gf.BLOCK_M, d), "k_desc": desc(dt, gdt, gf.BLOCK_N, d),
                          "v_desc": desc(dt, gdt, gf.BLOCK_N, d), "o_desc": desc(dt, gdt, gf.BLOCK_M, d),
                          "Lse": "*fp32", **{name: "i32" for name in ("stride_lb", "stride_lh", "stride_ln")},
                          "c": "fp32", **{name: "i32" for name in ("heads_q", "group", "len_q", "len_k")},
-                         **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D")}}
-            build(f"d{d}-{dt}-{'causal' if causal else 'full'}", gf._attn_fwd_ws, signature,
-                  {"CAUSAL": causal, "BLOCK_M": gf.BLOCK_M, "BLOCK_N": gf.BLOCK_N, "D": d})
+                         **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "WARPGROUPS",
+                                                           "CONSUMER_REGS")}}
+            build(f"d{d}-wg{groups}-{dt}-{'causal' if causal else 'full'}", gf._attn_fwd_ws, signature,
+                  {"CAUSAL": causal, "BLOCK_M": gf.BLOCK_M, "BLOCK_N": gf.BLOCK_N, "D": d, "WARPGROUPS": groups,
+                   "CONSUMER_REGS": gf.CONSUMER_REGS})
 """
 
 
@@ -139,12 +143,18 @@ def compiled():
 
 
 @needs_gluon
-@pytest.mark.parametrize("d", gf.HEAD_DIMS)
+@pytest.mark.parametrize("d,groups", WARPGROUP_CONFIGS)
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_compiles_for_sm90_without_serialized_products(compiled, d, dt, causal):
-    result = compiled[f"d{d}-{dt}-{'causal' if causal else 'full'}"]
+def test_compiles_for_sm90_without_serialized_products(compiled, d, groups, dt, causal):
+    result = compiled[f"d{d}-wg{groups}-{dt}-{'causal' if causal else 'full'}"]
     gluon_compile.assert_not_serialized(result)
+
+
+def test_warpgroup_configs_are_the_chosen_ones():
+    chosen = {(d, gf.warpgroups(d, causal, n)) for d in gf.HEAD_DIMS for causal in (False, True)
+              for n in (1, 1024, 4095, 4096, 16384)}
+    assert chosen == set(WARPGROUP_CONFIGS)
 
 
 def _on_hopper() -> bool:
@@ -167,11 +177,13 @@ def _reference(q, k, v, causal, scale):
 
 
 # (B, Hq, Hkv, Nq, Nk, D, causal, layout): tails of every size class, Nq != Nk both ways (Nq > Nk, causal:
-# the first rows see no key), GQA, [B, N, H, D] storage.
+# the first rows see no key), GQA, [B, N, H, D] storage; at head dim 64 programs of three warpgroups (not causal,
+# or causal over 4096 keys or more), the last with its third or its last two warpgroups past the end.
 SHAPES = [
     (2, 4, 4, 1, 1, 64, False, "bhnd"), (1, 2, 2, 63, 65, 128, True, "bhnd"), (2, 3, 3, 129, 127, 64, True, "bhnd"),
     (1, 4, 2, 200, 333, 128, False, "bhnd"), (1, 4, 1, 300, 100, 128, True, "bhnd"), (2, 2, 2, 256, 256, 64, True, "bnhd"),
     (1, 8, 2, 1000, 1000, 128, True, "bnhd"), (1, 2, 2, 100, 1024, 64, True, "bhnd"), (1, 2, 2, 517, 517, 128, False, "bnhd"),
+    (2, 4, 2, 700, 300, 64, False, "bhnd"), (1, 2, 2, 333, 4100, 64, True, "bnhd"), (1, 4, 2, 4500, 4500, 64, True, "bhnd"),
 ]
 
 
