@@ -148,13 +148,14 @@ for d in gb.HEAD_DIMS:
                              "dv_desc": keys, "kh_desc": kh, "dq_desc": dq, "c": "fp32", "scale": "fp32",
                              **{name: "i32" for name in ("heads_kv", "group", "len_q", "len_k")},
                              **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "STAGES",
-                                                               "ATOMIC_DQ", "DS_BUFS", "DS_LAYOUT", "DQ_FIRST")}}
+                                                               "ATOMIC_DQ", "DS_BUFS", "DS_LAYOUT", "DQ_FIRST",
+                                                               "WARPGROUPS")}}
                 ds_layout = gl.NVMMASharedLayout.get_default_for([gb.BLOCK_N, gb.BLOCK_M], gdt)
                 build(f"d{d}-{dt}-{'causal' if causal else 'full'}-{'atomic' if atomic else 'det'}",
                       gb._attn_bwd_dkdv_ws, signature,
                       {"CAUSAL": causal, "BLOCK_M": gb.BLOCK_M, "BLOCK_N": gb.BLOCK_N, "D": d, "STAGES": gb.STAGES,
                        "ATOMIC_DQ": atomic, "DS_BUFS": gb.DS_BUFS, "DS_LAYOUT": ds_layout,
-                       "DQ_FIRST": gb.DQ_FIRST[d]})
+                       "DQ_FIRST": gb.DQ_FIRST[d], "WARPGROUPS": gb.warpgroups(d, atomic)})
 """
 
 
@@ -182,6 +183,7 @@ SHAPES = [
     (1, 4, 2, 200, 333, 128, False, "bhnd"), (1, 4, 1, 300, 100, 128, True, "bhnd"),
     (2, 2, 2, 256, 256, 64, True, "bnhd"), (1, 8, 2, 520, 520, 128, True, "bnhd"),
     (1, 2, 2, 100, 1024, 64, True, "bhnd"), (1, 2, 2, 517, 40, 64, False, "bnhd"),
+    (1, 4, 2, 333, 700, 64, True, "bhnd"),
 ]
 
 
