@@ -177,7 +177,8 @@ def test_compiles_for_sm90_without_serialized_products(compiled, d, dt, causal, 
 # (B, Hq, Hkv, Nq, Nk, D, causal, layout): one query over three KV programs' worth of keys; Nq > Nk causal
 # (the first rows see no key); Nq < Nk causal (the last keys' tiles see every row, the first few rows see
 # many keys); GQA groups of 2 and 4 (dK, dV summed over the group's heads); key tails inside a
-# warpgroup's 64 keys and past a program's 128; [B, N, H, D] storage.
+# warpgroup's 64 keys and past a program's 128 (192 at head dim 64 without dQ: its last warpgroups past the
+# end); [B, N, H, D] storage.
 SHAPES = [
     (1, 1, 1, 1, 257, 64, False, "bhnd"), (1, 2, 2, 63, 65, 128, True, "bhnd"), (2, 3, 3, 129, 127, 64, True, "bhnd"),
     (1, 4, 2, 200, 333, 128, False, "bhnd"), (1, 4, 1, 300, 100, 128, True, "bhnd"),

@@ -123,8 +123,9 @@ def test_calls_with_variants_sinks_buffers_or_no_rows_keep_no_plan(plans):
 
 def test_bad_input_still_raises_after_a_plan_exists(plans):
     q, k, v, dout = _inputs()
-    out, lse = ta.fa2_forward_raw(q, k, v)
-    ta.fa2_backward(q, k, v, out, lse, dout)
+    for _ in range(2):  # on a GPU the first call of a signature may go through the autotuner, which records nothing
+        out, lse = ta.fa2_forward_raw(q, k, v)
+        ta.fa2_backward(q, k, v, out, lse, dout)
     assert len(plans) == 2
     with pytest.raises(ValueError, match="lse.dtype=float16, but should be float32"):
         ta.fa2_backward(q, k, v, out, lse.half(), dout)
