@@ -8,9 +8,10 @@ scale * log2(e)``, ``p`` rounded to the input dtype before ``p @ v``, float32 ac
 LSE; bottom-right causal alignment; rows that see no key give ``out = 0``, ``lse = -inf``.
 
 Why a second forward: Triton's compiler waits for every tensor-core product right after issuing it, so a
-tile's exponentials never overlap a product. Here each program has three partitions (warp specialization):
-one warp issues every TMA load into shared-memory stages (K: 3, V: 2) and two or three consumer warpgroups
-(:func:`warpgroups`) of four warps, 64 query rows each, run the loop below, releasing the stages through "empty" barriers::
+tile's exponentials never overlap a product. Here each program has three or four partitions (warp
+specialization): one warp issues every TMA load into shared-memory stages (K: 3, V: 2) and two or three
+consumer warpgroups (:func:`warpgroups`) of four warps, 64 query rows each, run the loop below, releasing
+the stages through "empty" barriers::
 
     S_0 = Q K_0^T;  P_0 = softmax step(S_0)
     for j in 0 .. n - 2:
