@@ -299,7 +299,7 @@ if AVAILABLE:
         for i in gl.static_range(DS_BUFS):
             mbarrier.init(ds_ready.index(i), count=2)
             mbarrier.init(ds_free.index(i), count=2)
-        if WARPGROUPS == 2:
+        if WARPGROUPS == 2:  # the partitions spelled out in both branches: see kernels/gluon_forward.py
             gl.warp_specialize([
                 (_consumer, (k_smem.index(0), v_smem.index(0), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,
                              kv_bar.index(0), kh_bar.index(0), ready, empty, ds_ready, ds_free, dk_desc, dv_desc,

@@ -287,6 +287,8 @@ if AVAILABLE:
         for i in gl.static_range(V_STAGES):
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=WARPGROUPS)
+        # Both branches spell the partitions out: a partition's function cannot be held in a variable, and
+        # constexprs passed inside a tuple reach the partition as tensors.
         if WARPGROUPS == 2:
             gl.warp_specialize([
                 (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
