@@ -64,7 +64,7 @@ def warpgroups(head_dim: int, causal: bool, len_k: int) -> int:
     accumulators fit 160 registers a thread), except causal attention over fewer than 4096 keys: on the H200
     three ran 3-8% faster than two wherever not causal (N = 1024-16384) and causal from 4096 keys on, but 2%
     slower causal at 2048 and 14% at 1024, where a 192-row tile on the diagonal leaves more of its
-    warpgroups idle. Two at head dim 128 (three would need 64-key blocks, 5-9% slower there)."""
+    warpgroups idle. Two at head dim 128 (three would need 64-key blocks, up to 9% slower there)."""
     if head_dim == 64 and (not causal or len_k >= THREE_WARPGROUPS_CAUSAL_MIN_KEYS):
         return 3
     return 2
@@ -151,7 +151,7 @@ if AVAILABLE:
                   stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k, causal_offset, n_blocks, n_full, n_loaded,
                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
         """One warpgroup: query rows [start_m, start_m + BLOCK_M) over KV blocks [0, n_blocks); then it
-        releases the stages of the blocks the producer loaded for the other warpgroup only (up to
+        releases the stages of the blocks the producer loaded for the other warpgroups only (up to
         ``n_loaded``), so that every stage gets one release per warpgroup."""
         dtype: gl.constexpr = o_desc.dtype
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
