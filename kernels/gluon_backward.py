@@ -119,8 +119,8 @@ if AVAILABLE:
                   n_tiles, len_k, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   D: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                   DS_BUFS: gl.constexpr, DQ_FIRST: gl.constexpr, WARPGROUPS: gl.constexpr):
-        """One warpgroup (``WG``: 0 or 1, or 2 where there are three, without dQ): keys [start_n, start_n + BLOCK_N) against every Q tile of the
-        group's heads. ``ATOMIC_DQ``: also dQ's columns [WG * D / 2, (WG + 1) * D / 2) of each Q tile over
+        """One warpgroup (``WG``: 0 or 1, or 2 where there are three, without dQ): keys [start_n, start_n +
+        BLOCK_N) against every Q tile of the group's heads. ``ATOMIC_DQ``: also dQ's columns [WG * D / 2, (WG + 1) * D / 2) of each Q tile over
         the program's 2 * BLOCK_N keys, from both warpgroups' dS^T in shared memory, added to ``dq_desc``'s
         float32 buffer by a TMA reduce."""
         dtype: gl.constexpr = dk_desc.dtype
