@@ -120,9 +120,9 @@ if AVAILABLE:
                   D: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                   DS_BUFS: gl.constexpr, DQ_FIRST: gl.constexpr, WARPGROUPS: gl.constexpr):
         """One warpgroup (``WG``: 0 or 1, or 2 where there are three, without dQ): keys [start_n, start_n +
-        BLOCK_N) against every Q tile of the group's heads. ``ATOMIC_DQ``: also dQ's columns [WG * D / 2, (WG + 1) * D / 2) of each Q tile over
-        the program's 2 * BLOCK_N keys, from both warpgroups' dS^T in shared memory, added to ``dq_desc``'s
-        float32 buffer by a TMA reduce."""
+        BLOCK_N) against every Q tile of the group's heads. ``ATOMIC_DQ``: also dQ's columns [WG * D / 2, (WG
+        + 1) * D / 2) of each Q tile over the program's 2 * BLOCK_N keys, from both warpgroups' dS^T in shared
+        memory, added to ``dq_desc``'s float32 buffer by a TMA reduce."""
         dtype: gl.constexpr = dk_desc.dtype
         DH: gl.constexpr = D // 2
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
