@@ -245,7 +245,8 @@ def markdown(rows: list[dict], header: str) -> str:
                   f"{gluon_env()}=0 keeps the Triton one."]
     if any(r.get("bwd_kernel") == "gluon" for r in rows):
         lines += ["bwd Triton \"(gluon)\": its dK/dV kernel was the Gluon one of kernels/gluon_backward.py (Hopper; "
-                  f"Delta and dQ Triton); {gluon_env()}=0 keeps the Triton one."]
+                  "Delta Triton; the deterministic backward's dQ added by it in a fixed order at head dim 128, by the "
+                  f"Triton dQ kernel at 64); {gluon_env()}=0 keeps the Triton one."]
     lines += [""]
     peers = [p for p in PEERS if any(p in r["peers"] or p in r["not_run"] for r in rows)]
     lines += ["Every peer (forward / backward TFLOP/s; - where it did not run):", "",

@@ -20,14 +20,27 @@ consumer warpgroups of four warps, ``BLOCK_N`` keys each, run per Q tile, in the
     wait for dP^T;  dS^T = P^T (dP^T - Delta)     <- overlaps dV's product
     issue dK += dS^T Q;  wait for both
 
-The deterministic backward runs this form, and the Triton dQ kernel after it (7 tile products per (Q
-tile, KV tile) pair in all). With ``ATOMIC_DQ`` (``deterministic=False``: 5 products, no dQ kernel) each
-warpgroup also writes its dS^T to shared memory; once both have (an mbarrier), warpgroup ``w`` issues
-``dK += dS^T Q`` from there and ``dQ[:, w half of D] = dS K[:, w half]`` over the program's 128 keys (K
-loaded a second time, in column halves), and adds that float32 tile to a ``[B, Hq, Nq, D]`` buffer by a
-TMA reduce: dK and dV stay bitwise the deterministic ones, dQ's sum follows the order the reduces arrive
-in. At head dim 128 the dQ products are issued before dK's so that the tile's store and reduce overlap
-it.
+Without ``ATOMIC_DQ`` this is the whole kernel, and the Triton dQ kernel runs after it (7 tile products per
+(Q tile, KV tile) pair in all): the deterministic backward at head dim 64. With ``ATOMIC_DQ`` (5 products,
+no dQ kernel) each warpgroup also writes its dS^T to shared memory; once both have (an mbarrier), warpgroup
+``w`` issues ``dK += dS^T Q`` from there and ``dQ[:, w half of D] = dS K[:, w half]`` over the program's 128
+keys (K loaded a second time, in column halves), and that float32 tile is added to a ``[B, Hq, Nq, D]``
+buffer by a TMA reduce. At head dim 128 the dQ products are issued before dK's so that the tile's store and
+reduce overlap it. Not causal, each program walks a head's Q tiles from its own start (:func:`_tile`), so
+that the programs of a head add to different tiles at a time.
+
+- ``deterministic=False``: each warpgroup issues its reduce itself; dQ's sum follows the order the reduces
+  arrive in.
+- ``ORDERED`` (the deterministic backward at head dim 128, :func:`ordered_dq`): the warpgroups stage their
+  tiles for a fifth partition, one warp, which adds them to each Q tile in a fixed order of the programs
+  (a counter per tile in global memory; the warp waits for its program's turn, adds, waits until the
+  reduce is written, counts up). The order (:func:`dq_order`) is the order in which the programs reach
+  the tile, so a program finds its turn come, or about to come: its predecessor reached the tile a step or
+  more earlier. It needs every program of a (batch, KV head) resident at once (each waits on others of
+  its head): :func:`ordered_dq` takes it only where a head's programs fit the GPU's SMs.
+
+dK and dV are summed in the program's walk order in every form: bitwise the deterministic backward's
+causal, and in the rotated order otherwise.
 
 No product is in flight across the loop's back edge (see kernels/gluon_forward.py: ptxas would serialize
 every product). The two warpgroups share each stage and release it once each.
@@ -75,6 +88,7 @@ if AVAILABLE:
 
     _tma_load = gluon_forward._tma_load
     _tma_store = gluon_forward._tma_store
+    _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (Triton 3.6's name, and later ones')
     _tma_add = getattr(tma, "async_atomic_add", None)
     from triton.experimental.gluon.language._core import builtin as _builtin
     if _tma_add is None:  # Triton 3.6's Gluon has the builder's reduce but no function for it
@@ -105,24 +119,90 @@ if AVAILABLE:
                              dq, is_async=True)
 
     @gluon.jit
-    def _add_dq(dq, scale, dq_smem, dq_desc, at):
+    def _add_dq(dq, scale, dq_smem, dq_desc, at, dq_full, dq_empty, step, ORDERED: gl.constexpr):
         """Add the float32 tile ``dq * scale`` to ``dq_desc``'s buffer at ``at`` by a TMA reduce, staged in
-        ``dq_smem`` once the previous reduce has read it."""
-        tma.store_wait(pendings=0)
-        dq_smem.reshape(dq.shape).store(dq * scale)
-        fence_async_shared()
-        _tma_add(dq_desc, at, dq_smem)
+        ``dq_smem`` once the previous reduce has read it. ``ORDERED``: staged only, for :func:`_dq_writer`
+        (``dq_full`` arrived on once staged, ``dq_empty`` waited on before, from the step before)."""
+        if ORDERED:
+            mbarrier.wait(dq_empty, (step & 1) ^ 1, pred=step > 0)
+            dq_smem.reshape(dq.shape).store(dq * scale)
+            fence_async_shared()
+            mbarrier.arrive(dq_full, count=1)
+        else:
+            tma.store_wait(pendings=0)
+            dq_smem.reshape(dq.shape).store(dq * scale)
+            fence_async_shared()
+            _tma_add(dq_desc, at, dq_smem)
+
+    @gluon.jit
+    def _dq_writer(dq_smem, dq_desc, dq_full, dq_empty, lock_ptr, off_b, off_hkv, group, lo, n_tiles, pid_n, n_prog,
+                   heads_q, t_all, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, ROTATE: gl.constexpr):
+        """One warp (dQ added in order): per step, both warpgroups' staged dQ tiles added by TMA reduces once
+        the tile's counter says that the programs before this one in its order have added theirs (the
+        order of :func:`_tile`), then, once they are written, the counter counted up."""
+        DH: gl.constexpr = dq_desc.block_type.shape[3]
+        n_tiles_nz = gl.maximum(n_tiles, 1)
+        lock_base = (off_b * heads_q + off_hkv * group) * t_all
+        for step in range(group * n_tiles):
+            g = step // n_tiles_nz
+            start_m, rank = _tile(step - g * n_tiles_nz, lo, n_tiles_nz, pid_n, n_prog, causal_offset, CAUSAL,
+                                  BLOCK_M, BLOCK_N, ROTATE)
+            lock = lock_ptr + lock_base + g * t_all + start_m // BLOCK_M
+            mbarrier.wait(dq_full.index(0), step & 1)
+            mbarrier.wait(dq_full.index(1), step & 1)
+            # every lane waits for the tile's turn (one asm loop; acquire: the reduces before it are written)
+            gl.inline_asm_elementwise(
+                "{ .reg .pred p; .reg .b32 v; WAIT_TURN: ld.acquire.gpu.global.b32 v, [$1]; setp.ne.s32 p, v, $2; "
+                "@p bra WAIT_TURN; mov.b32 $0, v; }", "=r,l,r", [lock, rank], dtype=gl.int32, is_pure=False, pack=1)
+            for w in gl.static_range(2):
+                _tma_add(dq_desc, [off_b, off_hkv * group + g, start_m, w * DH], dq_smem.index(w))
+            tma.store_wait(pendings=0)  # read: the staging buffers free
+            mbarrier.arrive(dq_empty.index(0), count=1)
+            mbarrier.arrive(dq_empty.index(1), count=1)
+            # written (the wait that tma.store_wait does not do), then counted by one lane with release semantics
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+            _thread_barrier()
+            gl.atomic_add(lock, 1, sem="release", scope="gpu")
+
+    @gluon.jit
+    def _tile(t, lo, n_tiles, pid_n, n_prog, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, ROTATE: gl.constexpr):
+        """The first row of a head's ``t``-th Q tile in a program's walk, and the program's rank in the order
+        in which the programs of a (batch, head) add to that tile's dQ (with dQ added in order: two
+        warpgroups, ``2 * BLOCK_N`` keys a program). The walk: from ``lo`` up (``ROTATE``, not causal: from
+        tile ``pid_n * n_tiles // n_prog`` up, around the end); the order: the order in which the programs
+        reach the tile (at their how-many-th step), the higher index first of two that reach it at the same
+        step. Causal: the programs that see the tile, the last first; rotated: program p's predecessor is
+        the one that starts after p (steps ahead of it); else the programs in order (each then waits on the
+        one before, which the kernel never takes: they fall a step behind each other). :func:`dq_order` is
+        this function in Python."""
+        if ROTATE:
+            m = (pid_n * n_tiles) // n_prog + t  # unwrapped: from the start tile to n_tiles past it
+            start_m = (m % n_tiles) * BLOCK_M
+            rank = gl.minimum(n_prog - 1, (n_prog * (m + 1) - 1) // n_tiles - pid_n)
+        else:
+            start_m = lo + t * BLOCK_M
+            if CAUSAL:  # the last program that sees the tile's last row is first
+                rank = gl.minimum(n_prog - 1, (start_m + BLOCK_M - 1 + causal_offset) // (2 * BLOCK_N)) - pid_n
+            else:
+                rank = pid_n
+        return start_m, rank
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem, kv_bar, kh_bar, ready,
-                  empty, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n, lo,
-                  n_tiles, len_k, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  empty, ds_ready, ds_free, dq_full, dq_empty, dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv,
+                  group, start_n, lo, n_tiles, len_k, causal_offset, pid_n, n_prog,
+                  CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   D: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, ATOMIC_DQ: gl.constexpr,
-                  DS_BUFS: gl.constexpr, DQ_FIRST: gl.constexpr, WARPGROUPS: gl.constexpr):
+                  DS_BUFS: gl.constexpr, DQ_FIRST: gl.constexpr, WARPGROUPS: gl.constexpr, ROTATE: gl.constexpr,
+                  ORDERED: gl.constexpr):
         """One warpgroup (``WG``: 0 or 1, or 2 where there are three, without dQ): keys [start_n, start_n +
         BLOCK_N) against every Q tile of the group's heads. ``ATOMIC_DQ``: also dQ's columns [WG * D / 2, (WG
         + 1) * D / 2) of each Q tile over the program's 2 * BLOCK_N keys, from both warpgroups' dS^T in shared
-        memory, added to ``dq_desc``'s float32 buffer by a TMA reduce."""
+        memory, added to ``dq_desc``'s float32 buffer by a TMA reduce (``ORDERED``: staged for the writer
+        warp, which adds it). ``ROTATE``: the walk of :func:`_tile`."""
         dtype: gl.constexpr = dk_desc.dtype
         DH: gl.constexpr = D // 2
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -153,7 +233,8 @@ if AVAILABLE:
                 steps = 0
         for step in range(steps):
             g = step // n_tiles_nz
-            start_m = lo + (step - g * n_tiles_nz) * BLOCK_M
+            start_m, _ = _tile(step - g * n_tiles_nz, lo, n_tiles_nz, pid_n, n_prog, causal_offset, CAUSAL, BLOCK_M,
+                               BLOCK_N, ROTATE)
             off_h = off_hkv * group + g
             st = step % STAGES
             # the stage's rows: LSE * log2(e) and Delta, read from shared memory where used (loaded into
@@ -193,7 +274,8 @@ if AVAILABLE:
                     dq = _issue_dq(ds_smem, kh_smem, buf, WG, BLOCK_M, BLOCK_N, DH, Q_LAYOUT)
                     dk = warpgroup_mma(ds_smem.index(buf * 2 + WG), q_tile, dk, is_async=True)
                     dq = warpgroup_mma_wait(1, deps=(dq, ))  # dQ's products done, dK's still running ...
-                    _add_dq(dq, scale, dq_smem.index(WG), dq_desc, dq_at)  # ... during this
+                    _add_dq(dq, scale, dq_smem.index(WG), dq_desc, dq_at, dq_full.index(WG), dq_empty.index(WG), step,
+                            ORDERED)  # ... during this
                     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
                     mbarrier.arrive(ds_free.index(buf), count=1)
                     mbarrier.arrive(empty.index(st), count=1)
@@ -203,7 +285,8 @@ if AVAILABLE:
                     dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
                     mbarrier.arrive(ds_free.index(buf), count=1)
                     mbarrier.arrive(empty.index(st), count=1)
-                    _add_dq(dq, scale, dq_smem.index(WG), dq_desc, dq_at)
+                    _add_dq(dq, scale, dq_smem.index(WG), dq_desc, dq_at, dq_full.index(WG), dq_empty.index(WG), step,
+                            ORDERED)
             else:
                 dk = warpgroup_mma(gl.convert_layout(ds, P_LAYOUT), q_tile, dk, is_async=True)
                 dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
@@ -223,9 +306,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _producer(k_desc, v_desc, q_desc, do_desc, rows_desc, kh_desc, k_smem, v_smem, q_smem, do_smem, rows_smem,
-                  kh_smem, kv_bar, kh_bar, ready, empty, off_b, off_hkv, group, start_n, lo, n_tiles,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ATOMIC_DQ: gl.constexpr,
-                  WARPGROUPS: gl.constexpr):
+                  kh_smem, kv_bar, kh_bar, ready, empty, off_b, off_hkv, group, start_n, lo, n_tiles, pid_n, n_prog,
+                  causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, ATOMIC_DQ: gl.constexpr, WARPGROUPS: gl.constexpr, ROTATE: gl.constexpr):
         """One warp: every warpgroup's K and V tiles (with ``ATOMIC_DQ`` K once more, in column halves, the dQ
         products' operands), then Q, dO and their rows' LSE * log2(e) and Delta tile by tile as the stages are
         freed."""
@@ -243,7 +326,8 @@ if AVAILABLE:
         n_tiles_nz = gl.maximum(n_tiles, 1)
         for step in range(group * n_tiles):
             g = step // n_tiles_nz
-            start_m = lo + (step - g * n_tiles_nz) * BLOCK_M
+            start_m, _ = _tile(step - g * n_tiles_nz, lo, n_tiles_nz, pid_n, n_prog, causal_offset, CAUSAL, BLOCK_M,
+                               BLOCK_N, ROTATE)
             off_h = off_hkv * group + g
             st = step % STAGES
             mbarrier.wait(empty.index(st), ((step // STAGES) & 1) ^ 1, pred=step >= STAGES)
@@ -253,11 +337,11 @@ if AVAILABLE:
             _tma_load(rows_desc, [off_b, off_h, 0, start_m], ready.index(st), rows_smem.index(st))
 
     @gluon.jit
-    def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, rows_desc, dk_desc, dv_desc, kh_desc, dq_desc, c, scale,
-                          heads_kv, group, len_q, len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, rows_desc, dk_desc, dv_desc, kh_desc, dq_desc, lock_ptr,
+                          c, scale, heads_kv, group, len_q, len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ATOMIC_DQ: gl.constexpr,
                           DS_BUFS: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_FIRST: gl.constexpr,
-                          WARPGROUPS: gl.constexpr):
+                          WARPGROUPS: gl.constexpr, ROTATE: gl.constexpr, ORDERED: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         pid_n = gl.program_id(0)  # causal: the first key tiles have the most Q tiles, and run first
         pid_bh = gl.program_id(1)
@@ -270,6 +354,9 @@ if AVAILABLE:
         else:
             lo = start_n * 0
         n_tiles = gl.maximum(gl.cdiv(len_q - lo, BLOCK_M), 0)
+        n_prog = gl.num_programs(0)
+        heads_q = heads_kv * group
+        t_all = gl.cdiv(len_q, BLOCK_M)
 
         k_smem = gl.allocate_shared_memory(dtype, [WARPGROUPS, 1, 1, BLOCK_N, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [WARPGROUPS, 1, 1, BLOCK_N, D], v_desc.layout)
@@ -290,6 +377,8 @@ if AVAILABLE:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
+        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(WARPGROUPS):
             mbarrier.init(kv_bar.index(i), count=1)
         mbarrier.init(kh_bar.index(0), count=1)
@@ -299,40 +388,67 @@ if AVAILABLE:
         for i in gl.static_range(DS_BUFS):
             mbarrier.init(ds_ready.index(i), count=2)
             mbarrier.init(ds_free.index(i), count=2)
-        if WARPGROUPS == 2:  # the partitions spelled out in both branches: see kernels/gluon_forward.py
+        for i in gl.static_range(2):
+            mbarrier.init(dq_full.index(i), count=1)
+            mbarrier.init(dq_empty.index(i), count=1)
+        # the partitions spelled out in each branch: see kernels/gluon_forward.py
+        if ORDERED:  # dQ added in order: a warp of its own adds the consumers' dQ tiles
             gl.warp_specialize([
                 (_consumer, (k_smem.index(0), v_smem.index(0), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,
-                             kv_bar.index(0), kh_bar.index(0), ready, empty, ds_ready, ds_free, dk_desc, dv_desc,
-                             dq_desc, c, scale, off_b, off_hkv, group, start_n, lo, n_tiles, len_k, causal_offset,
-                             CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 0, ATOMIC_DQ, DS_BUFS, DQ_FIRST, WARPGROUPS)),
+                             kv_bar.index(0), kh_bar.index(0), ready, empty, ds_ready, ds_free, dq_full, dq_empty,
+                             dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n, lo, n_tiles,
+                             len_k, causal_offset, pid_n, n_prog, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 0, True,
+                             DS_BUFS, DQ_FIRST, WARPGROUPS, ROTATE, True)),
                 (_consumer, (k_smem.index(1), v_smem.index(1), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,
-                             kv_bar.index(1), kh_bar.index(0), ready, empty, ds_ready, ds_free, dk_desc, dv_desc,
-                             dq_desc, c, scale, off_b, off_hkv, group, start_n + BLOCK_N, lo, n_tiles, len_k,
-                             causal_offset, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 1, ATOMIC_DQ, DS_BUFS, DQ_FIRST,
-                             WARPGROUPS)),
+                             kv_bar.index(1), kh_bar.index(0), ready, empty, ds_ready, ds_free, dq_full, dq_empty,
+                             dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n + BLOCK_N, lo, n_tiles,
+                             len_k, causal_offset, pid_n, n_prog, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 1, True,
+                             DS_BUFS, DQ_FIRST, WARPGROUPS, ROTATE, True)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, rows_desc, kh_desc, k_smem, v_smem, q_smem, do_smem,
                              rows_smem, kh_smem, kv_bar, kh_bar.index(0), ready, empty, off_b, off_hkv, group, start_n,
-                             lo, n_tiles, BLOCK_M, BLOCK_N, STAGES, ATOMIC_DQ, WARPGROUPS)),
+                             lo, n_tiles, pid_n, n_prog, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, STAGES, True,
+                             WARPGROUPS, ROTATE)),
+                (_dq_writer, (dq_smem, dq_desc, dq_full, dq_empty, lock_ptr, off_b, off_hkv, group, lo, n_tiles, pid_n,
+                              n_prog, heads_q, t_all, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, ROTATE)),
+            ], [4, 1, 1], [240, 24, 24])  # (a writer of 32 registers: ptxas serialized the causal products)
+        elif WARPGROUPS == 2:
+            gl.warp_specialize([
+                (_consumer, (k_smem.index(0), v_smem.index(0), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,
+                             kv_bar.index(0), kh_bar.index(0), ready, empty, ds_ready, ds_free, dq_full, dq_empty,
+                             dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n, lo, n_tiles,
+                             len_k, causal_offset, pid_n, n_prog, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 0, ATOMIC_DQ,
+                             DS_BUFS, DQ_FIRST, WARPGROUPS, ROTATE, False)),
+                (_consumer, (k_smem.index(1), v_smem.index(1), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,
+                             kv_bar.index(1), kh_bar.index(0), ready, empty, ds_ready, ds_free, dq_full, dq_empty,
+                             dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n + BLOCK_N, lo, n_tiles,
+                             len_k, causal_offset, pid_n, n_prog, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 1, ATOMIC_DQ,
+                             DS_BUFS, DQ_FIRST, WARPGROUPS, ROTATE, False)),
+                (_producer, (k_desc, v_desc, q_desc, do_desc, rows_desc, kh_desc, k_smem, v_smem, q_smem, do_smem,
+                             rows_smem, kh_smem, kv_bar, kh_bar.index(0), ready, empty, off_b, off_hkv, group, start_n,
+                             lo, n_tiles, pid_n, n_prog, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, STAGES, ATOMIC_DQ,
+                             WARPGROUPS, ROTATE)),
             ], [4, 1], [240, 24])
         else:  # three warpgroups: without dQ only
             gl.warp_specialize([
                 (_consumer, (k_smem.index(0), v_smem.index(0), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,
-                             kv_bar.index(0), kh_bar.index(0), ready, empty, ds_ready, ds_free, dk_desc, dv_desc,
-                             dq_desc, c, scale, off_b, off_hkv, group, start_n, lo, n_tiles, len_k, causal_offset,
-                             CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 0, False, DS_BUFS, DQ_FIRST, WARPGROUPS)),
+                             kv_bar.index(0), kh_bar.index(0), ready, empty, ds_ready, ds_free, dq_full, dq_empty,
+                             dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n, lo, n_tiles,
+                             len_k, causal_offset, pid_n, n_prog, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 0, False,
+                             DS_BUFS, DQ_FIRST, WARPGROUPS, False, False)),
                 (_consumer, (k_smem.index(1), v_smem.index(1), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,
-                             kv_bar.index(1), kh_bar.index(0), ready, empty, ds_ready, ds_free, dk_desc, dv_desc,
-                             dq_desc, c, scale, off_b, off_hkv, group, start_n + BLOCK_N, lo, n_tiles, len_k,
-                             causal_offset, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 1, False, DS_BUFS, DQ_FIRST,
-                             WARPGROUPS)),
+                             kv_bar.index(1), kh_bar.index(0), ready, empty, ds_ready, ds_free, dq_full, dq_empty,
+                             dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n + BLOCK_N, lo, n_tiles,
+                             len_k, causal_offset, pid_n, n_prog, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 1, False,
+                             DS_BUFS, DQ_FIRST, WARPGROUPS, False, False)),
                 (_consumer, (k_smem.index(2), v_smem.index(2), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,
-                             kv_bar.index(2), kh_bar.index(0), ready, empty, ds_ready, ds_free, dk_desc, dv_desc,
-                             dq_desc, c, scale, off_b, off_hkv, group, start_n + 2 * BLOCK_N, lo, n_tiles, len_k,
-                             causal_offset, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 2, False, DS_BUFS, DQ_FIRST,
-                             WARPGROUPS)),
+                             kv_bar.index(2), kh_bar.index(0), ready, empty, ds_ready, ds_free, dq_full, dq_empty,
+                             dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n + 2 * BLOCK_N, lo,
+                             n_tiles, len_k, causal_offset, pid_n, n_prog, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 2,
+                             False, DS_BUFS, DQ_FIRST, WARPGROUPS, False, False)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, rows_desc, kh_desc, k_smem, v_smem, q_smem, do_smem,
                              rows_smem, kh_smem, kv_bar, kh_bar.index(0), ready, empty, off_b, off_hkv, group, start_n,
-                             lo, n_tiles, BLOCK_M, BLOCK_N, STAGES, False, WARPGROUPS)),
+                             lo, n_tiles, pid_n, n_prog, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, STAGES, False,
+                             WARPGROUPS, False)),
             ], [4, 4, 1], [160, 160, 24])  # as the forward's three
 
 
@@ -342,6 +458,38 @@ def warpgroups(head_dim: int, atomic_dq: bool) -> int:
     backward ran 1.03x as fast at N = 1024 and 1.08x at 4096-16384 as with two, dK and dV bitwise equal),
     two otherwise (the dQ-added form splits dQ's columns between two)."""
     return 3 if head_dim == 64 and not atomic_dq else 2
+
+
+def ordered_dq(head_dim: int, len_k: int, device) -> bool:
+    """Whether the deterministic backward adds dQ in the dK/dV kernel in a fixed order (``ORDERED``: 5 tile
+    products, no dQ kernel) rather than running the Triton dQ kernel: at head dim 128 (at 64 the form
+    without dQ runs three warpgroups, 0.94-1.05 of cuDNN's backward on the H200), where every program of a
+    (batch, KV head), ``2 * BLOCK_N`` keys each, fits the SMs at once (one program a SM: their shared memory),
+    which the programs' waits on each other need."""
+    if head_dim != 128:
+        return False
+    programs = -(-len_k // (2 * BLOCK_N))
+    return programs <= torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def dq_order(pid: int, programs: int, len_q: int, len_k: int, causal: bool, rotate: bool) -> list[tuple[int, int]]:
+    """The kernel's walk (``_tile``) for the program ``pid`` of ``programs`` (``2 * BLOCK_N`` keys each) of
+    one head, written again in Python for tests: ``(Q tile, rank)`` per step, the rank being the number of
+    the head's programs whose dQ the ordered form adds to that tile before this one's."""
+    off = len_k - len_q
+    lo = (max(pid * 2 * BLOCK_N - off, 0) // BLOCK_M) * BLOCK_M if causal else 0
+    n_tiles = max(-(-(len_q - lo) // BLOCK_M), 0)
+    walk = []
+    for t in range(n_tiles):
+        if rotate:
+            m = pid * n_tiles // programs + t
+            start_m = (m % n_tiles) * BLOCK_M
+            rank = min(programs - 1, (programs * (m + 1) - 1) // n_tiles - pid)
+        else:
+            start_m = lo + t * BLOCK_M
+            rank = min(programs - 1, (start_m + BLOCK_M - 1 + off) // (2 * BLOCK_N)) - pid if causal else pid
+        walk.append((start_m // BLOCK_M, rank))
+    return walk
 
 
 def rows_buffer(lse: torch.Tensor) -> torch.Tensor:
@@ -364,14 +512,18 @@ def fill_rows(rows: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> tor
     return rows
 
 
-def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float, dq_sum=None, rows=None) -> None:
+def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float, dq_sum=None, rows=None,
+         ordered: bool = False, rotate: bool | None = None) -> None:
     """Write dK and dV of the FA2 backward of ``[B, H, N, D]`` float16/bfloat16 tensors into ``dk``, ``dv``
     (``k``'s shape, contiguous); ``lse`` and ``delta`` (``rowsum(dO * O)``) are ``[B, Hq, Nq]`` float32.
     ``rows``: a :func:`rows_buffer` holding them as the kernel reads them (``None``: made here by
     :func:`fill_rows`). ``dq_sum``: a contiguous float32 tensor of ``q``'s shape, zeros, to
-    which the kernel adds dQ (each program its keys' share, by TMA reduces: the order the additions arrive
-    in, and so dQ's last bits, vary from run to run); ``None``: no dQ (the deterministic backward's dQ
-    kernel computes it). Tensors no descriptor reads go through contiguous copies."""
+    which the kernel adds dQ (each program its keys' share, by TMA reduces), in the order the additions
+    arrive in (dQ's last bits vary from run to run), or with ``ordered`` in a fixed one (:func:`dq_order`;
+    only where :func:`ordered_dq` allows it: the programs of a head wait on each other); ``None``: no dQ
+    (the deterministic backward's dQ kernel computes it). ``rotate``: whether the programs walk the Q tiles
+    from different starts (``None``: where dQ is added, not causal; causal never). Tensors no descriptor
+    reads go through contiguous copies."""
     b, hkv, len_k, d = k.shape
     hq, len_q = q.shape[1], q.shape[2]
     if b * hkv * len_k == 0:
@@ -395,13 +547,20 @@ def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float, dq_su
     kh_desc = descriptor(k, BLOCK_N, d // 2) if atomic else k_desc
     dq_desc = descriptor(dq_sum, BLOCK_M, d // 2) if atomic else dk_desc
     groups = warpgroups(d, atomic)
+    if ordered and not atomic:
+        raise ValueError("gluon_backward.dkdv: ordered=True adds dQ: it needs dq_sum")
+    rotate = (atomic if rotate is None else rotate) and not causal
+    if ordered:
+        locks = replay.zeros((b * hq * -(-len_q // BLOCK_M), ), dtype=torch.int32, device=q.device)
+    else:  # never read
+        locks = replay.empty((1, ), dtype=torch.int32, device=q.device)
     replay.launch(
         _attn_bwd_dkdv_ws, (-(-len_k // (groups * BLOCK_N)), b * hkv),
         descriptor(q, BLOCK_M), k_desc, descriptor(v, BLOCK_N), descriptor(dout, BLOCK_M),
         descriptor(rows, 2, BLOCK_M, swizzled=False), dk_desc, descriptor(targets[1], BLOCK_N), kh_desc, dq_desc,
-        scale * LOG2E, scale, hkv, hq // hkv, len_q, len_k, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d,
+        locks, scale * LOG2E, scale, hkv, hq // hkv, len_q, len_k, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d,
         STAGES=STAGES, ATOMIC_DQ=atomic, DS_BUFS=DS_BUFS, DS_LAYOUT=_ds_layout(q.dtype), DQ_FIRST=DQ_FIRST[d],
-        WARPGROUPS=groups, num_warps=4)
+        WARPGROUPS=groups, ROTATE=rotate, ORDERED=ordered, num_warps=4)
     for target, given in zip(targets, (dk, dv)):
         if target is not given:
             given.copy_(target)

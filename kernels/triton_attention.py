@@ -36,8 +36,9 @@ that sees no key keeps ``(m, l) = (-inf, 0)`` (``exp(-inf - 0) = 0`` guards the 
 On Hopper (compute capability 9.0) the FA2 forward of a plain float16/bfloat16 call at head dim 64 or
 128 runs :mod:`kernels.gluon_forward` instead, the same algorithm and numerics written in Gluon, with
 its products overlapped with the softmax (which Triton's compiler does not do), and the backward's dK/dV
-kernel (deterministic backward) runs :mod:`kernels.gluon_backward`; ``gluon=False`` or
-``FLASHVERIFY_GLUON=0`` keeps the Triton kernels (:func:`fa2_forward`).
+kernel runs :mod:`kernels.gluon_backward`, which at head dim 128 also adds dQ (in a fixed order where the
+backward is deterministic, so that no dQ kernel runs: :func:`kernels.gluon_backward.ordered_dq`);
+``gluon=False`` or ``FLASHVERIFY_GLUON=0`` keeps the Triton kernels (:func:`fa2_forward`).
 
 Backward (three launches, no atomics, so it is deterministic)::
 
@@ -1330,16 +1331,18 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     fixed-order torch sum).
 
     ``dk`` and ``dv`` have ``k``'s shape (summed over the query heads of each group). Deterministic:
-    no atomics, and every sum runs in a fixed order. ``deterministic=False``: no dQ kernel; the dK/dV
-    kernel also adds each tile's share of dQ to a float32 buffer with atomics (5 tile products per (Q, KV)
-    tile pair instead of 7), so dQ's last bits depend on the order the additions arrive in. ``block_m``/``block_n`` are the Q and KV tiles of
-    both kernels (see :func:`_bwd_tiles` for the float32 cap at head dims above 128); both ``None``
+    every sum runs in a fixed order (no atomics, or adds in an order the programs wait for).
+    ``deterministic=False``: no dQ kernel; the dK/dV kernel also adds each tile's share of dQ to a float32
+    buffer with atomics (5 tile products per (Q, KV) tile pair instead of 7), so dQ's last bits depend on
+    the order the additions arrive in. ``block_m``/``block_n`` are the Q and KV tiles of both kernels (see
+    :func:`_bwd_tiles` for the float32 cap at head dims above 128); both ``None``
     autotunes each kernel's tiles on the GPU. The variant keywords are the forward's.
 
     On Hopper the dK/dV kernel of a plain call runs the warp-specialized Gluon kernel of
-    :mod:`kernels.gluon_backward` (same numerics and summation order; with ``deterministic=False`` it adds
-    dQ by TMA reduces, its dK and dV still bitwise the deterministic ones); ``gluon`` decides it as it
-    decides the forward's kernel in :func:`fa2_forward` (``True``: the fixed tiles are the dQ kernel's only).
+    :mod:`kernels.gluon_backward` (same numerics; with ``deterministic=False`` it adds dQ by TMA reduces,
+    and so does the deterministic backward at head dim 128 with tiles not fixed, in a fixed order, with no
+    dQ kernel: :func:`kernels.gluon_backward.ordered_dq`); ``gluon`` decides it as it decides the forward's
+    kernel in :func:`fa2_forward` (``True``: the fixed tiles are the dQ kernel's only).
     A plain call replays the launch plan of its signature where one was recorded (:mod:`kernels.replay`).
     """
     tensors = (q, k, v, out, lse, dout)
@@ -1406,11 +1409,14 @@ def _backward_full(q, k, v, out, lse, dout, *, causal: bool, scale, block_m, blo
     tma = _use_tma(call, d, block_d, q4, k4, v4, dout4)
     meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), "TMA": tma,
             "MASKED_TMA": tma and block_d == 128, **variant_meta}
-    atomic = not deterministic
-    dq_sum = replay.zeros(dq4.shape, dtype=torch.float32, device=q.device) if atomic else None  # the atomics' sums
+    # deterministic at head dim 128 on Hopper: dQ added by the Gluon dK/dV kernel too, in a fixed order
+    ordered = (deterministic and gluon_dkdv and block_m is None and block_n is None
+               and gluon_backward.ordered_dq(d, call.max_k, q.device))
+    atomic = not deterministic or ordered
+    dq_sum = replay.zeros(dq4.shape, dtype=torch.float32, device=q.device) if atomic else None  # dQ's sums
     if gluon_dkdv:
         gluon_backward.dkdv(q4, k4, v4, dout4, lse4, delta, dk4, dv4, causal=causal, scale=call.scale, dq_sum=dq_sum,
-                            rows=rows)
+                            rows=rows, ordered=ordered)
     elif call.batch * hkv * call.max_k > 0:
         meta["ALIGNED"] = _aligned(q4, k4, v4, dout4, dk4, dv4)
         # without the atomics the kernel never reads its DQ argument: one element, left uninitialised

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 from kernels import gluon_backward as gb  # noqa: E402
 from kernels import gluon_forward as gf  # noqa: E402
+from kernels import replay  # noqa: E402
 from kernels import triton_attention as ta  # noqa: E402
 from references import attention as ref_attention  # noqa: E402
 from references import bounds  # noqa: E402
@@ -130,13 +131,113 @@ def test_delta_kernel_fills_the_rows_buffer(nq, nk, causal, lse_layout, monkeypa
     assert torch.equal(got["rows"], want)
 
 
+def _dq_programs(len_k: int) -> int:
+    return -(-len_k // (2 * gb.BLOCK_N))
+
+
+@pytest.mark.parametrize("causal, rotate", [(False, True), (True, False), (False, False)],
+                         ids=["rotated", "causal", "in-order"])
+def test_dq_order_is_a_total_order_that_runs_to_the_end(causal, rotate):
+    """The ordered form's walk (:func:`gluon_backward.dq_order`, the kernel's ``_tile`` in Python): on every Q
+    tile the programs that add to it hold the ranks 0..n-1 once each (the causal ones: exactly those that
+    see the tile); in any interleaving of the programs, each adding to a tile only when its counter equals
+    its rank, every program reaches its end (no wait on a program that waits, in turn, on it); rotated and
+    causal, a program's predecessor on a tile reaches the tile at the same step or earlier, so that
+    programs running in step seldom wait."""
+    import random
+    rng = random.Random(0)
+    for len_q in (1, 63, 64, 65, 200, 333, 777, 1024, 4100):
+        for len_k in (1, 100, 129, 256, 457, 1000, 4100):
+            programs = _dq_programs(len_k)
+            walks = [gb.dq_order(p, programs, len_q, len_k, causal, rotate) for p in range(programs)]
+            tiles: dict[int, list] = {}
+            for p, walk in enumerate(walks):
+                for step, (tile, rank) in enumerate(walk):
+                    tiles.setdefault(tile, []).append((rank, step, p))
+            for tile, adders in tiles.items():
+                assert sorted(r for r, _, _ in adders) == list(range(len(adders))), (len_q, len_k, tile, adders)
+                if causal:  # the programs whose keys some row of the tile sees, causal (bottom-right)
+                    last_row = min(tile * gb.BLOCK_M + gb.BLOCK_M, len_q) - 1
+                    sees = [p for p in range(programs) if p * 2 * gb.BLOCK_N <= last_row + len_k - len_q]
+                    assert sorted(p for _, _, p in adders) == sees, (len_q, len_k, tile)
+                if causal or rotate:
+                    by_rank = sorted(adders)
+                    assert all(a[1] <= b[1] for a, b in zip(by_rank, by_rank[1:])), (len_q, len_k, tile, by_rank)
+            if not causal:
+                assert all(sorted(t for t, _ in walk) == list(range(-(-len_q // gb.BLOCK_M))) for walk in walks)
+            counters = {tile: 0 for tile in tiles}
+            at = [0] * programs
+            for _ in range(len(walks) * max(map(len, walks), default=0) * 4 + 10):
+                waiting = [p for p in range(programs) if at[p] < len(walks[p])]
+                if not waiting:
+                    break
+                ready = [p for p in waiting if counters[walks[p][at[p]][0]] == walks[p][at[p]][1]]
+                assert ready, f"every unfinished program waits: Nq={len_q} Nk={len_k}"
+                p = rng.choice(ready)
+                counters[walks[p][at[p]][0]] += 1
+                at[p] += 1
+            assert all(at[p] == len(walks[p]) for p in range(programs))
+            assert all(counters[t] == len(a) for t, a in tiles.items())
+
+
+def test_ordered_dq_needs_head_dim_128_and_a_head_that_fits_the_sms(monkeypatch):
+    class Props:
+        multi_processor_count = 132
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: Props())
+    fits = 132 * 2 * gb.BLOCK_N
+    assert gb.ordered_dq(128, fits, "cuda")
+    assert not gb.ordered_dq(128, fits + 1, "cuda")
+    assert not gb.ordered_dq(64, 1024, "cuda")
+    with pytest.raises(ValueError, match="dq_sum"):
+        t = torch.zeros(1, 1, 4, 128, dtype=torch.float16)
+        rows = torch.zeros(1, 1, 4)
+        gb.dkdv(t, t, t, t, rows, rows, t, t, causal=False, scale=1.0, ordered=True)
+
+
+@pytest.mark.parametrize("d, ordered, deterministic, runs_dq_kernel, adds_dq",
+                         [(128, True, True, False, True), (128, False, True, True, False),
+                          (64, False, True, True, False), (128, False, False, False, True)])
+def test_deterministic_backward_adds_dq_in_order_where_allowed(d, ordered, deterministic, runs_dq_kernel, adds_dq,
+                                                               monkeypatch):
+    """Where the Gluon dK/dV kernel runs, the deterministic backward asks it to add dQ in order exactly where
+    :func:`gluon_backward.ordered_dq` allows (then no dQ kernel runs, and dQ is the sum buffer's copy);
+    otherwise the dQ kernel runs; deterministic=False adds dQ in any order. The Gluon kernel stubbed out
+    (it writes a recognisable dQ sum), the rest of the launch runs on any machine."""
+    device = "cpu" if ta.INTERPRET or not torch.cuda.is_available() else "cuda"
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    gen = torch.Generator(device=device).manual_seed(d)
+    q, k, v, dout = (torch.randn((1, 2, 70, d), generator=gen, device=device, dtype=dtype) for _ in range(4))
+    out, lse = ta.fa2_forward_raw(q, k, v, gluon=False)
+    got = {}
+
+    def fake_dkdv(*args, **kw):
+        got.update(kw)
+        if kw["dq_sum"] is not None:
+            kw["dq_sum"].fill_(7.0)
+
+    dq_kernel = []
+    real_run = ta._run
+    monkeypatch.setattr(ta, "_run", lambda kernel, *a, **kw: (dq_kernel.append(kernel is ta._attn_bwd_dq),
+                                                              real_run(kernel, *a, **kw))[1])
+    monkeypatch.setattr(ta, "_gluon_plan", lambda *a, **kw: True)
+    monkeypatch.setattr(gb, "ordered_dq", lambda head_dim, len_k, device: ordered and head_dim == 128)
+    monkeypatch.setattr(gb, "dkdv", fake_dkdv)
+    dq, _, _, _ = ta.fa2_backward(q, k, v, out, lse, dout, deterministic=deterministic)
+    assert got["ordered"] == (ordered and deterministic)
+    assert (got["dq_sum"] is not None) == adds_dq
+    assert any(dq_kernel) == runs_dq_kernel
+    if adds_dq:
+        assert (dq == 7.0).all()
+
+
 _COMPILE = r"""
 from kernels import gluon_backward as gb
 
 for d in gb.HEAD_DIMS:
     for dt, gdt in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
         for causal in (False, True):
-            for atomic in (False, True):
+            for form in ("det", "atomic", "ordered"):
+                atomic = form != "det"
                 q_rows, keys = desc(dt, gdt, gb.BLOCK_M, d), desc(dt, gdt, gb.BLOCK_N, d)
                 # the atomic-dQ form's K in column halves and float32 dQ tiles; otherwise stand-ins
                 kh = desc(dt, gdt, gb.BLOCK_N, d // 2) if atomic else keys
@@ -145,17 +246,18 @@ for d in gb.HEAD_DIMS:
                     swizzle_byte_width=0, element_bitwidth=32, rank=4))
                 signature = {"q_desc": q_rows, "k_desc": keys, "v_desc": keys, "do_desc": q_rows,
                              "rows_desc": rows_desc, "dk_desc": keys,
-                             "dv_desc": keys, "kh_desc": kh, "dq_desc": dq, "c": "fp32", "scale": "fp32",
-                             **{name: "i32" for name in ("heads_kv", "group", "len_q", "len_k")},
+                             "dv_desc": keys, "kh_desc": kh, "dq_desc": dq, "lock_ptr": "*i32", "c": "fp32",
+                             "scale": "fp32", **{name: "i32" for name in ("heads_kv", "group", "len_q", "len_k")},
                              **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "STAGES",
                                                                "ATOMIC_DQ", "DS_BUFS", "DS_LAYOUT", "DQ_FIRST",
-                                                               "WARPGROUPS")}}
+                                                               "WARPGROUPS", "ROTATE", "ORDERED")}}
                 ds_layout = gl.NVMMASharedLayout.get_default_for([gb.BLOCK_N, gb.BLOCK_M], gdt)
-                build(f"d{d}-{dt}-{'causal' if causal else 'full'}-{'atomic' if atomic else 'det'}",
+                build(f"d{d}-{dt}-{'causal' if causal else 'full'}-{form}",
                       gb._attn_bwd_dkdv_ws, signature,
                       {"CAUSAL": causal, "BLOCK_M": gb.BLOCK_M, "BLOCK_N": gb.BLOCK_N, "D": d, "STAGES": gb.STAGES,
                        "ATOMIC_DQ": atomic, "DS_BUFS": gb.DS_BUFS, "DS_LAYOUT": ds_layout,
-                       "DQ_FIRST": gb.DQ_FIRST[d], "WARPGROUPS": gb.warpgroups(d, atomic)})
+                       "DQ_FIRST": gb.DQ_FIRST[d], "WARPGROUPS": gb.warpgroups(d, atomic),
+                       "ROTATE": atomic and not causal, "ORDERED": form == "ordered"})
 """
 
 
@@ -168,7 +270,7 @@ def compiled():
 @pytest.mark.parametrize("d", gb.HEAD_DIMS)
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("form", ["det", "atomic"])
+@pytest.mark.parametrize("form", ["det", "atomic", "ordered"])
 def test_compiles_for_sm90_without_serialized_products(compiled, d, dt, causal, form):
     result = compiled[f"d{d}-{dt}-{'causal' if causal else 'full'}-{form}"]
     gluon_compile.assert_not_serialized(result)
@@ -204,12 +306,14 @@ def test_gradients_within_the_bound_on_hopper(shape, dtype, deterministic, monke
     q, k, v, dout = make(hq, nq), make(hkv, nk), make(hkv, nk), make(hq, nq)
     calls = []
     real = gb.dkdv
-    monkeypatch.setattr(gb, "dkdv", lambda *a, **kw: (calls.append(kw.get("dq_sum") is not None), real(*a, **kw))[1])
+    monkeypatch.setattr(gb, "dkdv", lambda *a, **kw: (calls.append((kw.get("dq_sum") is not None, kw.get("ordered"))),
+                                                      real(*a, **kw))[1])
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out, _ = ta.fa2_forward(*leaves, causal=causal, deterministic=deterministic)
     dq, dk, dv = torch.autograd.grad(out, leaves, dout)
     assert calls, "the Triton dK/dV kernel ran, not the Gluon one"
-    assert calls == [not deterministic], "the Gluon kernel should add dQ exactly when deterministic=False"
+    # dQ added where deterministic=False, and in order in the deterministic backward at head dim 128
+    assert calls == [(not deterministic or d == 128, deterministic and d == 128)]
     ref = ref_attention.attention(q, k, v, spec=AttentionSpec(causal=causal), dout=dout)
     bq, bk, bv, _ = bounds.backward_bounds(ref, q, k, v, dtype=dtype, out=out.detach())
     for name, got, exact, bound in (("dq", dq, ref.dq, bq), ("dk", dk, ref.dk, bk), ("dv", dv, ref.dv, bv)):
@@ -231,6 +335,32 @@ def test_atomic_dq_changes_only_dq_on_hopper(shape):
     atomic = ta.fa2_backward(q, k, v, out, lse, dout, causal=causal, gluon=True, deterministic=False)
     assert torch.equal(det[1], atomic[1]) and torch.equal(det[2], atomic[2])
     torch.testing.assert_close(atomic[0], det[0], rtol=2e-3, atol=2e-3 * det[0].abs().max().item())
+
+
+@on_hopper
+@pytest.mark.parametrize("shape", [(2, 4, 2, 2048, 2048, True), (1, 2, 2, 1500, 3000, False),
+                                   (1, 3, 3, 3000, 700, False), (1, 2, 2, 777, 777, True)],
+                         ids=lambda s: "-".join(map(str, s)))
+def test_ordered_dq_is_reproducible_and_the_dq_kernels_sum_on_hopper(shape, monkeypatch):
+    """The deterministic backward at head dim 128 adds dQ in the dK/dV kernel in a fixed order: bitwise the
+    same dQ, dK and dV in five runs (many programs per head: each waits on others' turns), and dQ within a
+    few roundings of the dQ kernel's (:func:`gluon_backward.ordered_dq` switched off), dK and dV bitwise
+    the same where causal (same walk; the rotated walk sums them in another order)."""
+    b, hq, hkv, nq, nk, causal = shape
+    gen = torch.Generator(device="cuda").manual_seed(nq + nk)
+    q, dout = (torch.randn((b, hq, nq, 128), generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn((b, hkv, nk, 128), generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = ta.fa2_forward_raw(q, k, v, causal=causal)
+    assert gb.ordered_dq(128, nk, q.device)
+    runs = [ta.fa2_backward(q, k, v, out, lse, dout, causal=causal) for _ in range(5)]
+    assert all(torch.equal(a, c) for run in runs[1:] for a, c in zip(runs[0][:3], run[:3]))
+    monkeypatch.setattr(gb, "ordered_dq", lambda *a: False)
+    replay.clear()
+    kernel = ta.fa2_backward(q, k, v, out, lse, dout, causal=causal)
+    torch.testing.assert_close(runs[0][0], kernel[0], rtol=1e-2, atol=1e-2 * kernel[0].abs().max().item())
+    if causal:
+        assert torch.equal(runs[0][1], kernel[1]) and torch.equal(runs[0][2], kernel[2])
+    replay.clear()
 
 
 @on_hopper
