@@ -234,7 +234,8 @@ if triton_attention is not None and triton_softmax is not None:
     )
     # The FA2 kernels as Hopper runs them by default (kernels/gluon_forward.py and gluon_backward.py: the forward
     # and the backward's dK/dV kernel, warp-specialized, in Gluon), with gluon=True so that every drawn case
-    # runs them (the drawn tiles go to the Triton dQ kernel): declared as those kernels' limits
+    # runs them (the drawn tiles go to the Triton dQ kernel, which runs at head dim 64 only: at 128 the
+    # deterministic backward's dK/dV kernel adds dQ in a fixed order): declared as those kernels' limits
     # (float16/bfloat16, head dim 64 or 128, plain attention, positive scales).
     # Registered on a GPU of compute capability 9.0 only: the deterministic one in the default selection
     # there, the one whose dK/dV kernel adds dQ (deterministic=False) when named.
@@ -245,7 +246,7 @@ if triton_attention is not None and triton_softmax is not None:
         or torch.cuda.get_device_capability() != (9, 0) else (_triton_attention(
             name="triton_fa2_gluon", forward=functools.partial(triton_attention.fa2_forward, gluon=True),
             description="FlashAttention-2 forward and backward dK/dV of Hopper (Gluon, warp-specialized); "
-                        "Triton Delta and dQ", **_GLUON_FIELDS), _triton_attention(
+                        "Triton Delta, and dQ at head dim 64", **_GLUON_FIELDS), _triton_attention(
             name="triton_fa2_gluon_atomic_dq",
             forward=functools.partial(triton_attention.fa2_forward, gluon=True, deterministic=False),
             backward=functools.partial(triton_attention.fa2_backward, gluon=True, deterministic=False),

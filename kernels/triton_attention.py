@@ -1340,9 +1340,9 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
 
     On Hopper the dK/dV kernel of a plain call runs the warp-specialized Gluon kernel of
     :mod:`kernels.gluon_backward` (same numerics; with ``deterministic=False`` it adds dQ by TMA reduces,
-    and so does the deterministic backward at head dim 128 with tiles not fixed, in a fixed order, with no
-    dQ kernel: :func:`kernels.gluon_backward.ordered_dq`); ``gluon`` decides it as it decides the forward's
-    kernel in :func:`fa2_forward` (``True``: the fixed tiles are the dQ kernel's only).
+    and so does the deterministic backward at head dim 128, in a fixed order, with no dQ kernel:
+    :func:`kernels.gluon_backward.ordered_dq`); ``gluon`` decides it as it decides the forward's kernel in
+    :func:`fa2_forward` (``True``: the fixed tiles are the dQ kernel's only, where one runs).
     A plain call replays the launch plan of its signature where one was recorded (:mod:`kernels.replay`).
     """
     tensors = (q, k, v, out, lse, dout)
@@ -1409,9 +1409,9 @@ def _backward_full(q, k, v, out, lse, dout, *, causal: bool, scale, block_m, blo
     tma = _use_tma(call, d, block_d, q4, k4, v4, dout4)
     meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), "TMA": tma,
             "MASKED_TMA": tma and block_d == 128, **variant_meta}
-    # deterministic at head dim 128 on Hopper: dQ added by the Gluon dK/dV kernel too, in a fixed order
-    ordered = (deterministic and gluon_dkdv and block_m is None and block_n is None
-               and gluon_backward.ordered_dq(d, call.max_k, q.device))
+    # deterministic at head dim 128 on Hopper: dQ added by the Gluon dK/dV kernel too, in a fixed order (fixed
+    # tiles, which only gluon=True takes here, are the dQ kernel's: none runs)
+    ordered = deterministic and gluon_dkdv and gluon_backward.ordered_dq(d, call.max_k, q.device)
     atomic = not deterministic or ordered
     dq_sum = replay.zeros(dq4.shape, dtype=torch.float32, device=q.device) if atomic else None  # dQ's sums
     if gluon_dkdv:
