@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -460,16 +461,27 @@ def warpgroups(head_dim: int, atomic_dq: bool) -> int:
     return 3 if head_dim == 64 and not atomic_dq else 2
 
 
+ORDERED_ENV = "FLASHVERIFY_ORDERED_DQ"  # "0": the deterministic backward keeps the Triton dQ kernel
+
+
 def ordered_dq(head_dim: int, len_k: int, device) -> bool:
     """Whether the deterministic backward adds dQ in the dK/dV kernel in a fixed order (``ORDERED``: 5 tile
     products, no dQ kernel) rather than running the Triton dQ kernel: at head dim 128 (at 64 the form
-    without dQ runs three warpgroups, 0.94-1.05 of cuDNN's backward on the H200), where every program of a
+    without dQ runs three warpgroups, 0.93-1.06 of cuDNN's backward on the H200), where every program of a
     (batch, KV head), ``2 * BLOCK_N`` keys each, fits the SMs at once (one program a SM: their shared memory),
-    which the programs' waits on each other need."""
-    if head_dim != 128:
+    which the programs' waits on each other need. The SMs counted are those the device reports, times
+    ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` where that is set (an MPS client may get fewer SMs than the device
+    has); :data:`ORDERED_ENV` ``=0`` keeps the dQ kernel everywhere (where SMs are taken some other way)."""
+    if head_dim != 128 or os.environ.get(ORDERED_ENV, "1") == "0":
         return False
-    programs = -(-len_k // (2 * BLOCK_N))
-    return programs <= torch.cuda.get_device_properties(device).multi_processor_count
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    try:
+        share = float(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100"))
+    except ValueError:
+        share = 100.0
+    if 0 < share < 100:
+        sms = int(sms * share / 100)
+    return -(-len_k // (2 * BLOCK_N)) <= sms
 
 
 def dq_order(pid: int, programs: int, len_q: int, len_k: int, causal: bool, rotate: bool) -> list[tuple[int, int]]:

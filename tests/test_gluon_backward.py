@@ -185,9 +185,16 @@ def test_ordered_dq_needs_head_dim_128_and_a_head_that_fits_the_sms(monkeypatch)
         multi_processor_count = 132
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: Props())
     fits = 132 * 2 * gb.BLOCK_N
+    monkeypatch.delenv(gb.ORDERED_ENV, raising=False)
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
     assert gb.ordered_dq(128, fits, "cuda")
     assert not gb.ordered_dq(128, fits + 1, "cuda")
     assert not gb.ordered_dq(64, 1024, "cuda")
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")  # an MPS client's share of the SMs
+    assert gb.ordered_dq(128, 66 * 2 * gb.BLOCK_N, "cuda") and not gb.ordered_dq(128, 67 * 2 * gb.BLOCK_N, "cuda")
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    monkeypatch.setenv(gb.ORDERED_ENV, "0")
+    assert not gb.ordered_dq(128, 1024, "cuda")
     with pytest.raises(ValueError, match="dq_sum"):
         t = torch.zeros(1, 1, 4, 128, dtype=torch.float16)
         rows = torch.zeros(1, 1, 4)
