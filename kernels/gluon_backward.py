@@ -35,8 +35,8 @@ that the programs of a head add to different tiles at a time.
   tiles for a fifth partition, one warp, which adds them to each Q tile in a fixed order of the programs
   (a counter per tile in global memory; the warp waits for its program's turn, adds, waits until the
   reduce is written, counts up). The order (:func:`dq_order`) is the order in which the programs reach
-  the tile, so a program finds its turn come, or about to come: its predecessor reached the tile a step or
-  more earlier. It needs every program of a (batch, KV head) resident at once (each waits on others of
+  the tile, so a program finds its turn come, or about to come: its predecessor reached the tile at the
+  same step of its walk or earlier. It needs every program of a (batch, KV head) resident at once (each waits on others of
   its head): :func:`ordered_dq` takes it only where a head's programs fit the GPU's SMs.
 
 dK and dV are summed in the program's walk order in every form: bitwise the deterministic backward's
@@ -177,7 +177,7 @@ if AVAILABLE:
         reach the tile (at their how-many-th step), the higher index first of two that reach it at the same
         step. Causal: the programs that see the tile, the last first; rotated: program p's predecessor is
         the one that starts after p (steps ahead of it); else the programs in order (each then waits on the
-        one before, which the kernel never takes: they fall a step behind each other). :func:`dq_order` is
+        one before, which the dispatch never asks for: they fall a step behind each other). :func:`dq_order` is
         this function in Python."""
         if ROTATE:
             m = (pid_n * n_tiles) // n_prog + t  # unwrapped: from the start tile to n_tiles past it
