@@ -36,8 +36,8 @@ that the programs of a head add to different tiles at a time.
   (a counter per tile in global memory; the warp waits for its program's turn, adds, waits until the
   reduce is written, counts up). The order (:func:`dq_order`) is the order in which the programs reach
   the tile, so a program finds its turn come, or about to come: its predecessor reached the tile at the
-  same step of its walk or earlier. It needs every program of a (batch, KV head) resident at once (each waits on others of
-  its head): :func:`ordered_dq` takes it only where a head's programs fit the GPU's SMs.
+  same step of its walk or earlier. It needs every program of a (batch, KV head) resident at once (each
+  waits on others of its head): :func:`ordered_dq` takes it only where a head's programs fit the GPU's SMs.
 
 dK and dV are summed in the program's walk order in every form: bitwise the deterministic backward's
 causal, and in the rotated order otherwise.
