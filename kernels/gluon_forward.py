@@ -21,6 +21,13 @@ the stages through "empty" barriers::
         wait for P_j V_j
     acc *= alpha_{n-1};  acc += P_{n-1} V_{n-1}
 
+Where not causal (:func:`persistent`) one program per SM walks the tiles (:func:`_walk`: a head's Q tiles one
+after another, then the next head's), with Q in two buffers: the producer loads the next tile's Q while the
+current tile runs, and the K/V ring runs on across tiles, so that a tile starts without waiting for its first
+loads and no program is launched per tile. On an H200 that made the forward 1.10x faster at N = 1024, head dim
+128, 1.05x at 64 (docs/benchmarks.md). Causal tiles differ in work: the hardware's scheduling of one program per
+tile, the longest first, balances them better than a fixed walk (0.65-0.97 of its speed).
+
 No product is in flight across the loop's back edge: when an accumulator in flight is copied there, ptxas
 serializes every product of the kernel (its "C7514" note), which cost this design all its speed
 (docs/benchmarks.md). On the H100 this forward runs 0.9-1.1 of cuDNN's where the Triton one ran 0.7-0.95.
@@ -69,6 +76,13 @@ def warpgroups(head_dim: int, causal: bool, len_k: int) -> int:
         return 3
     return 2
 
+
+# A program's row of a timeline (``forward(..., timeline=...)``, docs/experiments/gluon_fwd_timeline.py): 0 its SM
+# (%smid), 1 its start on the global timer (ns), 2 its start on the SM's cycle counter (%clock64), 3 the producer
+# warp's start; then 8 per consumer warpgroup w from 4 + 8 w, cycles when it starts, has its Q tile, has its first K
+# block, has its first scores, has their softmax, leaves the loop, has its last P V, has stored its output.
+TIMELINE_SLOTS = 32
+TIMELINE_EVENTS = ("start", "q", "k0", "s0", "softmax0", "loop", "last_pv", "stored")
 
 ENV_OFF = "FLASHVERIFY_GLUON"  # "0": never take the Gluon kernels (forward, backward dK/dV): the Triton ones run
 
@@ -120,6 +134,7 @@ if AVAILABLE:
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     K_STAGES = gl.constexpr(3)
     V_STAGES = gl.constexpr(2)
+    _TIMELINE_SLOTS = gl.constexpr(TIMELINE_SLOTS)
 
     @gluon.jit
     def _softmax(s, m_i, l_i, c, ROW_O: gl.constexpr, P_LAYOUT: gl.constexpr, dtype: gl.constexpr):
@@ -147,12 +162,22 @@ if AVAILABLE:
         return s
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, Lse, stride_lb,
-                  stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k, causal_offset, n_blocks, n_full, n_loaded,
-                  CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
-        """One warpgroup: query rows [start_m, start_m + BLOCK_M) over KV blocks [0, n_blocks); then it
-        releases the stages of the blocks the producer loaded for the other warpgroups only (up to
-        ``n_loaded``), so that every stage gets one release per warpgroup."""
+    def _stamp(stamps, slot: gl.constexpr, TIMELINE: gl.constexpr):
+        """``stamps[slot]`` = the SM's cycle counter (``%clock64``), with ``TIMELINE`` only (:data:`TIMELINE_SLOTS`)."""
+        if TIMELINE:
+            gl.store(stamps + slot, gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
+                                                              is_pure=False, pack=1))
+
+    @gluon.jit
+    def _attend(q_smem, q_bar, q_phase, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring, o_desc, Lse,
+                stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k, causal_offset, n_blocks,
+                n_full, n_loaded, stamps, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                D: gl.constexpr, TIMELINE: gl.constexpr):
+        """One warpgroup, one tile: query rows [start_m, start_m + BLOCK_M) over KV blocks [0, n_blocks), whose
+        K and V come through the stages as blocks ``ring + j`` of the producer's walk; then it releases the
+        stages of the blocks the producer loaded for the other warpgroups only (up to ``n_loaded``), so that
+        every stage gets one release per warpgroup, and stores the output through Q's buffer (the store read
+        when it returns)."""
         dtype: gl.constexpr = o_desc.dtype
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -166,36 +191,44 @@ if AVAILABLE:
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW_S)
         acc = gl.zeros([BLOCK_M, D], gl.float32, layout=O_LAYOUT)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
-        mbarrier.wait(q_bar, 0)
+        _stamp(stamps, 0, TIMELINE)
+        mbarrier.wait(q_bar, q_phase)
+        _stamp(stamps, 1, TIMELINE)
         if n_blocks > 0:
-            mbarrier.wait(k_ready.index(0), 0)
-            s = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
+            mbarrier.wait(k_ready.index(ring % K_STAGES), (ring // K_STAGES) & 1)
+            _stamp(stamps, 2, TIMELINE)
+            s = warpgroup_mma(q_tile, k_smem.index(ring % K_STAGES).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s, ))
-            mbarrier.arrive(k_empty.index(0), count=1)
+            _stamp(stamps, 3, TIMELINE)
+            mbarrier.arrive(k_empty.index(ring % K_STAGES), count=1)
             s = _mask(s, 0, n_full, start_m, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, S_LAYOUT)
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, c, ROW_O, P_LAYOUT, dtype)
+            _stamp(stamps, 4, TIMELINE)
             for j in range(0, n_blocks - 1):
-                kn = (j + 1) % K_STAGES
-                mbarrier.wait(k_ready.index(kn), ((j + 1) // K_STAGES) & 1)
+                kn = (ring + j + 1) % K_STAGES
+                vj = (ring + j) % V_STAGES
+                mbarrier.wait(k_ready.index(kn), ((ring + j + 1) // K_STAGES) & 1)
                 s = warpgroup_mma(q_tile, k_smem.index(kn).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
                 acc = acc * gl.expand_dims(alpha, 1)
-                mbarrier.wait(v_ready.index(j % V_STAGES), (j // V_STAGES) & 1)
-                acc = warpgroup_mma(p, v_smem.index(j % V_STAGES).reshape([BLOCK_N, D]), acc, is_async=True)
+                mbarrier.wait(v_ready.index(vj), ((ring + j) // V_STAGES) & 1)
+                acc = warpgroup_mma(p, v_smem.index(vj).reshape([BLOCK_N, D]), acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s, ))  # S_{j+1} done; P_j V_j still running ...
                 mbarrier.arrive(k_empty.index(kn), count=1)
                 s = _mask(s, j + 1, n_full, start_m, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, S_LAYOUT)
                 p, alpha, m_i, l_i = _softmax(s, m_i, l_i, c, ROW_O, P_LAYOUT, dtype)  # ... during this step
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(v_empty.index(j % V_STAGES), count=1)
-            j = n_blocks - 1
+                mbarrier.arrive(v_empty.index(vj), count=1)
+            _stamp(stamps, 5, TIMELINE)
+            vj = (ring + n_blocks - 1) % V_STAGES
             acc = acc * gl.expand_dims(alpha, 1)
-            mbarrier.wait(v_ready.index(j % V_STAGES), (j // V_STAGES) & 1)
-            acc = warpgroup_mma(p, v_smem.index(j % V_STAGES).reshape([BLOCK_N, D]), acc, is_async=True)
+            mbarrier.wait(v_ready.index(vj), ((ring + n_blocks - 1) // V_STAGES) & 1)
+            acc = warpgroup_mma(p, v_smem.index(vj).reshape([BLOCK_N, D]), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(j % V_STAGES), count=1)
-        for i in range(gl.maximum(n_blocks, 0), n_loaded):
+            mbarrier.arrive(v_empty.index(vj), count=1)
+            _stamp(stamps, 6, TIMELINE)
+        for i in range(ring + gl.maximum(n_blocks, 0), ring + n_loaded):
             mbarrier.wait(k_ready.index(i % K_STAGES), (i // K_STAGES) & 1)
             mbarrier.arrive(k_empty.index(i % K_STAGES), count=1)
             mbarrier.wait(v_ready.index(i % V_STAGES), (i // V_STAGES) & 1)
@@ -215,24 +248,105 @@ if AVAILABLE:
             fence_async_shared()
             _tma_store(o_desc, [off_b, off_h, start_m, 0], q_smem)
             tma.store_wait(pendings=0)
+        _stamp(stamps, 7, TIMELINE)
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, Lse, stride_lb,
+                  stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k, causal_offset, n_blocks, n_full,
+                  n_loaded, stamps, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                  TIMELINE: gl.constexpr):
+        """One warpgroup of a program of one tile."""
+        _attend(q_smem, q_bar, 0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 0, o_desc, Lse, stride_lb,
+                stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k, causal_offset, n_blocks, n_full,
+                n_loaded, stamps, CAUSAL, BLOCK_M, BLOCK_N, D, TIMELINE)
+
+    @gluon.jit
+    def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, off_b, off_hkv, ring, n_loaded,
+                 BLOCK_N: gl.constexpr):
+        """K and V blocks [0, n_loaded) of a tile into the stages as they are freed, as blocks ``ring + i`` of
+        the producer's walk."""
+        for i in range(n_loaded):
+            r = ring + i
+            ks = r % K_STAGES
+            mbarrier.wait(k_empty.index(ks), ((r // K_STAGES) & 1) ^ 1, pred=r >= K_STAGES)
+            mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [off_b, off_hkv, i * BLOCK_N, 0], k_ready.index(ks), k_smem.index(ks))
+            vs = r % V_STAGES
+            mbarrier.wait(v_empty.index(vs), ((r // V_STAGES) & 1) ^ 1, pred=r >= V_STAGES)
+            mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [off_b, off_hkv, i * BLOCK_N, 0], v_ready.index(vs), v_smem.index(vs))
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, off_b,
-                  off_h, off_hkv, start_m, n_loaded, WARPGROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr):
+                  off_h, off_hkv, start_m, n_loaded, stamps, WARPGROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, TIMELINE: gl.constexpr):
         """One warp: every warpgroup's Q tile, then K and V block by block into the stages as they are freed."""
+        _stamp(stamps, 3, TIMELINE)
         for w in gl.static_range(WARPGROUPS):
             mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
             _tma_load(q_desc, [off_b, off_h, start_m + w * BLOCK_M, 0], q_bar.index(w), q_smem.index(w))
-        for i in range(n_loaded):
-            ks = i % K_STAGES
-            mbarrier.wait(k_empty.index(ks), ((i // K_STAGES) & 1) ^ 1, pred=i >= K_STAGES)
-            mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [off_b, off_hkv, i * BLOCK_N, 0], k_ready.index(ks), k_smem.index(ks))
-            vs = i % V_STAGES
-            mbarrier.wait(v_empty.index(vs), ((i // V_STAGES) & 1) ^ 1, pred=i >= V_STAGES)
-            mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [off_b, off_hkv, i * BLOCK_N, 0], v_ready.index(vs), v_smem.index(vs))
+        _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, off_b, off_hkv, 0, n_loaded,
+                 BLOCK_N)
+
+    @gluon.jit
+    def _walk(tile, tiles_m, heads_q, len_q, len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr):
+        """A persistent program's ``tile``: (batch, head, first row, KV blocks loaded for it); a head's Q tiles
+        one after another (the longest first where causal), heads one after another."""
+        pid_bh = tile // tiles_m
+        pid_m = tile % tiles_m
+        if CAUSAL:
+            pid_m = tiles_m - 1 - pid_m
+        start_m = pid_m * WARPGROUPS * BLOCK_M
+        n_loaded = 0
+        for w in gl.static_range(WARPGROUPS):
+            n, full = _blocks(start_m + w * BLOCK_M, len_q, len_k, len_k - len_q, CAUSAL, BLOCK_M, BLOCK_N)
+            n_loaded = gl.maximum(n_loaded, n)
+        return pid_bh // heads_q, pid_bh % heads_q, start_m, n_loaded
+
+    @gluon.jit
+    def _consumer_persistent(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc,
+                             Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m, n_tiles,
+                             W: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                             D: gl.constexpr, WARPGROUPS: gl.constexpr):
+        """Consumer warpgroup ``W`` of a persistent program: its rows of each of the program's tiles, Q from
+        the buffer of the tile's parity, which it releases once its output is stored."""
+        ring = 0
+        i_t = 0
+        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            off_b, off_h, start_m, n_loaded = _walk(tile, tiles_m, heads_q, len_q, len_k, CAUSAL, BLOCK_M, BLOCK_N,
+                                                    WARPGROUPS)
+            n_blocks, n_full = _blocks(start_m + W * BLOCK_M, len_q, len_k, len_k - len_q, CAUSAL, BLOCK_M, BLOCK_N)
+            buf = i_t % 2
+            _attend(q_smem.index(buf * WARPGROUPS + W), q_ready.index(buf * WARPGROUPS + W), (i_t // 2) & 1, k_smem,
+                    v_smem, k_ready, v_ready, k_empty, v_empty, ring, o_desc, Lse, stride_lb, stride_lh, stride_ln, c,
+                    off_b, off_h, start_m + W * BLOCK_M, len_q, len_k, len_k - len_q, n_blocks, n_full, n_loaded, Lse,
+                    CAUSAL, BLOCK_M, BLOCK_N, D, False)
+            mbarrier.arrive(q_empty.index(buf), count=1)
+            ring += n_loaded
+            i_t += 1
+
+    @gluon.jit
+    def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, heads_q, group, len_q, len_k, tiles_m, n_tiles, CAUSAL: gl.constexpr,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr):
+        """The producer warp of a persistent program: per tile, its Q tiles into the buffer of the tile's
+        parity once free (two tiles back), then its K and V blocks into the ring."""
+        ring = 0
+        i_t = 0
+        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            off_b, off_h, start_m, n_loaded = _walk(tile, tiles_m, heads_q, len_q, len_k, CAUSAL, BLOCK_M, BLOCK_N,
+                                                    WARPGROUPS)
+            buf = i_t % 2
+            mbarrier.wait(q_empty.index(buf), ((i_t // 2) & 1) ^ 1, pred=i_t >= 2)
+            for w in gl.static_range(WARPGROUPS):
+                mbarrier.expect(q_ready.index(buf * WARPGROUPS + w), q_desc.block_type.nbytes)
+                _tma_load(q_desc, [off_b, off_h, start_m + w * BLOCK_M, 0], q_ready.index(buf * WARPGROUPS + w),
+                          q_smem.index(buf * WARPGROUPS + w))
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, off_b, off_h // group, ring,
+                     n_loaded, BLOCK_N)
+            ring += n_loaded
+            i_t += 1
 
     @gluon.jit
     def _blocks(start_m, len_q, len_k, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -251,10 +365,19 @@ if AVAILABLE:
         return n_blocks, n_full
 
     @gluon.jit
-    def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, group, len_q, len_k,
-                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                     WARPGROUPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, group, len_q,
+                     len_k, Timeline, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     D: gl.constexpr, WARPGROUPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, TIMELINE: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
+        if TIMELINE:  # this program's row of the timeline: SM, start (global timer, cycles), then the partitions'
+            stamps = Timeline + (gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)) * _TIMELINE_SLOTS
+            sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
+            gl.store(stamps, sm.to(gl.int64))
+            gl.store(stamps + 1, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                                           is_pure=False, pack=1))
+            _stamp(stamps, 2, TIMELINE)
+        else:
+            stamps = Lse  # not written
         if CAUSAL:  # the longest rows first
             pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         else:
@@ -293,26 +416,90 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
                              o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k,
-                             causal_offset, n0, full0, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
+                             causal_offset, n0, full0, n_loaded, stamps + 4, CAUSAL, BLOCK_M, BLOCK_N, D,
+                             TIMELINE)),
                 (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty, v_empty,
                              o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m + BLOCK_M, len_q,
-                             len_k, causal_offset, n1, full1, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
+                             len_k, causal_offset, n1, full1, n_loaded, stamps + 12, CAUSAL, BLOCK_M, BLOCK_N,
+                             D, TIMELINE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                             v_empty, off_b, off_h, off_h // group, start_m, n_loaded, WARPGROUPS, BLOCK_M, BLOCK_N)),
+                             v_empty, off_b, off_h, off_h // group, start_m, n_loaded, stamps, WARPGROUPS, BLOCK_M,
+                             BLOCK_N, TIMELINE)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
                              o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k,
-                             causal_offset, n0, full0, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
+                             causal_offset, n0, full0, n_loaded, stamps + 4, CAUSAL, BLOCK_M, BLOCK_N, D,
+                             TIMELINE)),
                 (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty, v_empty,
                              o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m + BLOCK_M, len_q,
-                             len_k, causal_offset, n1, full1, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
+                             len_k, causal_offset, n1, full1, n_loaded, stamps + 12, CAUSAL, BLOCK_M, BLOCK_N,
+                             D, TIMELINE)),
                 (_consumer, (q_smem.index(2), k_smem, v_smem, q_bar.index(2), k_ready, v_ready, k_empty, v_empty,
                              o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m + 2 * BLOCK_M,
-                             len_q, len_k, causal_offset, n2, full2, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
+                             len_q, len_k, causal_offset, n2, full2, n_loaded, stamps + 20, CAUSAL, BLOCK_M,
+                             BLOCK_N, D, TIMELINE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                             v_empty, off_b, off_h, off_h // group, start_m, n_loaded, WARPGROUPS, BLOCK_M, BLOCK_N)),
+                             v_empty, off_b, off_h, off_h // group, start_m, n_loaded, stamps, WARPGROUPS, BLOCK_M,
+                             BLOCK_N, TIMELINE)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+
+    @gluon.jit
+    def _attn_fwd_persistent(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q,
+                             group, len_q, len_k, tiles_m, n_tiles, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                             BLOCK_N: gl.constexpr, D: gl.constexpr, WARPGROUPS: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr):
+        """One program per SM over the tiles ``program_id, program_id + programs, ...`` of the walk
+        (:func:`_walk`); Q in two buffers, so that the next tile's is loaded while this one runs, and the K/V
+        ring runs on from tile to tile."""
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [2 * WARPGROUPS, 1, 1, BLOCK_M, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, 1, 1, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, 1, 1, BLOCK_N, D], v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2 * WARPGROUPS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2 * WARPGROUPS):
+            mbarrier.init(q_ready.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(q_empty.index(i), count=WARPGROUPS)
+        for i in gl.static_range(K_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=WARPGROUPS)
+        for i in gl.static_range(V_STAGES):
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=WARPGROUPS)
+        # spelled out as in _attn_fwd_ws
+        if WARPGROUPS == 2:
+            gl.warp_specialize([
+                (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                        o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m,
+                                        n_tiles, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)),
+                (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                        o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m,
+                                        n_tiles, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)),
+                (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                        v_ready, k_empty, v_empty, heads_q, group, len_q, len_k, tiles_m, n_tiles,
+                                        CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS)),
+            ], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                        o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m,
+                                        n_tiles, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)),
+                (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                        o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m,
+                                        n_tiles, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)),
+                (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                        o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m,
+                                        n_tiles, 2, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)),
+                (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                        v_ready, k_empty, v_empty, heads_q, group, len_q, len_k, tiles_m, n_tiles,
+                                        CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
     _GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
@@ -352,11 +539,39 @@ if AVAILABLE:
         vars(desc).update(fields, base=t, shape=shape, strides=strides)
         return desc
 
-def forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
+PERSISTENT_CAUSAL = False
+
+
+def persistent(causal: bool) -> bool:
+    """Whether :func:`forward` runs the persistent kernel (one program per SM walking the tiles) rather than one
+    program per tile: not causal (tiles of equal work), or causal with :data:`PERSISTENT_CAUSAL`."""
+    return not causal or PERSISTENT_CAUSAL
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def programs(q, k, causal: bool) -> tuple:
+    """The launch grid of :func:`forward` for these ``q`` and ``k`` (Q tiles, batch x heads)."""
+    b, hq, len_q, d = q.shape
+    return -(-len_q // (warpgroups(d, causal, k.shape[2]) * BLOCK_M)), b * hq
+
+
+def forward(q, k, v, out, lse, *, causal: bool, scale: float, timeline: torch.Tensor | None = None) -> None:
     """Write the FA2 forward of ``[B, H, N, D]`` float16/bfloat16 tensors into ``out`` and ``lse`` (``[B, Hq,
     Nq]`` float32, any strides); ``Hq`` a multiple of ``Hkv`` (GQA). A tensor no descriptor reads
-    (:func:`readable`) goes through a contiguous copy; no key at all gives ``out = 0``, ``lse = -inf``."""
+    (:func:`readable`) goes through a contiguous copy; no key at all gives ``out = 0``, ``lse = -inf``.
+    ``timeline``: an int64 tensor of ``[P, TIMELINE_SLOTS]`` on q's device, P the programs of
+    :func:`programs` (program ``(i, j)`` on row ``j * grid[0] + i``), that the kernel stamps as it runs
+    (:data:`TIMELINE_SLOTS`); a kernel compiled apart, for profiling."""
     b, hq, len_q, d = q.shape
+    grid = programs(q, k, causal)
+    if timeline is not None and (timeline.dtype != torch.int64 or timeline.device != q.device
+                                 or tuple(timeline.shape) != (grid[0] * grid[1], TIMELINE_SLOTS)):
+        raise ValueError(f"timeline: an int64 tensor of shape {(grid[0] * grid[1], TIMELINE_SLOTS)} on {q.device} "
+                         f"expected, got {timeline.dtype} {tuple(timeline.shape)} on {timeline.device}")
     if b * hq * len_q == 0:
         return
     if k.shape[2] == 0:
@@ -367,11 +582,14 @@ def forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
     q, k, v = (t if readable(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t) for t in (q, k, v))
     target = out if readable(out) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
     groups = warpgroups(d, causal, k.shape[2])
-    replay.launch(
-        _attn_fwd_ws, (-(-len_q // (groups * BLOCK_M)), b * hq),
-        _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(target, BLOCK_M),
-        lse, lse.stride(0), lse.stride(1), lse.stride(2), scale * LOG2E, hq, hq // k.shape[1], len_q, k.shape[2],
-        CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, WARPGROUPS=groups, CONSUMER_REGS=CONSUMER_REGS,
-        num_warps=4)
+    args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(target, BLOCK_M),
+            lse, lse.stride(0), lse.stride(1), lse.stride(2), scale * LOG2E, hq, hq // k.shape[1], len_q, k.shape[2])
+    meta = dict(CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, WARPGROUPS=groups, CONSUMER_REGS=CONSUMER_REGS,
+                num_warps=4)
+    if timeline is None and persistent(causal):
+        n_tiles = grid[0] * grid[1]
+        replay.launch(_attn_fwd_persistent, (min(n_tiles, _sm_count(q.device)), ), *args, grid[0], n_tiles, **meta)
+    else:
+        replay.launch(_attn_fwd_ws, grid, *args, timeline, TIMELINE=timeline is not None, **meta)
     if target is not out:
         out.copy_(target)

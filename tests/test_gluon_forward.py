@@ -13,6 +13,8 @@ serialized products, and (on an H100/H200) that it computes attention.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -122,18 +124,39 @@ WARPGROUP_CONFIGS = [(64, 2), (64, 3), (128, 2)]
 _COMPILE = f"WARPGROUP_CONFIGS = {WARPGROUP_CONFIGS!r}\n" + r"""
 from kernels import gluon_forward as gf
 
+def build_forward(key, d, groups, dt, gdt, causal, timeline):
+    signature = {"q_desc": desc(dt, gdt, gf.BLOCK_M, d), "k_desc": desc(dt, gdt, gf.BLOCK_N, d),
+                 "v_desc": desc(dt, gdt, gf.BLOCK_N, d), "o_desc": desc(dt, gdt, gf.BLOCK_M, d),
+                 "Lse": "*fp32", **{name: "i32" for name in ("stride_lb", "stride_lh", "stride_ln")},
+                 "c": "fp32", **{name: "i32" for name in ("heads_q", "group", "len_q", "len_k")},
+                 "Timeline": "*i64" if timeline else "constexpr",
+                 **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "WARPGROUPS",
+                                                   "CONSUMER_REGS", "TIMELINE")}}
+    constexprs = {"CAUSAL": causal, "BLOCK_M": gf.BLOCK_M, "BLOCK_N": gf.BLOCK_N, "D": d, "WARPGROUPS": groups,
+                  "CONSUMER_REGS": gf.CONSUMER_REGS, "TIMELINE": timeline}
+    build(key, gf._attn_fwd_ws, signature, constexprs if timeline else {**constexprs, "Timeline": None})
+
+
 for d, groups in WARPGROUP_CONFIGS:
     for dt, gdt in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
         for causal in (False, True):
-            signature = {"q_desc": desc(dt, gdt, gf.BLOCK_M, d), "k_desc": desc(dt, gdt, gf.BLOCK_N, d),
-                         "v_desc": desc(dt, gdt, gf.BLOCK_N, d), "o_desc": desc(dt, gdt, gf.BLOCK_M, d),
-                         "Lse": "*fp32", **{name: "i32" for name in ("stride_lb", "stride_lh", "stride_ln")},
-                         "c": "fp32", **{name: "i32" for name in ("heads_q", "group", "len_q", "len_k")},
-                         **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "WARPGROUPS",
-                                                           "CONSUMER_REGS")}}
-            build(f"d{d}-wg{groups}-{dt}-{'causal' if causal else 'full'}", gf._attn_fwd_ws, signature,
-                  {"CAUSAL": causal, "BLOCK_M": gf.BLOCK_M, "BLOCK_N": gf.BLOCK_N, "D": d, "WARPGROUPS": groups,
-                   "CONSUMER_REGS": gf.CONSUMER_REGS})
+            build_forward(f"d{d}-wg{groups}-{dt}-{'causal' if causal else 'full'}", d, groups, dt, gdt, causal, False)
+# the timeline's stamps (forward(..., timeline=...)) in the kernels of the bench's rows
+for d, groups in WARPGROUP_CONFIGS:
+    build_forward(f"d{d}-wg{groups}-fp16-timeline", d, groups, "fp16", gl.float16, False, True)
+# the persistent kernel (forward() runs it where not causal)
+for d, groups in WARPGROUP_CONFIGS:
+    for dt, gdt in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
+        signature = {"q_desc": desc(dt, gdt, gf.BLOCK_M, d), "k_desc": desc(dt, gdt, gf.BLOCK_N, d),
+                     "v_desc": desc(dt, gdt, gf.BLOCK_N, d), "o_desc": desc(dt, gdt, gf.BLOCK_M, d),
+                     "Lse": "*fp32", **{name: "i32" for name in ("stride_lb", "stride_lh", "stride_ln")},
+                     "c": "fp32", **{name: "i32" for name in ("heads_q", "group", "len_q", "len_k", "tiles_m",
+                                                              "n_tiles")},
+                     **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "WARPGROUPS",
+                                                       "CONSUMER_REGS")}}
+        build(f"d{d}-wg{groups}-{dt}-persistent", gf._attn_fwd_persistent, signature,
+              {"CAUSAL": False, "BLOCK_M": gf.BLOCK_M, "BLOCK_N": gf.BLOCK_N, "D": d, "WARPGROUPS": groups,
+               "CONSUMER_REGS": gf.CONSUMER_REGS})
 """
 
 
@@ -149,6 +172,21 @@ def compiled():
 def test_compiles_for_sm90_without_serialized_products(compiled, d, groups, dt, causal):
     result = compiled[f"d{d}-wg{groups}-{dt}-{'causal' if causal else 'full'}"]
     gluon_compile.assert_not_serialized(result)
+
+
+@needs_gluon
+@pytest.mark.parametrize("d,groups", WARPGROUP_CONFIGS)
+def test_the_timeline_compiles_without_serialized_products(compiled, d, groups):
+    """forward(..., timeline=...) stamps the SM's cycle counter: the kernel it compiles must stay unserialized
+    (a stamp between a product's issue and its wait must not make ptxas wait for it)."""
+    gluon_compile.assert_not_serialized(compiled[f"d{d}-wg{groups}-fp16-timeline"])
+
+
+@needs_gluon
+@pytest.mark.parametrize("d,groups", WARPGROUP_CONFIGS)
+@pytest.mark.parametrize("dt", ["fp16", "bf16"])
+def test_the_persistent_kernel_compiles_without_serialized_products(compiled, d, groups, dt):
+    gluon_compile.assert_not_serialized(compiled[f"d{d}-wg{groups}-{dt}-persistent"])
 
 
 def test_warpgroup_configs_are_the_chosen_ones():
@@ -219,6 +257,40 @@ def test_matches_float64_on_hopper(shape, dtype, monkeypatch):
         assert (lse[~blind].double() - ref_lse[~blind]).abs().max().item() <= 1e-4
 
 
+# (B, Hq, Hkv, Nq, Nk, D): more tiles than a card has SMs, so that the persistent kernel's programs walk several
+# tiles each (its K/V ring and Q buffers run on from tile to tile); tails, Nq != Nk both ways, GQA
+PERSISTENT_SHAPES = [(4, 16, 16, 1000, 1000, 128), (8, 8, 2, 777, 1500, 128), (3, 16, 4, 2000, 333, 64),
+                     (16, 12, 12, 600, 600, 64), (2, 40, 8, 1100, 2100, 64)]
+
+
+@pytest.mark.skipif(not _on_hopper(), reason="the Gluon forward runs on a GPU of compute capability 9.0 only")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_persistent_kernel_equals_the_per_tile_one(shape, causal, monkeypatch):
+    """Both kernels run the same steps on each tile: outputs and LSE bitwise equal, whichever walks the tiles
+    (causal too, which forward() runs per tile: gf.PERSISTENT_CAUSAL)."""
+    b, hq, hkv, nq, nk, d = shape
+    assert -(-nq // (gf.warpgroups(d, causal, nk) * gf.BLOCK_M)) * b * hq > 2 * gf._sm_count(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(nq + nk)
+    q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.bfloat16, generator=g) * 2 for _ in range(2))
+    results = []
+    for walk in (False, True):
+        monkeypatch.setattr(gf, "persistent", lambda causal, walk=walk: walk)
+        out, lse = torch.full_like(q, float("nan")), torch.full((b, hq, nq), float("nan"), device="cuda")
+        gf.forward(q, k, v, out, lse, causal=causal, scale=d ** -0.5)
+        results.append((out, lse))
+    (out0, lse0), (out1, lse1) = results
+    assert torch.isfinite(out0).all() and not torch.isnan(lse0).any()
+    assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
+
+
+def test_persistent_only_where_the_tiles_are_equal(monkeypatch):
+    assert gf.persistent(False) and not gf.persistent(True)
+    monkeypatch.setattr(gf, "PERSISTENT_CAUSAL", True)
+    assert gf.persistent(True)
+
+
 def test_gluon_keyword_is_checked():
     q = torch.randn(1, 2, 16, 64, dtype=torch.float32 if ta.INTERPRET else torch.float16,
                     device="cpu" if ta.INTERPRET or not torch.cuda.is_available() else "cuda")
@@ -269,3 +341,44 @@ def test_routing_on_hopper(monkeypatch):
     assert (out.double() - ref_out).abs().max().item() <= 4 * 2.0 ** -10
     with pytest.raises(ValueError, match="head dim 32"):
         ta.fa2_forward_raw(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous(), gluon=True)
+
+
+@needs_gluon
+def test_timeline_argument_is_checked():
+    q = torch.zeros(1, 2, 200, 64, dtype=torch.float16)
+    grid = gf.programs(q, q, False)
+    assert grid == (-(-200 // (gf.warpgroups(64, False, 200) * gf.BLOCK_M)), 2)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 200)
+    for bad, named in ((torch.zeros(grid[0] * grid[1], gf.TIMELINE_SLOTS, dtype=torch.int32), "torch.int32"),
+                       (torch.zeros(grid[0] * grid[1] + 1, gf.TIMELINE_SLOTS, dtype=torch.int64), "int64 tensor")):
+        with pytest.raises(ValueError, match=f"timeline: .*{named}"):
+            gf.forward(q, q, q, out, lse, causal=False, scale=0.125, timeline=bad)
+
+
+@pytest.mark.skipif(not _on_hopper(), reason="the Gluon forward runs on a GPU of compute capability 9.0 only")
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (128, True)])
+def test_timeline_stamps_each_program_in_order_and_changes_no_output(d, causal):
+    """forward(..., timeline=...) gives the same outputs, and every program's row is filled: its SM, its start,
+    and each consumer warpgroup's events in order (rows past the end stamp start, Q and stored only)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 777, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+    outs = []
+    for timeline in (None, torch.zeros(math.prod(gf.programs(q, k, causal)), gf.TIMELINE_SLOTS, dtype=torch.int64,
+                                       device="cuda")):
+        out, lse = torch.empty_like(q), torch.empty(2, 3, 777, device="cuda")
+        gf.forward(q, k, v, out, lse, causal=causal, scale=d ** -0.5, timeline=timeline)
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    rows = timeline.cpu().tolist()
+    groups = gf.warpgroups(d, causal, 777)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for i, row in enumerate(rows):
+        assert 0 <= row[0] < sms and row[1] > 0 and row[2] > 0 and row[3] >= row[2], (i, row)
+        for w in range(groups):
+            ev = row[4 + 8 * w: 12 + 8 * w]
+            tiles = -(-777 // (groups * gf.BLOCK_M))
+            pid_m = tiles - 1 - i % tiles if causal else i % tiles  # causal: the longest rows first
+            seen = [e for e in ev if e]
+            assert seen == sorted(seen) and ev[0] >= row[2] and ev[7] > 0, (i, w, ev)
+            if (pid_m * groups + w) * gf.BLOCK_M < 777:  # rows to compute: every event (Nq == Nk, a key each)
+                assert all(ev), (i, w, ev)
