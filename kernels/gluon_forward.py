@@ -21,12 +21,15 @@ the stages through "empty" barriers::
         wait for P_j V_j
     acc *= alpha_{n-1};  acc += P_{n-1} V_{n-1}
 
-Where not causal (:func:`persistent`) one program per SM walks the tiles (:func:`_walk`: a head's Q tiles one
-after another, then the next head's), with Q in two buffers: the producer loads the next tile's Q while the
-current tile runs, and the K/V ring runs on across tiles, so that a tile starts without waiting for its first
-loads and no program is launched per tile. On an H200 that made the forward 1.10x faster at N = 1024, head dim
-128, 1.05x at 64 (docs/benchmarks.md). Causal tiles differ in work: the hardware's scheduling of one program per
-tile, the longest first, balances them better than a fixed walk (0.65-0.97 of its speed).
+Mostly (:func:`persistent`: not causal, and causal up to 8192 keys) one program per SM walks the tiles
+(:func:`_walk`), with Q in two buffers: the producer loads the next tile's Q while the current tile runs, and
+the K/V ring runs on across tiles, so that a tile starts without waiting for its first loads and no program is
+launched per tile (that wait, the launch and the epilogue were most of a tile's fixed cost: forward(...,
+timeline=...) stamps the per-tile kernel's phases). Not causal the walk takes a head's Q tiles one after
+another; causal it pairs them, the k-th longest with the k-th shortest, so that every program gets the same
+work. On an H200 the persistent kernel ran 1.01-1.09x as fast as one program per tile at N = 1024 and 4096,
+1.14x at head dim 64 causal over 1024 keys (docs/benchmarks.md); causal over 16384 keys the hardware's
+scheduling of one program per tile, the longest first, balanced the tiles better (0.975-0.99x).
 
 No product is in flight across the loop's back edge: when an accumulator in flight is copied there, ptxas
 serializes every product of the kernel (its "C7514" note), which cost this design all its speed
@@ -289,42 +292,65 @@ if AVAILABLE:
                  BLOCK_N)
 
     @gluon.jit
-    def _walk(tile, tiles_m, heads_q, len_q, len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr):
-        """A persistent program's ``tile``: (batch, head, first row, KV blocks loaded for it); a head's Q tiles
-        one after another (the longest first where causal), heads one after another."""
-        pid_bh = tile // tiles_m
-        pid_m = tile % tiles_m
+    def _rounds(tiles_m, n_tiles, CAUSAL: gl.constexpr):
+        """The rounds of a persistent program's loop (:func:`_walk`)."""
         if CAUSAL:
-            pid_m = tiles_m - 1 - pid_m
+            return 2 * gl.cdiv(n_tiles // tiles_m * ((tiles_m + 1) // 2), gl.num_programs(0))
+        return gl.cdiv(n_tiles, gl.num_programs(0))
+
+    @gluon.jit
+    def _walk(it, tiles_m, n_tiles, heads_q, len_q, len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr):
+        """A persistent program's tile of round ``it``: (whether there is one, batch, head, first row, KV blocks
+        loaded for it). Not causal: program p takes tile ``it * P + p`` of the walk, a head's Q tiles one after
+        another, then the next head's. Causal: a head's Q tiles pair up, the k-th from the end with the k-th
+        (the middle one alone where their number is odd), so that every pair is the same work; program p takes
+        pair ``(it // 2) * P + p`` of the walk, a head's pairs one after another, its longer tile in the even
+        round, its shorter one in the odd."""
+        if CAUSAL:
+            units_m = (tiles_m + 1) // 2
+            u = (it // 2) * gl.num_programs(0) + gl.program_id(0)
+            k = u % units_m
+            pid_bh = u // units_m
+            pid_m = tiles_m - 1 - k
+            if it % 2 == 1:
+                pid_m = k
+            valid = (pid_bh < n_tiles // tiles_m) & ((it % 2 == 0) | (k != tiles_m - 1 - k))
+        else:
+            i = it * gl.num_programs(0) + gl.program_id(0)
+            pid_bh = i // tiles_m
+            pid_m = i % tiles_m
+            valid = i < n_tiles
         start_m = pid_m * WARPGROUPS * BLOCK_M
         n_loaded = 0
         for w in gl.static_range(WARPGROUPS):
             n, full = _blocks(start_m + w * BLOCK_M, len_q, len_k, len_k - len_q, CAUSAL, BLOCK_M, BLOCK_N)
             n_loaded = gl.maximum(n_loaded, n)
-        return pid_bh // heads_q, pid_bh % heads_q, start_m, n_loaded
+        return valid, pid_bh // heads_q, pid_bh % heads_q, start_m, n_loaded
 
     @gluon.jit
     def _consumer_persistent(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc,
                              Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m, n_tiles,
-                             W: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                             D: gl.constexpr, WARPGROUPS: gl.constexpr):
+                             W: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                             BLOCK_N: gl.constexpr, D: gl.constexpr, WARPGROUPS: gl.constexpr):
         """Consumer warpgroup ``W`` of a persistent program: its rows of each of the program's tiles, Q from
         the buffer of the tile's parity, which it releases once its output is stored."""
         ring = 0
         i_t = 0
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            off_b, off_h, start_m, n_loaded = _walk(tile, tiles_m, heads_q, len_q, len_k, CAUSAL, BLOCK_M, BLOCK_N,
-                                                    WARPGROUPS)
-            n_blocks, n_full = _blocks(start_m + W * BLOCK_M, len_q, len_k, len_k - len_q, CAUSAL, BLOCK_M, BLOCK_N)
-            buf = i_t % 2
-            _attend(q_smem.index(buf * WARPGROUPS + W), q_ready.index(buf * WARPGROUPS + W), (i_t // 2) & 1, k_smem,
-                    v_smem, k_ready, v_ready, k_empty, v_empty, ring, o_desc, Lse, stride_lb, stride_lh, stride_ln, c,
-                    off_b, off_h, start_m + W * BLOCK_M, len_q, len_k, len_k - len_q, n_blocks, n_full, n_loaded, Lse,
-                    CAUSAL, BLOCK_M, BLOCK_N, D, False)
-            mbarrier.arrive(q_empty.index(buf), count=1)
-            ring += n_loaded
-            i_t += 1
+        for it in range(_rounds(tiles_m, n_tiles, CAUSAL)):
+            valid, off_b, off_h, start_m, n_loaded = _walk(it, tiles_m, n_tiles, heads_q, len_q, len_k, CAUSAL,
+                                                           BLOCK_M, BLOCK_N, WARPGROUPS)
+            if valid:
+                n_blocks, n_full = _blocks(start_m + W * BLOCK_M, len_q, len_k, len_k - len_q, CAUSAL, BLOCK_M,
+                                           BLOCK_N)
+                buf = i_t % 2
+                _attend(q_smem.index(buf * WARPGROUPS + W), q_ready.index(buf * WARPGROUPS + W), (i_t // 2) & 1,
+                        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring, o_desc, Lse, stride_lb, stride_lh,
+                        stride_ln, c, off_b, off_h, start_m + W * BLOCK_M, len_q, len_k, len_k - len_q, n_blocks,
+                        n_full, n_loaded, Lse, CAUSAL, BLOCK_M, BLOCK_N, D, False)
+                mbarrier.arrive(q_empty.index(buf), count=1)
+                ring += n_loaded
+                i_t += 1
 
     @gluon.jit
     def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
@@ -334,19 +360,20 @@ if AVAILABLE:
         parity once free (two tiles back), then its K and V blocks into the ring."""
         ring = 0
         i_t = 0
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            off_b, off_h, start_m, n_loaded = _walk(tile, tiles_m, heads_q, len_q, len_k, CAUSAL, BLOCK_M, BLOCK_N,
-                                                    WARPGROUPS)
-            buf = i_t % 2
-            mbarrier.wait(q_empty.index(buf), ((i_t // 2) & 1) ^ 1, pred=i_t >= 2)
-            for w in gl.static_range(WARPGROUPS):
-                mbarrier.expect(q_ready.index(buf * WARPGROUPS + w), q_desc.block_type.nbytes)
-                _tma_load(q_desc, [off_b, off_h, start_m + w * BLOCK_M, 0], q_ready.index(buf * WARPGROUPS + w),
-                          q_smem.index(buf * WARPGROUPS + w))
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, off_b, off_h // group, ring,
-                     n_loaded, BLOCK_N)
-            ring += n_loaded
-            i_t += 1
+        for it in range(_rounds(tiles_m, n_tiles, CAUSAL)):
+            valid, off_b, off_h, start_m, n_loaded = _walk(it, tiles_m, n_tiles, heads_q, len_q, len_k, CAUSAL,
+                                                           BLOCK_M, BLOCK_N, WARPGROUPS)
+            if valid:
+                buf = i_t % 2
+                mbarrier.wait(q_empty.index(buf), ((i_t // 2) & 1) ^ 1, pred=i_t >= 2)
+                for w in gl.static_range(WARPGROUPS):
+                    mbarrier.expect(q_ready.index(buf * WARPGROUPS + w), q_desc.block_type.nbytes)
+                    _tma_load(q_desc, [off_b, off_h, start_m + w * BLOCK_M, 0], q_ready.index(buf * WARPGROUPS + w),
+                              q_smem.index(buf * WARPGROUPS + w))
+                _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, off_b, off_h // group,
+                         ring, n_loaded, BLOCK_N)
+                ring += n_loaded
+                i_t += 1
 
     @gluon.jit
     def _blocks(start_m, len_q, len_k, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -539,13 +566,34 @@ if AVAILABLE:
         vars(desc).update(fields, base=t, shape=shape, strides=strides)
         return desc
 
-PERSISTENT_CAUSAL = False
+PERSISTENT_CAUSAL_MAX_KEYS = 8192
 
 
-def persistent(causal: bool) -> bool:
+def persistent(causal: bool, len_k: int) -> bool:
     """Whether :func:`forward` runs the persistent kernel (one program per SM walking the tiles) rather than one
-    program per tile: not causal (tiles of equal work), or causal with :data:`PERSISTENT_CAUSAL`."""
-    return not causal or PERSISTENT_CAUSAL
+    program per tile: not causal, and causal up to :data:`PERSISTENT_CAUSAL_MAX_KEYS` keys. On an H200 the
+    persistent kernel ran causal attention 1.03-1.14x as fast at N = 1024 and 4096, 0.975-0.99x at 16384, where a
+    tile's fixed cost counts least and the hardware's scheduling of one program per tile balances their
+    unequal work better than the walk's fixed pairs (8192: not measured)."""
+    return not causal or len_k <= PERSISTENT_CAUSAL_MAX_KEYS
+
+
+def walk(it: int, program: int, programs: int, tiles_m: int, n_tiles: int, causal: bool):
+    """:func:`_walk` in Python: the (batch x head, Q tile) of a persistent program's round ``it``, or None."""
+    if causal:
+        u, k = (it // 2) * programs + program, ((it // 2) * programs + program) % ((tiles_m + 1) // 2)
+        if u // ((tiles_m + 1) // 2) >= n_tiles // tiles_m or (it % 2 == 1 and k == tiles_m - 1 - k):
+            return None
+        return u // ((tiles_m + 1) // 2), (k if it % 2 else tiles_m - 1 - k)
+    i = it * programs + program
+    return (i // tiles_m, i % tiles_m) if i < n_tiles else None
+
+
+def rounds(programs: int, tiles_m: int, n_tiles: int, causal: bool) -> int:
+    """:func:`_rounds` in Python."""
+    if causal:
+        return 2 * -(-(n_tiles // tiles_m * ((tiles_m + 1) // 2)) // programs)
+    return -(-n_tiles // programs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -586,9 +634,10 @@ def forward(q, k, v, out, lse, *, causal: bool, scale: float, timeline: torch.Te
             lse, lse.stride(0), lse.stride(1), lse.stride(2), scale * LOG2E, hq, hq // k.shape[1], len_q, k.shape[2])
     meta = dict(CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, WARPGROUPS=groups, CONSUMER_REGS=CONSUMER_REGS,
                 num_warps=4)
-    if timeline is None and persistent(causal):
+    if timeline is None and persistent(causal, k.shape[2]):
         n_tiles = grid[0] * grid[1]
-        replay.launch(_attn_fwd_persistent, (min(n_tiles, _sm_count(q.device)), ), *args, grid[0], n_tiles, **meta)
+        n_prog = min(n_tiles, _sm_count(q.device))
+        replay.launch(_attn_fwd_persistent, (n_prog, ), *args, grid[0], n_tiles, **meta)
     else:
         replay.launch(_attn_fwd_ws, grid, *args, timeline, TIMELINE=timeline is not None, **meta)
     if target is not out:

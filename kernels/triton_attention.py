@@ -35,8 +35,9 @@ that sees no key keeps ``(m, l) = (-inf, 0)`` (``exp(-inf - 0) = 0`` guards the 
 
 On Hopper (compute capability 9.0) the FA2 forward of a plain float16/bfloat16 call at head dim 64 or
 128 runs :mod:`kernels.gluon_forward` instead, the same algorithm and numerics written in Gluon, with
-its products overlapped with the softmax (which Triton's compiler does not do) and, where not causal, one
-program per SM walking the tiles (:func:`kernels.gluon_forward.persistent`), and the backward's dK/dV
+its products overlapped with the softmax (which Triton's compiler does not do) and, but for causal
+attention over more than 8192 keys, one program per SM walking the tiles
+(:func:`kernels.gluon_forward.persistent`), and the backward's dK/dV
 kernel runs :mod:`kernels.gluon_backward`, which at head dim 128 also adds dQ (in a fixed order where the
 backward is deterministic, so that no dQ kernel runs: :func:`kernels.gluon_backward.ordered_dq`);
 ``gluon=False`` or ``FLASHVERIFY_GLUON=0`` keeps the Triton kernels (:func:`fa2_forward`).

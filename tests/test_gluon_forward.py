@@ -267,8 +267,7 @@ PERSISTENT_SHAPES = [(4, 16, 16, 1000, 1000, 128), (8, 8, 2, 777, 1500, 128), (3
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=lambda s: "-".join(map(str, s)))
 def test_persistent_kernel_equals_the_per_tile_one(shape, causal, monkeypatch):
-    """Both kernels run the same steps on each tile: outputs and LSE bitwise equal, whichever walks the tiles
-    (causal too, which forward() runs per tile: gf.PERSISTENT_CAUSAL)."""
+    """Both kernels run the same steps on each tile: outputs and LSE bitwise equal, whichever walks the tiles."""
     b, hq, hkv, nq, nk, d = shape
     assert -(-nq // (gf.warpgroups(d, causal, nk) * gf.BLOCK_M)) * b * hq > 2 * gf._sm_count(torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(nq + nk)
@@ -276,7 +275,7 @@ def test_persistent_kernel_equals_the_per_tile_one(shape, causal, monkeypatch):
     k, v = (torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.bfloat16, generator=g) * 2 for _ in range(2))
     results = []
     for walk in (False, True):
-        monkeypatch.setattr(gf, "persistent", lambda causal, walk=walk: walk)
+        monkeypatch.setattr(gf, "persistent", lambda causal, len_k, walk=walk: walk)
         out, lse = torch.full_like(q, float("nan")), torch.full((b, hq, nq), float("nan"), device="cuda")
         gf.forward(q, k, v, out, lse, causal=causal, scale=d ** -0.5)
         results.append((out, lse))
@@ -285,10 +284,10 @@ def test_persistent_kernel_equals_the_per_tile_one(shape, causal, monkeypatch):
     assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
 
 
-def test_persistent_only_where_the_tiles_are_equal(monkeypatch):
-    assert gf.persistent(False) and not gf.persistent(True)
-    monkeypatch.setattr(gf, "PERSISTENT_CAUSAL", True)
-    assert gf.persistent(True)
+def test_persistent_where_not_causal_and_causal_over_short_rows():
+    limit = gf.PERSISTENT_CAUSAL_MAX_KEYS
+    assert all(gf.persistent(False, n) for n in (1, 1024, limit, limit + 1, 16384))
+    assert gf.persistent(True, 1) and gf.persistent(True, limit) and not gf.persistent(True, limit + 1)
 
 
 def test_gluon_keyword_is_checked():
@@ -382,3 +381,25 @@ def test_timeline_stamps_each_program_in_order_and_changes_no_output(d, causal):
             assert seen == sorted(seen) and ev[0] >= row[2] and ev[7] > 0, (i, w, ev)
             if (pid_m * groups + w) * gf.BLOCK_M < 777:  # rows to compute: every event (Nq == Nk, a key each)
                 assert all(ev), (i, w, ev)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("tiles_m,heads,programs", [(8, 256, 132), (32, 64, 132), (128, 16, 132), (3, 7, 5),
+                                                    (5, 1, 8), (1, 300, 132), (11, 33, 114), (16, 10, 132)])
+def test_persistent_walk_takes_every_tile_once(tiles_m, heads, programs, causal):
+    """gf.walk (the kernel's _walk in Python): over the rounds of the kernel's loop, every (head, Q tile) once;
+    causal (tiles of 1 .. tiles_m units of work), no program more than a longest tile over the mean."""
+    n_tiles = tiles_m * heads
+    programs = min(programs, n_tiles)
+    seen, work = [], [0] * programs
+    for p in range(programs):
+        for it in range(gf.rounds(programs, tiles_m, n_tiles, causal)):
+            tile = gf.walk(it, p, programs, tiles_m, n_tiles, causal)
+            if tile is not None:
+                bh, m = tile
+                assert 0 <= bh < heads and 0 <= m < tiles_m
+                seen.append((bh, m))
+                work[p] += m + 1
+    assert sorted(seen) == [(bh, m) for bh in range(heads) for m in range(tiles_m)]
+    if causal:
+        assert max(work) - sum(work) / programs <= tiles_m, (max(work), sum(work) / programs)
