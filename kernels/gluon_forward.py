@@ -572,7 +572,7 @@ PERSISTENT_CAUSAL_MAX_KEYS = 8192
 def persistent(causal: bool, len_k: int) -> bool:
     """Whether :func:`forward` runs the persistent kernel (one program per SM walking the tiles) rather than one
     program per tile: not causal, and causal up to :data:`PERSISTENT_CAUSAL_MAX_KEYS` keys. On an H200 the
-    persistent kernel ran causal attention 1.03-1.14x as fast at N = 1024 and 4096, 0.975-0.99x at 16384, where a
+    persistent kernel ran causal attention 1.02-1.14x as fast at N = 1024 and 4096, 0.975-0.99x at 16384, where a
     tile's fixed cost counts least and the hardware's scheduling of one program per tile balances their
     unequal work better than the walk's fixed pairs (8192: not measured)."""
     return not causal or len_k <= PERSISTENT_CAUSAL_MAX_KEYS
@@ -581,10 +581,13 @@ def persistent(causal: bool, len_k: int) -> bool:
 def walk(it: int, program: int, programs: int, tiles_m: int, n_tiles: int, causal: bool):
     """:func:`_walk` in Python: the (batch x head, Q tile) of a persistent program's round ``it``, or None."""
     if causal:
-        u, k = (it // 2) * programs + program, ((it // 2) * programs + program) % ((tiles_m + 1) // 2)
-        if u // ((tiles_m + 1) // 2) >= n_tiles // tiles_m or (it % 2 == 1 and k == tiles_m - 1 - k):
+        pairs_m = (tiles_m + 1) // 2  # a head's pairs of Q tiles
+        u = (it // 2) * programs + program
+        k = u % pairs_m
+        longer = it % 2 == 0
+        if u // pairs_m >= n_tiles // tiles_m or (not longer and k == tiles_m - 1 - k):
             return None
-        return u // ((tiles_m + 1) // 2), (k if it % 2 else tiles_m - 1 - k)
+        return u // pairs_m, (tiles_m - 1 - k if longer else k)
     i = it * programs + program
     return (i // tiles_m, i % tiles_m) if i < n_tiles else None
 
