@@ -67,17 +67,25 @@ BLOCK_M = 64  # query rows per consumer warpgroup; a program covers warpgroups(.
 BLOCK_N = 128  # keys per KV block
 CONSUMER_REGS = 160  # registers per thread of a consumer warpgroup where there are three (240 with two)
 THREE_WARPGROUPS_CAUSAL_MIN_KEYS = 4096
+THREE_WARPGROUPS_MAX_PADDING = 1.05  # 192-row tiles' rows over 128-row tiles' (warpgroups()): between the
+# 1.03 where three ran 1.05x as fast and the 1.125 where two ran 1.03x
 
 
-def warpgroups(head_dim: int, causal: bool, len_k: int) -> int:
+def warpgroups(head_dim: int, causal: bool, len_q: int, len_k: int) -> int:
     """Consumer warpgroups per program. Three at head dim 64 (192 query rows share each K and V block; its
-    accumulators fit 160 registers a thread), except causal attention over fewer than 4096 keys: on the H200
-    three ran 3-8% faster than two wherever not causal (N = 1024-16384) and causal from 4096 keys on, but 2%
-    slower causal at 2048 and 14% at 1024, where a 192-row tile on the diagonal leaves more of its
-    warpgroups idle. Two at head dim 128 (three would need 64-key blocks, up to 9% slower there)."""
-    if head_dim == 64 and (not causal or len_k >= THREE_WARPGROUPS_CAUSAL_MIN_KEYS):
-        return 3
-    return 2
+    accumulators fit 160 registers a thread), except
+    - causal attention over fewer than 4096 keys: on the H200 three ran 3-8% faster than two wherever not
+      causal (N = 1024-16384) and causal from 4096 keys on, but 2% slower causal at 2048 and 14% at 1024,
+      where a 192-row tile on the diagonal leaves more of its warpgroups idle;
+    - where 192-row tiles would pad the last tile of a head by more than 128-row tiles do, beyond
+      ``THREE_WARPGROUPS_MAX_PADDING``: a warpgroup past the end idles through its tile's whole loop. In the
+      persistent kernel (H200, float16, CUDA graphs) two ran 1.03x as fast as three at Nq = 1024 (1152 rows
+      against 1024), three 1.05x as fast as two at 2048 and 4096 (2112 against 2048, 4224 against 4096).
+    Two at head dim 128 (three would need 64-key blocks, up to 9% slower there)."""
+    if head_dim != 64 or (causal and len_k < THREE_WARPGROUPS_CAUSAL_MIN_KEYS):
+        return 2
+    rows_three, rows_two = -(-len_q // (3 * BLOCK_M)) * 3 * BLOCK_M, -(-len_q // (2 * BLOCK_M)) * 2 * BLOCK_M
+    return 3 if rows_three <= rows_two * THREE_WARPGROUPS_MAX_PADDING else 2
 
 
 # A program's row of a timeline (``forward(..., timeline=...)``, docs/experiments/gluon_fwd_timeline.py): 0 its SM
@@ -607,7 +615,7 @@ def _sm_count(device: torch.device) -> int:
 def programs(q, k, causal: bool) -> tuple:
     """The launch grid of :func:`forward` for these ``q`` and ``k`` (Q tiles, batch x heads)."""
     b, hq, len_q, d = q.shape
-    return -(-len_q // (warpgroups(d, causal, k.shape[2]) * BLOCK_M)), b * hq
+    return -(-len_q // (warpgroups(d, causal, len_q, k.shape[2]) * BLOCK_M)), b * hq
 
 
 def forward(q, k, v, out, lse, *, causal: bool, scale: float, timeline: torch.Tensor | None = None) -> None:
@@ -632,7 +640,7 @@ def forward(q, k, v, out, lse, *, causal: bool, scale: float, timeline: torch.Te
         return
     q, k, v = (t if readable(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t) for t in (q, k, v))
     target = out if readable(out) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
-    groups = warpgroups(d, causal, k.shape[2])
+    groups = warpgroups(d, causal, q.shape[2], k.shape[2])
     args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(target, BLOCK_M),
             lse, lse.stride(0), lse.stride(1), lse.stride(2), scale * LOG2E, hq, hq // k.shape[1], len_q, k.shape[2])
     meta = dict(CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, WARPGROUPS=groups, CONSUMER_REGS=CONSUMER_REGS,

@@ -190,9 +190,21 @@ def test_the_persistent_kernel_compiles_without_serialized_products(compiled, d,
 
 
 def test_warpgroup_configs_are_the_chosen_ones():
-    chosen = {(d, gf.warpgroups(d, causal, n)) for d in gf.HEAD_DIMS for causal in (False, True)
+    chosen = {(d, gf.warpgroups(d, causal, n, n)) for d in gf.HEAD_DIMS for causal in (False, True)
               for n in (1, 1024, 4095, 4096, 16384)}
     assert chosen == set(WARPGROUP_CONFIGS)
+
+
+@pytest.mark.parametrize("len_q,causal,len_k,groups", [(16384, False, 16384, 3), (4096, False, 4096, 3),
+                                                       (2048, False, 2048, 3), (1024, False, 1024, 2),
+                                                       (1024, False, 16384, 2), (2048, False, 1, 3),
+                                                       (1, False, 4096, 2), (2048, True, 2048, 2),
+                                                       (2048, True, 4096, 3), (1024, True, 4096, 2)])
+def test_three_warpgroups_at_head_dim_64_where_their_tiles_pad_little(len_q, causal, len_k, groups):
+    """192-row tiles at Nq = 1024 pad it to 1152 rows (1.125x 128-row tiles'): two warpgroups; at 2048 and
+    4096 (1.03x) three; causal over fewer than 4096 keys, two; head dim 128, always two."""
+    assert gf.warpgroups(64, causal, len_q, len_k) == groups
+    assert gf.warpgroups(128, causal, len_q, len_k) == 2
 
 
 def _on_hopper() -> bool:
@@ -216,13 +228,14 @@ def _reference(q, k, v, causal, scale):
 
 # (B, Hq, Hkv, Nq, Nk, D, causal, layout): tails of every size class, Nq != Nk both ways (Nq > Nk, causal:
 # the first rows see no key), GQA, [B, N, H, D] storage; at head dim 64 programs of three warpgroups (not causal,
-# or causal over 4096 keys or more), the last with its third or its last two warpgroups past the end.
+# or causal over 4096 keys or more, where 192-row tiles pad little: warpgroups()), the last with its third or its
+# last two warpgroups past the end (Nq = 700, 333, 4500; 4033).
 SHAPES = [
     (2, 4, 4, 1, 1, 64, False, "bhnd"), (1, 2, 2, 63, 65, 128, True, "bhnd"), (2, 3, 3, 129, 127, 64, True, "bhnd"),
     (1, 4, 2, 200, 333, 128, False, "bhnd"), (1, 4, 1, 300, 100, 128, True, "bhnd"), (2, 2, 2, 256, 256, 64, True, "bnhd"),
     (1, 8, 2, 1000, 1000, 128, True, "bnhd"), (1, 2, 2, 100, 1024, 64, True, "bhnd"), (1, 2, 2, 517, 517, 128, False, "bnhd"),
     (2, 4, 2, 700, 300, 64, False, "bhnd"), (1, 2, 2, 333, 4100, 64, True, "bnhd"),
-    (1, 4, 2, 4500, 4500, 64, True, "bhnd"),
+    (1, 4, 2, 4500, 4500, 64, True, "bhnd"), (1, 2, 2, 4033, 200, 64, False, "bhnd"),
 ]
 
 
@@ -269,7 +282,7 @@ PERSISTENT_SHAPES = [(4, 16, 16, 1000, 1000, 128), (8, 8, 2, 777, 1500, 128), (3
 def test_persistent_kernel_equals_the_per_tile_one(shape, causal, monkeypatch):
     """Both kernels run the same steps on each tile: outputs and LSE bitwise equal, whichever walks the tiles."""
     b, hq, hkv, nq, nk, d = shape
-    assert -(-nq // (gf.warpgroups(d, causal, nk) * gf.BLOCK_M)) * b * hq > 2 * gf._sm_count(torch.device("cuda"))
+    assert -(-nq // (gf.warpgroups(d, causal, nq, nk) * gf.BLOCK_M)) * b * hq > 2 * gf._sm_count(torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(nq + nk)
     q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.bfloat16, generator=g) * 2 for _ in range(2))
@@ -346,7 +359,7 @@ def test_routing_on_hopper(monkeypatch):
 def test_timeline_argument_is_checked():
     q = torch.zeros(1, 2, 200, 64, dtype=torch.float16)
     grid = gf.programs(q, q, False)
-    assert grid == (-(-200 // (gf.warpgroups(64, False, 200) * gf.BLOCK_M)), 2)
+    assert grid == (-(-200 // (gf.warpgroups(64, False, 200, 200) * gf.BLOCK_M)), 2)
     out, lse = torch.empty_like(q), torch.empty(1, 2, 200)
     for bad, named in ((torch.zeros(grid[0] * grid[1], gf.TIMELINE_SLOTS, dtype=torch.int32), "torch.int32"),
                        (torch.zeros(grid[0] * grid[1] + 1, gf.TIMELINE_SLOTS, dtype=torch.int64), "int64 tensor")):
@@ -359,27 +372,28 @@ def test_timeline_argument_is_checked():
 def test_timeline_stamps_each_program_in_order_and_changes_no_output(d, causal):
     """forward(..., timeline=...) gives the same outputs, and every program's row is filled: its SM, its start,
     and each consumer warpgroup's events in order (rows past the end stamp start, Q and stored only)."""
+    n = 2000  # 10 tiles and a tail of 80 rows at head dim 64 (three warpgroups where not causal), 15 and 80 at 128
     g = torch.Generator(device="cuda").manual_seed(3)
-    q, k, v = (torch.randn(2, 3, 777, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(2, 3, n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
     outs = []
     for timeline in (None, torch.zeros(math.prod(gf.programs(q, k, causal)), gf.TIMELINE_SLOTS, dtype=torch.int64,
                                        device="cuda")):
-        out, lse = torch.empty_like(q), torch.empty(2, 3, 777, device="cuda")
+        out, lse = torch.empty_like(q), torch.empty(2, 3, n, device="cuda")
         gf.forward(q, k, v, out, lse, causal=causal, scale=d ** -0.5, timeline=timeline)
         outs.append((out, lse))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     rows = timeline.cpu().tolist()
-    groups = gf.warpgroups(d, causal, 777)
+    groups = gf.warpgroups(d, causal, n, n)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for i, row in enumerate(rows):
         assert 0 <= row[0] < sms and row[1] > 0 and row[2] > 0 and row[3] >= row[2], (i, row)
         for w in range(groups):
             ev = row[4 + 8 * w: 12 + 8 * w]
-            tiles = -(-777 // (groups * gf.BLOCK_M))
+            tiles = -(-n // (groups * gf.BLOCK_M))
             pid_m = tiles - 1 - i % tiles if causal else i % tiles  # causal: the longest rows first
             seen = [e for e in ev if e]
             assert seen == sorted(seen) and ev[0] >= row[2] and ev[7] > 0, (i, w, ev)
-            if (pid_m * groups + w) * gf.BLOCK_M < 777:  # rows to compute: every event (Nq == Nk, a key each)
+            if (pid_m * groups + w) * gf.BLOCK_M < n:  # rows to compute: every event (Nq == Nk, a key each)
                 assert all(ev), (i, w, ev)
 
 

@@ -110,7 +110,7 @@ for d in DIMS:
             out = torch.empty_like(qq)
             lse = torch.empty(b, h, n, device=dev, dtype=torch.float32)
             grid = gf.programs(qq, k, causal)
-            groups = gf.warpgroups(d, causal, n)
+            groups = gf.warpgroups(d, causal, n, n)
             timeline = torch.zeros(grid[0] * grid[1], gf.TIMELINE_SLOTS, dtype=torch.int64, device=dev)
             scale = 1 / math.sqrt(d)
             plain = lambda: gf.forward(qq, k, v, out, lse, causal=causal, scale=scale)
