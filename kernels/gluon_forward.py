@@ -180,6 +180,17 @@ if AVAILABLE:
                                                               is_pure=False, pack=1))
 
     @gluon.jit
+    def _timeline_row(Timeline, row):
+        """Row ``row`` of a timeline, its first slots stamped: the SM, the global timer and the cycle counter."""
+        stamps = Timeline + row * _TIMELINE_SLOTS
+        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
+        gl.store(stamps, sm.to(gl.int64))
+        gl.store(stamps + 1, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                                       is_pure=False, pack=1))
+        _stamp(stamps, 2, True)
+        return stamps
+
+    @gluon.jit
     def _attend(q_smem, q_bar, q_phase, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring, o_desc, Lse,
                 stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k, causal_offset, n_blocks,
                 n_full, n_loaded, stamps, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -337,12 +348,20 @@ if AVAILABLE:
         return valid, pid_bh // heads_q, pid_bh % heads_q, start_m, n_loaded
 
     @gluon.jit
+    def _row(off_b, off_h, start_m, heads_q, tiles_m, BLOCK_M: gl.constexpr, WARPGROUPS: gl.constexpr):
+        """A tile's row of a timeline in the persistent kernel: ``(b * Hq + h) * tiles_m + pid_m``, a head's Q
+        tiles in order (the per-tile kernel's rows are its programs', causal ones the longest rows first)."""
+        return (off_b * heads_q + off_h) * tiles_m + start_m // (WARPGROUPS * BLOCK_M)
+
+    @gluon.jit
     def _consumer_persistent(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc,
                              Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m, n_tiles,
-                             W: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                             BLOCK_N: gl.constexpr, D: gl.constexpr, WARPGROUPS: gl.constexpr):
+                             Timeline, W: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                             BLOCK_N: gl.constexpr, D: gl.constexpr, WARPGROUPS: gl.constexpr,
+                             TIMELINE: gl.constexpr):
         """Consumer warpgroup ``W`` of a persistent program: its rows of each of the program's tiles, Q from
-        the buffer of the tile's parity, which it releases once its output is stored."""
+        the buffer of the tile's parity, which it releases once its output is stored. ``TIMELINE``: its events
+        stamped in the tile's row (:func:`_row`)."""
         ring = 0
         i_t = 0
         for it in range(_rounds(tiles_m, n_tiles, CAUSAL)):
@@ -352,20 +371,27 @@ if AVAILABLE:
                 n_blocks, n_full = _blocks(start_m + W * BLOCK_M, len_q, len_k, len_k - len_q, CAUSAL, BLOCK_M,
                                            BLOCK_N)
                 buf = i_t % 2
+                if TIMELINE:
+                    stamps = Timeline + _row(off_b, off_h, start_m, heads_q, tiles_m, BLOCK_M, WARPGROUPS) \
+                        * _TIMELINE_SLOTS + 4 + 8 * W
+                else:
+                    stamps = Lse  # not written
                 _attend(q_smem.index(buf * WARPGROUPS + W), q_ready.index(buf * WARPGROUPS + W), (i_t // 2) & 1,
                         k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring, o_desc, Lse, stride_lb, stride_lh,
                         stride_ln, c, off_b, off_h, start_m + W * BLOCK_M, len_q, len_k, len_k - len_q, n_blocks,
-                        n_full, n_loaded, Lse, CAUSAL, BLOCK_M, BLOCK_N, D, False)
+                        n_full, n_loaded, stamps, CAUSAL, BLOCK_M, BLOCK_N, D, TIMELINE)
                 mbarrier.arrive(q_empty.index(buf), count=1)
                 ring += n_loaded
                 i_t += 1
 
     @gluon.jit
     def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, heads_q, group, len_q, len_k, tiles_m, n_tiles, CAUSAL: gl.constexpr,
-                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr):
+                             k_empty, v_empty, heads_q, group, len_q, len_k, tiles_m, n_tiles, Timeline,
+                             CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                             WARPGROUPS: gl.constexpr, TIMELINE: gl.constexpr):
         """The producer warp of a persistent program: per tile, its Q tiles into the buffer of the tile's
-        parity once free (two tiles back), then its K and V blocks into the ring."""
+        parity once free (two tiles back), then its K and V blocks into the ring. ``TIMELINE``: the tile's row
+        gets the SM and the times it takes the tile up (slots 0-2) and issues its Q (slot 3)."""
         ring = 0
         i_t = 0
         for it in range(_rounds(tiles_m, n_tiles, CAUSAL)):
@@ -373,7 +399,12 @@ if AVAILABLE:
                                                            BLOCK_M, BLOCK_N, WARPGROUPS)
             if valid:
                 buf = i_t % 2
+                if TIMELINE:
+                    stamps = _timeline_row(Timeline, _row(off_b, off_h, start_m, heads_q, tiles_m, BLOCK_M,
+                                                          WARPGROUPS))
                 mbarrier.wait(q_empty.index(buf), ((i_t // 2) & 1) ^ 1, pred=i_t >= 2)
+                if TIMELINE:
+                    _stamp(stamps, 3, TIMELINE)
                 for w in gl.static_range(WARPGROUPS):
                     mbarrier.expect(q_ready.index(buf * WARPGROUPS + w), q_desc.block_type.nbytes)
                     _tma_load(q_desc, [off_b, off_h, start_m + w * BLOCK_M, 0], q_ready.index(buf * WARPGROUPS + w),
@@ -405,12 +436,7 @@ if AVAILABLE:
                      D: gl.constexpr, WARPGROUPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, TIMELINE: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         if TIMELINE:  # this program's row of the timeline: SM, start (global timer, cycles), then the partitions'
-            stamps = Timeline + (gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)) * _TIMELINE_SLOTS
-            sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
-            gl.store(stamps, sm.to(gl.int64))
-            gl.store(stamps + 1, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
-                                                           is_pure=False, pack=1))
-            _stamp(stamps, 2, TIMELINE)
+            stamps = _timeline_row(Timeline, gl.program_id(1) * gl.num_programs(0) + gl.program_id(0))
         else:
             stamps = Lse  # not written
         if CAUSAL:  # the longest rows first
@@ -482,9 +508,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _attn_fwd_persistent(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q,
-                             group, len_q, len_k, tiles_m, n_tiles, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                             BLOCK_N: gl.constexpr, D: gl.constexpr, WARPGROUPS: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr):
+                             group, len_q, len_k, tiles_m, n_tiles, Timeline, CAUSAL: gl.constexpr,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, WARPGROUPS: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr, TIMELINE: gl.constexpr):
         """One program per SM over the tiles ``program_id, program_id + programs, ...`` of the walk
         (:func:`_walk`); Q in two buffers, so that the next tile's is loaded while this one runs, and the K/V
         ring runs on from tile to tile."""
@@ -513,28 +539,28 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                         o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m,
-                                        n_tiles, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)),
+                                        n_tiles, Timeline, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS, TIMELINE)),
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                         o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m,
-                                        n_tiles, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)),
+                                        n_tiles, Timeline, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS, TIMELINE)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                         v_ready, k_empty, v_empty, heads_q, group, len_q, len_k, tiles_m, n_tiles,
-                                        CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS)),
+                                        Timeline, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS, TIMELINE)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                         o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m,
-                                        n_tiles, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)),
+                                        n_tiles, Timeline, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS, TIMELINE)),
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                         o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m,
-                                        n_tiles, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)),
+                                        n_tiles, Timeline, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS, TIMELINE)),
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                         o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m,
-                                        n_tiles, 2, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)),
+                                        n_tiles, Timeline, 2, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS, TIMELINE)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                         v_ready, k_empty, v_empty, heads_q, group, len_q, len_k, tiles_m, n_tiles,
-                                        CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS)),
+                                        Timeline, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS, TIMELINE)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
     _GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
@@ -622,9 +648,11 @@ def forward(q, k, v, out, lse, *, causal: bool, scale: float, timeline: torch.Te
     """Write the FA2 forward of ``[B, H, N, D]`` float16/bfloat16 tensors into ``out`` and ``lse`` (``[B, Hq,
     Nq]`` float32, any strides); ``Hq`` a multiple of ``Hkv`` (GQA). A tensor no descriptor reads
     (:func:`readable`) goes through a contiguous copy; no key at all gives ``out = 0``, ``lse = -inf``.
-    ``timeline``: an int64 tensor of ``[P, TIMELINE_SLOTS]`` on q's device, P the programs of
-    :func:`programs` (program ``(i, j)`` on row ``j * grid[0] + i``), that the kernel stamps as it runs
-    (:data:`TIMELINE_SLOTS`); a kernel compiled apart, for profiling."""
+    ``timeline``: an int64 tensor of ``[P, TIMELINE_SLOTS]`` on q's device, P the tiles of :func:`programs`,
+    that the kernel stamps as it runs (:data:`TIMELINE_SLOTS`; a kernel compiled apart, for profiling): the
+    per-tile kernel (:func:`persistent` false) on its program ``(i, j)``'s row ``j * grid[0] + i`` (causal, the
+    program ``i`` runs Q tile ``grid[0] - 1 - i``), the persistent one on tile ``(m, j)``'s row ``j * grid[0] +
+    m``, slots 0-3 then stamped by the producer as it takes the tile up."""
     b, hq, len_q, d = q.shape
     grid = programs(q, k, causal)
     if timeline is not None and (timeline.dtype != torch.int64 or timeline.device != q.device
@@ -645,10 +673,11 @@ def forward(q, k, v, out, lse, *, causal: bool, scale: float, timeline: torch.Te
             lse, lse.stride(0), lse.stride(1), lse.stride(2), scale * LOG2E, hq, hq // k.shape[1], len_q, k.shape[2])
     meta = dict(CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, WARPGROUPS=groups, CONSUMER_REGS=CONSUMER_REGS,
                 num_warps=4)
-    if timeline is None and persistent(causal, k.shape[2]):
+    if persistent(causal, k.shape[2]):
         n_tiles = grid[0] * grid[1]
         n_prog = min(n_tiles, _sm_count(q.device))
-        replay.launch(_attn_fwd_persistent, (n_prog, ), *args, grid[0], n_tiles, **meta)
+        replay.launch(_attn_fwd_persistent, (n_prog, ), *args, grid[0], n_tiles, timeline,
+                      TIMELINE=timeline is not None, **meta)
     else:
         replay.launch(_attn_fwd_ws, grid, *args, timeline, TIMELINE=timeline is not None, **meta)
     if target is not out:

@@ -144,19 +144,26 @@ for d, groups in WARPGROUP_CONFIGS:
 # the timeline's stamps (forward(..., timeline=...)) in the kernels of the bench's rows
 for d, groups in WARPGROUP_CONFIGS:
     build_forward(f"d{d}-wg{groups}-fp16-timeline", d, groups, "fp16", gl.float16, False, True)
-# the persistent kernel (forward() runs it where not causal)
+# the persistent kernel (forward() runs it where not causal, and causal over up to 8192 keys), with its timeline
+def build_persistent(key, d, groups, dt, gdt, causal, timeline):
+    signature = {"q_desc": desc(dt, gdt, gf.BLOCK_M, d), "k_desc": desc(dt, gdt, gf.BLOCK_N, d),
+                 "v_desc": desc(dt, gdt, gf.BLOCK_N, d), "o_desc": desc(dt, gdt, gf.BLOCK_M, d),
+                 "Lse": "*fp32", **{name: "i32" for name in ("stride_lb", "stride_lh", "stride_ln")},
+                 "c": "fp32", **{name: "i32" for name in ("heads_q", "group", "len_q", "len_k", "tiles_m",
+                                                          "n_tiles")},
+                 "Timeline": "*i64" if timeline else "constexpr",
+                 **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "WARPGROUPS",
+                                                   "CONSUMER_REGS", "TIMELINE")}}
+    constexprs = {"CAUSAL": causal, "BLOCK_M": gf.BLOCK_M, "BLOCK_N": gf.BLOCK_N, "D": d, "WARPGROUPS": groups,
+                  "CONSUMER_REGS": gf.CONSUMER_REGS, "TIMELINE": timeline}
+    build(key, gf._attn_fwd_persistent, signature, constexprs if timeline else {**constexprs, "Timeline": None})
+
+
 for d, groups in WARPGROUP_CONFIGS:
     for dt, gdt in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
-        signature = {"q_desc": desc(dt, gdt, gf.BLOCK_M, d), "k_desc": desc(dt, gdt, gf.BLOCK_N, d),
-                     "v_desc": desc(dt, gdt, gf.BLOCK_N, d), "o_desc": desc(dt, gdt, gf.BLOCK_M, d),
-                     "Lse": "*fp32", **{name: "i32" for name in ("stride_lb", "stride_lh", "stride_ln")},
-                     "c": "fp32", **{name: "i32" for name in ("heads_q", "group", "len_q", "len_k", "tiles_m",
-                                                              "n_tiles")},
-                     **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "WARPGROUPS",
-                                                       "CONSUMER_REGS")}}
-        build(f"d{d}-wg{groups}-{dt}-persistent", gf._attn_fwd_persistent, signature,
-              {"CAUSAL": False, "BLOCK_M": gf.BLOCK_M, "BLOCK_N": gf.BLOCK_N, "D": d, "WARPGROUPS": groups,
-               "CONSUMER_REGS": gf.CONSUMER_REGS})
+        build_persistent(f"d{d}-wg{groups}-{dt}-persistent", d, groups, dt, gdt, False, False)
+    build_persistent(f"d{d}-wg{groups}-fp16-persistent-causal", d, groups, "fp16", gl.float16, True, False)
+    build_persistent(f"d{d}-wg{groups}-fp16-persistent-timeline", d, groups, "fp16", gl.float16, False, True)
 """
 
 
@@ -187,6 +194,14 @@ def test_the_timeline_compiles_without_serialized_products(compiled, d, groups):
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 def test_the_persistent_kernel_compiles_without_serialized_products(compiled, d, groups, dt):
     gluon_compile.assert_not_serialized(compiled[f"d{d}-wg{groups}-{dt}-persistent"])
+
+
+@needs_gluon
+@pytest.mark.parametrize("d,groups", WARPGROUP_CONFIGS)
+@pytest.mark.parametrize("variant", ["causal", "timeline"])
+def test_the_persistent_kernel_causal_and_stamped_compiles_without_serialized_products(compiled, d, groups,
+                                                                                        variant):
+    gluon_compile.assert_not_serialized(compiled[f"d{d}-wg{groups}-fp16-persistent-{variant}"])
 
 
 def test_warpgroup_configs_are_the_chosen_ones():
@@ -368,31 +383,38 @@ def test_timeline_argument_is_checked():
 
 
 @pytest.mark.skipif(not _on_hopper(), reason="the Gluon forward runs on a GPU of compute capability 9.0 only")
+@pytest.mark.parametrize("walk", ["per-tile", "persistent"])
 @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (128, True)])
-def test_timeline_stamps_each_program_in_order_and_changes_no_output(d, causal):
-    """forward(..., timeline=...) gives the same outputs, and every program's row is filled: its SM, its start,
-    and each consumer warpgroup's events in order (rows past the end stamp start, Q and stored only)."""
-    n = 2000  # 10 tiles and a tail of 80 rows at head dim 64 (three warpgroups where not causal), 15 and 80 at 128
-    g = torch.Generator(device="cuda").manual_seed(3)
-    q, k, v = (torch.randn(2, 3, n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+def test_timeline_stamps_each_tile_in_order_and_changes_no_output(d, causal, walk, monkeypatch):
+    """forward(..., timeline=...) gives the same outputs, and every tile's row is filled: its SM, its start,
+    and each consumer warpgroup's events in order (rows past the end stamp start, Q and stored only), in the
+    per-tile kernel (a row a program) and in the persistent one (a row a tile, several tiles a program)."""
+    monkeypatch.setattr(gf, "persistent", lambda causal, len_k: walk == "persistent")
+    b, h, n = 4, 16, 2000  # 10 tiles and a tail of 80 rows at head dim 64 (three warpgroups where not causal), 15
+    g = torch.Generator(device="cuda").manual_seed(3)  # and 80 at 128; 704-1024 tiles, 132 SMs or fewer
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
     outs = []
     for timeline in (None, torch.zeros(math.prod(gf.programs(q, k, causal)), gf.TIMELINE_SLOTS, dtype=torch.int64,
                                        device="cuda")):
-        out, lse = torch.empty_like(q), torch.empty(2, 3, n, device="cuda")
+        out, lse = torch.empty_like(q), torch.empty(b, h, n, device="cuda")
         gf.forward(q, k, v, out, lse, causal=causal, scale=d ** -0.5, timeline=timeline)
         outs.append((out, lse))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     rows = timeline.cpu().tolist()
     groups = gf.warpgroups(d, causal, n, n)
+    tiles = -(-n // (groups * gf.BLOCK_M))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for i, row in enumerate(rows):
         assert 0 <= row[0] < sms and row[1] > 0 and row[2] > 0 and row[3] >= row[2], (i, row)
+        # per-tile, causal: program i runs the tile of the longest rows first
+        pid_m = tiles - 1 - i % tiles if causal and walk == "per-tile" else i % tiles
         for w in range(groups):
             ev = row[4 + 8 * w: 12 + 8 * w]
-            tiles = -(-n // (groups * gf.BLOCK_M))
-            pid_m = tiles - 1 - i % tiles if causal else i % tiles  # causal: the longest rows first
             seen = [e for e in ev if e]
-            assert seen == sorted(seen) and ev[0] >= row[2] and ev[7] > 0, (i, w, ev)
+            # the Q tile arrives after the producer stamped slot 3 and issued its load (one SM's counter)
+            assert seen == sorted(seen) and ev[1] >= row[3] and ev[7] > 0, (i, w, ev)
+            if walk == "per-tile":
+                assert ev[0] >= row[2], (i, w, ev)
             if (pid_m * groups + w) * gf.BLOCK_M < n:  # rows to compute: every event (Nq == Nk, a key each)
                 assert all(ev), (i, w, ev)
 

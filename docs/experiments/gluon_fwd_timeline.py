@@ -16,6 +16,10 @@ kernel's and cuDNN's (SDPA) is printed (``do_bench``), so that the stamps' own c
 
     PYTHONPATH=. OUT=. python docs/experiments/gluon_fwd_timeline.py
 
+``EXP_WALK``: "per-tile" (default: the kernel as the sixth session measured it) or "persistent" (the
+persistent kernel where ``gluon_forward.persistent`` takes the row: a row a tile, its slots 0-3 stamped by the
+producer as it takes the tile up, before the previous tile's output is stored, so ``span`` and ``gap`` then
+read from the producer's start, the gap negative; the warpgroups' events keep their meaning).
 ``EXP_DIMS`` (default "128 64"), ``EXP_LENGTHS`` ("1024 4096 16384"), ``EXP_CAUSAL`` ("0 1"). One JSON line
 per row to stdout and ``$OUT/timeline.jsonl``; ``$OUT/timeline_<d>_<n>_<causal>.pt`` the raw stamps. A
 record of an experiment, not tested code.
@@ -35,6 +39,8 @@ OUT = os.environ.get("OUT", ".")
 DIMS = [int(x) for x in os.environ.get("EXP_DIMS", "128 64").split()]
 LENGTHS = [int(x) for x in os.environ.get("EXP_LENGTHS", "1024 4096 16384").split()]
 CAUSALS = [bool(int(x)) for x in os.environ.get("EXP_CAUSAL", "0 1").split()]
+if os.environ.get("EXP_WALK", "per-tile") == "per-tile":
+    gf.persistent = lambda causal, len_k: False
 dev = "cuda"
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
 
@@ -70,7 +76,7 @@ def analyse(t, grid, groups, len_q, len_k, causal):
     spans, ends, ns = [], {}, {}
     for i, r in enumerate(t):
         pid_m, pid_bh = i % grid[0], i // grid[0]
-        if causal:
+        if causal and not gf.persistent(causal, len_k):  # the per-tile kernel: the longest rows first
             pid_m = grid[0] - 1 - pid_m
         end = 0
         n_prog = 0
