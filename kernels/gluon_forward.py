@@ -88,10 +88,11 @@ def warpgroups(head_dim: int, causal: bool, len_q: int, len_k: int) -> int:
     return 3 if rows_three <= rows_two * THREE_WARPGROUPS_MAX_PADDING else 2
 
 
-# A program's row of a timeline (``forward(..., timeline=...)``, docs/experiments/gluon_fwd_timeline.py): 0 its SM
-# (%smid), 1 its start on the global timer (ns), 2 its start on the SM's cycle counter (%clock64), 3 the producer
-# warp's start; then 8 per consumer warpgroup w from 4 + 8 w, cycles when it starts, has its Q tile, has its first K
-# block, has its first scores, has their softmax, leaves the loop, has its last P V, has stored its output.
+# A program's row of a timeline (``forward(..., timeline=...)``, docs/experiments/gluon_fwd_timeline.py; in the
+# persistent kernel a tile's): 0 its SM (%smid), 1 its start on the global timer (ns), 2 its start on the SM's cycle
+# counter (%clock64), 3 the producer warp's start (persistent: its Q loads issued); then 8 per consumer warpgroup w
+# from 4 + 8 w, cycles when it starts, has its Q tile, has its first K block, has its first scores, has their
+# softmax, leaves the loop, has its last P V, has stored its output.
 TIMELINE_SLOTS = 32
 TIMELINE_EVENTS = ("start", "q", "k0", "s0", "softmax0", "loop", "last_pv", "stored")
 
