@@ -17,9 +17,15 @@ the stages through "empty" barriers::
     for j in 0 .. n - 2:
         issue S_{j+1} = Q K_{j+1}^T          (asynchronous)
         acc *= alpha_j;  issue acc += P_j V_j  (asynchronous)
-        wait for S_{j+1};  P_{j+1} = softmax step(S_{j+1})   <- overlaps P_j V_j
+        wait for S_{j+1};  P_{j+1} = softmax step(S_{j+1})   <- could overlap P_j V_j ...
         wait for P_j V_j
     acc *= alpha_{n-1};  acc += P_{n-1} V_{n-1}
+
+... but ptxas (Triton 3.6, sm_90a) issues the wait for P_j V_j before the step's exponentials (the compiled
+loop: DEPBAR on P_j V_j right after the mask, then the exponentials, the conversion of P and the rescale), so a
+warpgroup's softmax runs while the other warpgroups' products do, not its own. Keeping that wait after the
+exponentials (an already-complete barrier wait before it, whose loop ends a basic block) ran 0.94-0.98x as fast
+at head dim 64 and 0.99-1.05x at 128 on an H200 (docs/benchmarks.md), so the loop is left to ptxas.
 
 Mostly (:func:`persistent`: not causal, and causal up to 8192 keys) one program per SM walks the tiles
 (:func:`_walk`), with Q in two buffers: the producer loads the next tile's Q while the current tile runs, and
@@ -237,10 +243,10 @@ if AVAILABLE:
                 acc = acc * gl.expand_dims(alpha, 1)
                 mbarrier.wait(v_ready.index(vj), ((ring + j) // V_STAGES) & 1)
                 acc = warpgroup_mma(p, v_smem.index(vj).reshape([BLOCK_N, D]), acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s, ))  # S_{j+1} done; P_j V_j still running ...
+                s = warpgroup_mma_wait(1, deps=(s, ))  # S_{j+1} done; P_j V_j may still run (see the module's doc)
                 mbarrier.arrive(k_empty.index(kn), count=1)
                 s = _mask(s, j + 1, n_full, start_m, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, S_LAYOUT)
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, c, ROW_O, P_LAYOUT, dtype)  # ... during this step
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, c, ROW_O, P_LAYOUT, dtype)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(vj), count=1)
             _stamp(stamps, 5, TIMELINE)
