@@ -12,10 +12,11 @@ process on one GPU:
 - ``wait_after_softmax`` (``EXP_VARIANTS=wait_after_softmax``, run apart): in the loop of ``_attend``, V_j's
   barrier waited for again (complete: it returns at once) between the softmax step and the wait for P_j V_j. Its
   wait loop ends a basic block, so ptxas no longer issues the wait for P_j V_j before the exponentials (the
-  compiled loop, Triton 3.6's ptxas and nvdisasm for sm_90a, every configuration: all 64 exponentials of a
-  thread's step before that DEPBAR, none before it without the patch).
+  compiled loop, Triton 3.6's ptxas and nvdisasm for sm_90a, every configuration, by
+  docs/experiments/gluon_fwd_sass.py: all 64 exponentials of a thread's step before that DEPBAR, none before
+  it without the patch).
 
-The variants compile for sm_90 without C7514 and without spills at head dim 128 (Triton 3.6's ptxas). They
+The variants compile for sm_90a without C7514 (Triton 3.6's ptxas); defer and lag without spills. They
 are timed and checked by docs/experiments/gluon_fwd_ab_parallel.py (the run of the eighth session, from 12a40e1:
 the same rows and cases, its harness then inline, writing ``ab_multi.jsonl``).
 
