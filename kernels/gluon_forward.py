@@ -82,7 +82,8 @@ def warpgroups(head_dim: int, causal: bool, len_q: int, len_k: int) -> int:
     accumulators fit 160 registers a thread), except
     - causal attention over fewer than 4096 keys: on the H200 three ran 3-8% faster than two wherever not
       causal (N = 1024-16384) and causal from 4096 keys on, but 2% slower causal at 2048 and 14% at 1024,
-      where a 192-row tile on the diagonal leaves more of its warpgroups idle;
+      where a 192-row tile on the diagonal leaves more of its warpgroups idle (measured with one program per
+      tile; in the persistent kernel three ran 0.83x as fast as two causal at 2048 keys, 1.01x at 3072);
     - where 192-row tiles would pad the last tile of a head by more than 128-row tiles do, beyond
       ``THREE_WARPGROUPS_MAX_PADDING``: a warpgroup past the end idles through its tile's whole loop. In the
       persistent kernel (H200, float16, CUDA graphs) two ran 1.03x as fast as three at Nq = 1024 (1152 rows
