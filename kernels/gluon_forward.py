@@ -3,9 +3,17 @@
 :func:`kernels.triton_attention.fa2_forward` runs this kernel instead of its Triton one where
 :func:`unsupported` has no objection (plain attention: no window, chunk, softcap, ALiBi, sinks or packed sequences;
 float16/bfloat16; head dim 64 or 128; a positive scale; tensors a descriptor can read; the tiles left to the
-launcher). Same numerics as the Triton forward: running max in raw ``q.k`` units, exponent ``(q.k - m) *
-scale * log2(e)``, ``p`` rounded to the input dtype before ``p @ v``, float32 accumulators, natural-log
-LSE; bottom-right causal alignment; rows that see no key give ``out = 0``, ``lse = -inf``.
+launcher). The Triton forward's numerics (running max ``m`` in raw ``q.k`` units, ``p`` rounded to the input
+dtype before ``p @ v``, float32 accumulators, natural-log LSE; bottom-right causal alignment; rows that see
+no key give ``out = 0``, ``lse = -inf``) but for the exponent: one fused multiply-add ``fma(q.k, c, -fl(m c))``,
+``c = scale * log2(e)``, where the Triton forward subtracts, then multiplies (``(q.k - m) * c``). The
+offset ``fl(m c)`` is carried with ``m``, so that every ``p`` of a row, the rescale ``2^(fl(m_old c) -
+fl(m_new c))`` (exactly 1 where the max held) and the LSE take the same one. At head dim 64 the loop is
+bound by its issued instructions: one instruction an exponent instead of two ran 1.02-1.06x as fast there,
+1.01-1.03x at 128 (H200, docs/benchmarks.md). What it costs: the largest ``p`` of a row is ``2^d``, ``|d|``
+at most half a float32 ulp of ``m c``, not exactly 1; with logits near 1e4 its rounding to the input dtype
+errs, and a one-hot row's output errs by up to about one ulp of the output instead of half
+(docs/benchmarks.md).
 
 Why a second forward: Triton's compiler waits for every tensor-core product right after issuing it, so a
 tile's exponentials never overlap a product. Here each program has three or four partitions (warp
@@ -156,16 +164,20 @@ if AVAILABLE:
     _TIMELINE_SLOTS = gl.constexpr(TIMELINE_SLOTS)
 
     @gluon.jit
-    def _softmax(s, m_i, l_i, c, ROW_O: gl.constexpr, P_LAYOUT: gl.constexpr, dtype: gl.constexpr):
+    def _softmax(s, m_i, mc_i, l_i, c, ROW_O: gl.constexpr, P_LAYOUT: gl.constexpr, dtype: gl.constexpr):
         """One online-softmax step on a block's scores ``s`` (raw ``q.k``; -inf where not visible): the new
-        running max and sum, the accumulator's rescale factor (in its row layout) and ``p`` as the A operand
-        of ``p @ v``. A row with no visible key so far keeps ``m = -inf``, ``l = 0``, ``p = 0``."""
+        running max ``m`` (raw units) and its offset ``mc = fl(m c)``, the new running sum, the accumulator's
+        rescale factor (in its row layout) and ``p = 2^fl(s c - mc)`` (one fused multiply-add) as the A operand
+        of ``p @ v``. Every ``p`` of a row, the rescale ``2^(mc_old - mc_new)`` (exactly 1 where the max held)
+        and the LSE take the same rounded offset. A row with no visible key so far keeps ``m = mc = -inf``,
+        ``l = 0``, ``p = 0``."""
         m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2((m_i - m_safe) * c)
-        p = gl.exp2((s - gl.expand_dims(m_safe, 1)) * c)
+        mc_new = m_new * c
+        off = gl.where(m_new == float("-inf"), 0.0, mc_new)
+        alpha = gl.exp2(mc_i - off)
+        p = gl.exp2(gl.fma(s, gl.full(s.shape, c, gl.float32, s.type.layout), -gl.expand_dims(off, 1)))
         l_i = l_i * alpha + gl.sum(p, 1)
-        return gl.convert_layout(p.to(dtype), P_LAYOUT), gl.convert_layout(alpha, ROW_O), m_new, l_i
+        return gl.convert_layout(p.to(dtype), P_LAYOUT), gl.convert_layout(alpha, ROW_O), m_new, mc_new, l_i
 
     @gluon.jit
     def _mask(s, j, n_full, start_m, len_k, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -218,6 +230,7 @@ if AVAILABLE:
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         q_tile = q_smem.reshape([BLOCK_M, D])
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_S)
+        mc_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_S)
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW_S)
         acc = gl.zeros([BLOCK_M, D], gl.float32, layout=O_LAYOUT)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
@@ -233,7 +246,7 @@ if AVAILABLE:
             _stamp(stamps, 3, TIMELINE)
             mbarrier.arrive(k_empty.index(ring % K_STAGES), count=1)
             s = _mask(s, 0, n_full, start_m, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, S_LAYOUT)
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, c, ROW_O, P_LAYOUT, dtype)
+            p, alpha, m_i, mc_i, l_i = _softmax(s, m_i, mc_i, l_i, c, ROW_O, P_LAYOUT, dtype)
             _stamp(stamps, 4, TIMELINE)
             for j in range(0, n_blocks - 1):
                 kn = (ring + j + 1) % K_STAGES
@@ -247,7 +260,7 @@ if AVAILABLE:
                 s = warpgroup_mma_wait(1, deps=(s, ))  # S_{j+1} done; P_j V_j may still run (see the module's doc)
                 mbarrier.arrive(k_empty.index(kn), count=1)
                 s = _mask(s, j + 1, n_full, start_m, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, S_LAYOUT)
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, c, ROW_O, P_LAYOUT, dtype)
+                p, alpha, m_i, mc_i, l_i = _softmax(s, m_i, mc_i, l_i, c, ROW_O, P_LAYOUT, dtype)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(vj), count=1)
             _stamp(stamps, 5, TIMELINE)
@@ -269,7 +282,7 @@ if AVAILABLE:
         empty = l_o == 0.0
         out = acc / gl.expand_dims(gl.where(empty, 1.0, l_o), 1)
         lse = gl.where(empty, float("-inf"),
-                       (gl.convert_layout(m_i, ROW_O) * c + gl.log2(gl.where(empty, 1.0, l_o))) * 0.6931471805599453)
+                       (gl.convert_layout(mc_i, ROW_O) + gl.log2(gl.where(empty, 1.0, l_o))) * 0.6931471805599453)
         rows = start_m + gl.arange(0, BLOCK_M, layout=ROW_O)
         gl.store(Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows * stride_ln, lse,
                  mask=rows < len_q)

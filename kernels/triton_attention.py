@@ -34,7 +34,8 @@ that sees no key keeps ``(m, l) = (-inf, 0)`` (``exp(-inf - 0) = 0`` guards the 
 ``out = 0``, ``lse = -inf``.
 
 On Hopper (compute capability 9.0) the FA2 forward of a plain float16/bfloat16 call at head dim 64 or
-128 runs :mod:`kernels.gluon_forward` instead, the same algorithm and numerics written in Gluon, with
+128 runs :mod:`kernels.gluon_forward` instead, the same algorithm written in Gluon (each exponent one
+fused multiply-add there: its module's doc), with
 its products overlapped with the softmax (which Triton's compiler does not do) and, but for causal
 attention over more than 8192 keys, one program per SM walking the tiles
 (:func:`kernels.gluon_forward.persistent`), and the backward's dK/dV

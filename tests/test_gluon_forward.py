@@ -285,6 +285,28 @@ def test_matches_float64_on_hopper(shape, dtype, monkeypatch):
         assert (lse[~blind].double() - ref_lse[~blind]).abs().max().item() <= 1e-4
 
 
+@pytest.mark.skipif(not _on_hopper(), reason="the Gluon forward runs on a GPU of compute capability 9.0 only")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_lse_exact_to_float32_rounding_when_the_max_comes_first(d, dtype):
+    """A row's max in its first KV block (a dominant key: m c ~ 50-70 in log2 units) and 24 blocks after it:
+    the running sum is rescaled 24 times by ``2^(mc_old - mc_new)``, which must be exactly 1 where the max
+    held. Formed as ``2^(m_old c - fl(m_new c))`` (a contracted multiply), each rescale is off by up to half
+    an ulp of ``m c`` and the LSE drifts by up to 24 of them (on an H200: 5.9e-5 where 3 ulps of the LSE
+    are 1.1e-5)."""
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    q = torch.randn((1, 8, 64, d), generator=gen, device="cuda", dtype=torch.float64).abs()
+    k = torch.randn((1, 8, 3183, d), generator=gen, device="cuda", dtype=torch.float64)
+    k[:, :, 3] = 8.0
+    q, k = q.to(dtype), k.to(dtype)
+    v = torch.randn((1, 8, 3183, d), generator=gen, device="cuda", dtype=dtype)
+    _, lse = ta.fa2_forward_raw(q, k, v, causal=False, scale=0.1, gluon=True)
+    _, ref_lse = _reference(q, k, v, False, 0.1)
+    ulp = torch.exp2(torch.floor(torch.log2(ref_lse.abs())) - 23)  # of float32 at each LSE (40-90 here)
+    err = (lse.double() - ref_lse).abs() / ulp
+    assert err.max().item() <= 3, f"LSE off by up to {err.max().item():.1f} float32 ulps (3 allowed)"
+
+
 # (B, Hq, Hkv, Nq, Nk, D): more tiles than a card has SMs, so that the persistent kernel's programs walk several
 # tiles each (its K/V ring and Q buffers run on from tile to tile); tails, Nq != Nk both ways, GQA
 PERSISTENT_SHAPES = [(4, 16, 16, 1000, 1000, 128), (8, 8, 2, 777, 1500, 128), (3, 16, 4, 2000, 333, 64),
