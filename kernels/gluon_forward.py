@@ -182,13 +182,18 @@ if AVAILABLE:
     @gluon.jit
     def _mask(s, j, n_full, start_m, len_k, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr):
-        """-inf for keys past the end and (causal) past a row's diagonal, in blocks ``j >= n_full`` only."""
+        """-inf for keys past the end and (causal) past a row's diagonal, in blocks ``j >= n_full`` only. Causal,
+        one test a score: a row that exists (``row < len_q``) sees keys up to ``row + len_k - len_q < len_k``, so
+        the diagonal's bound covers the keys' end (rows past ``len_q`` are neither stored nor in the LSE). Testing
+        both cost the loop's masked path twice the instructions (at head dim 64 with two warpgroups the compiled
+        loop went from 683 to 587 instructions; docs/benchmarks.md)."""
         if j >= n_full:
             cols = gl.expand_dims(j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT)), 0)
-            visible = cols < len_k
             if CAUSAL:
                 rows = gl.expand_dims(start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_LAYOUT)), 1)
-                visible = visible & (cols <= rows + causal_offset)
+                visible = cols <= rows + causal_offset
+            else:
+                visible = cols < len_k
             s = gl.where(visible, s, float("-inf"))
         return s
 

@@ -8,7 +8,7 @@ attention, in parallel processes. One JSON line per row in ``$OUT/ab_parallel.js
     EXP_BASE=/tmp/gf_base.py PYTHONPATH=. OUT=. python docs/experiments/gluon_fwd_ab_parallel.py
 
 compares the working tree's module ("new") with ``EXP_BASE`` ("base"; e.g. ``git show HEAD~1:kernels/
-gluon_forward.py > /tmp/gf_base.py``). ``EXP_DIMS`` ("128 64"), ``EXP_ROWS`` ("1024 4096 16384 1024c 4096c":
+gluon_forward.py > /tmp/gf_base.py``); ``EXP_OTHERS="name=path ..."`` adds more versions. ``EXP_DIMS`` ("128 64"), ``EXP_ROWS`` ("1024 4096 16384 1024c 4096c":
 N, "c" causal). docs/experiments/gluon_fwd_patches.py runs it over text patches of the module. A record of
 experiments, not tested code.
 """
@@ -140,4 +140,5 @@ def main(versions: dict) -> None:
 
 
 if __name__ == "__main__":
-    main({"base": os.environ["EXP_BASE"], "new": "kernels/gluon_forward.py"})
+    others = dict(item.split("=", 1) for item in os.environ.get("EXP_OTHERS", "").split())
+    main({"base": os.environ["EXP_BASE"], "new": "kernels/gluon_forward.py", **others})
