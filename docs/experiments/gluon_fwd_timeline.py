@@ -8,7 +8,10 @@ shapes (B * N = 16384, H * D = 2048, float16), and this script prints, per row, 
   (normalize, LSE, store O through TMA and wait);
 - ``span``: a program from its first instruction to its output stored; ``gap``: on an SM, from a program's
   output stored to the next program's first instruction (its exit, the launch, the barriers' setup);
-- ``fixed``: ``span + gap - n * step``, what a tile costs beyond its n steps, in steps too.
+- ``fixed``: ``span + gap - n * step``, what a tile costs beyond its n steps, in steps too;
+- ``sm_end_min``, ``sm_end_median``, ``sm_end_max``: when each SM stored its last output (ns from the first
+  program's start, global timer): the spread between median and max is the last wave's tail, the time some
+  SMs idle while others finish (the persistent walk: tiles or pairs that do not divide over the SMs).
 
 Cycles are turned into ns with the clock rate fitted between the global timer and the cycle counter at the
 programs' starts. The timeline's kernel is compiled apart (``TIMELINE``); its speed beside the shipped
@@ -98,11 +101,17 @@ def analyse(t, grid, groups, len_q, len_k, causal):
         gaps += [start[b] - ends[a] for a, b in zip(ids, ids[1:])]
     step = q(ph["step"])
     fixed = [spans[i] + q(gaps) - ns[i] * step for i in range(len(t)) if ns[i] > 0]
+    # each SM's last output stored, on the global timer (its cycle counter is its own): the last tile's start
+    # on the global timer plus its span in cycles; the spread of those ends is the last wave's tail
+    sm_end = sorted(max(gtimer[i] + (ends[i] - start[i]) / ghz for i in ids) for ids in by_sm.values())
+    first = min(gtimer)
     row = {name: round(q(v) / ghz, 1) for name, v in ph.items()}
     row.update(span=round(q(spans) / ghz, 1), gap=round(q(gaps) / ghz, 1), gap_p10=round(q(gaps, 0.1) / ghz, 1),
                gap_p90=round(q(gaps, 0.9) / ghz, 1), fixed=round(q(fixed) / ghz, 1),
                fixed_steps=round(q(fixed) / step, 2) if step == step and step else None,
-               ghz=round(ghz, 3), programs=len(t), sms=len(by_sm), n_max=max(ns.values()))
+               ghz=round(ghz, 3), programs=len(t), sms=len(by_sm), n_max=max(ns.values()),
+               sm_end_max=round(sm_end[-1] - first, 1), sm_end_median=round(q(sm_end) - first, 1),
+               sm_end_min=round(sm_end[0] - first, 1))
     return row
 
 
@@ -142,7 +151,7 @@ for d in DIMS:
                 f.write(json.dumps(row) + "\n")
 
 cols = ["d", "n", "causal", "tflops", "tflops_stamped", "tflops_cudnn", "q", "k0", "s0", "sm0", "step", "last", "epi",
-        "span", "gap", "fixed", "fixed_steps"]
+        "span", "gap", "fixed", "fixed_steps", "sm_end_median", "sm_end_max"]
 print("| " + " | ".join(cols) + " |")
 for r in rows:
     print("| " + " | ".join(str(r[c]) for c in cols) + " |")
