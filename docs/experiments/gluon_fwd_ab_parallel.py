@@ -9,8 +9,8 @@ attention, in parallel processes. One JSON line per row in ``$OUT/ab_parallel.js
 
 compares the working tree's module ("new") with ``EXP_BASE`` ("base"; e.g. ``git show HEAD~1:kernels/
 gluon_forward.py > /tmp/gf_base.py``); ``EXP_OTHERS="name=path ..."`` adds more versions. ``EXP_DIMS``
-("128 64"), ``EXP_ROWS`` ("1024 4096 16384 1024c 4096c": N, "c" causal). docs/experiments/gluon_fwd_patches.py runs it over text patches of the module. A record of
-experiments, not tested code.
+("128 64"), ``EXP_ROWS`` ("1024 4096 16384 1024c 4096c": N, "c" causal). docs/experiments/gluon_fwd_patches.py
+runs it over text patches of the module. A record of experiments, not tested code.
 """
 import concurrent.futures as cf
 import hashlib
