@@ -35,15 +35,21 @@ warpgroup's softmax runs while the other warpgroups' products do, not its own. K
 exponentials (an already-complete barrier wait before it, whose loop ends a basic block) ran 0.94-0.98x as fast
 at head dim 64 and 0.99-1.05x at 128 on an H200 (docs/benchmarks.md), so the loop is left to ptxas.
 
-Mostly (:func:`persistent`: not causal, and causal up to 8192 keys) one program per SM walks the tiles
+Mostly (:func:`persistent`: not causal, and causal up to 16384 keys) one program per SM walks the tiles
 (:func:`_walk`), with Q in two buffers: the producer loads the next tile's Q while the current tile runs, and
 the K/V ring runs on across tiles, so that a tile starts without waiting for its first loads and no program is
 launched per tile (that wait, the launch and the epilogue were most of a tile's fixed cost: forward(...,
 timeline=...) stamps the per-tile kernel's phases). Not causal the walk takes a head's Q tiles one after
-another; causal it pairs them, the k-th longest with the k-th shortest, so that every program gets the same
-work. On an H200 the persistent kernel ran 1.01-1.09x as fast as one program per tile at N = 1024 and 4096,
-1.14x at head dim 64 causal over 1024 keys (docs/benchmarks.md); causal over 16384 keys the hardware's
-scheduling of one program per tile, the longest first, balanced the tiles better (0.975-0.99x).
+another, program p the tiles p, p + P, ... (:func:`_walk`). Causal the programs take their tiles as they free
+up (:func:`dynamic`): the producer warp takes the next unit of the walk with one atomic add on a counter the
+call zeroes, and hands each tile to the consumers through shared memory with its Q. The units (:func:`_unit`): a
+head's Q tiles paired, the k-th longest with the k-th shortest, a head after another, then the last heads' tiles
+one at a time, longest first, so that the walk ends on its shortest tiles. Programs given the same pairs by a
+fixed walk had ended up to 8% apart, beyond the walk's own 3% (docs/benchmarks.md); the dynamic walk ran
+1.01-1.06x as fast. On an H200 the persistent kernel ran 1.01-1.09x as fast as one program per tile at N =
+1024 and 4096, 1.14x at head dim 64 causal over 1024 keys (docs/benchmarks.md); causal over 16384 keys the
+hardware's scheduling of one program per tile, the longest first, balanced the tiles better (0.975-0.99x,
+measured with the fixed walk).
 
 No product is in flight across the loop's back edge: when an accumulator in flight is copied there, ptxas
 serializes every product of the kernel (its "C7514" note), which cost this design all its speed
@@ -372,12 +378,65 @@ if AVAILABLE:
             pid_bh = i // tiles_m
             pid_m = i % tiles_m
             valid = i < n_tiles
+        off_b, off_h, start_m, n_loaded = _tile(pid_bh, pid_m, heads_q, len_q, len_k, CAUSAL, BLOCK_M, BLOCK_N,
+                                                WARPGROUPS)
+        return valid, off_b, off_h, start_m, n_loaded
+
+    @gluon.jit
+    def _tile(pid_bh, pid_m, heads_q, len_q, len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr):
+        """(batch, head, first row, KV blocks loaded) of Q tile ``pid_m`` of (batch x head) ``pid_bh``: the
+        blocks its longest warpgroup reads."""
         start_m = pid_m * WARPGROUPS * BLOCK_M
         n_loaded = 0
         for w in gl.static_range(WARPGROUPS):
             n, full = _blocks(start_m + w * BLOCK_M, len_q, len_k, len_k - len_q, CAUSAL, BLOCK_M, BLOCK_N)
             n_loaded = gl.maximum(n_loaded, n)
-        return valid, pid_bh // heads_q, pid_bh % heads_q, start_m, n_loaded
+        return pid_bh // heads_q, pid_bh % heads_q, start_m, n_loaded
+
+    @gluon.jit
+    def _units(tiles_m, n_tiles, tail_heads):
+        """The units of the dynamic walk (:func:`_unit`)."""
+        return (n_tiles // tiles_m - tail_heads) * ((tiles_m + 1) // 2) + tail_heads * tiles_m
+
+    @gluon.jit
+    def _unit(u, tiles_m, n_tiles, tail_heads):
+        """Unit ``u`` of the causal dynamic walk: (batch x head, its first Q tile, whether the pair's shorter
+        tile follows). Heads but the last ``tail_heads``: a head's Q tiles in pairs, the k-th longest with the
+        k-th shortest (the middle one alone where their number is odd), a head after another; then the last
+        ``tail_heads`` heads' tiles one at a time, the longest of each of them, then the next longest, ..., so
+        that the last units the programs take as they free up are the walk's shortest tiles."""
+        pairs_m = (tiles_m + 1) // 2
+        n_pairs = (n_tiles // tiles_m - tail_heads) * pairs_m
+        if u < n_pairs:
+            k = u % pairs_m
+            return u // pairs_m, tiles_m - 1 - k, k != tiles_m - 1 - k
+        rank = (u - n_pairs) // tail_heads
+        return n_tiles // tiles_m - tail_heads + (u - n_pairs - rank * tail_heads), tiles_m - 1 - rank, False
+
+    @gluon.jit
+    def _grab(Counter):
+        """The next unit of the dynamic walk: the old value of ``*Counter`` after one atomic add by the warp's
+        first lane, given to every lane."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 r, l; mov.u32 r, 0; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
+            "@p atom.global.add.u32 r, [$1], 1; shfl.sync.idx.b32 $0, r, 0, 31, -1; }",
+            "=r,l", [Counter], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _put_tile(slots, buf, off_b, off_h, start_m, n_loaded):
+        """The producer's (one warp) tile for the consumers: (batch, head, first row, KV blocks) in slot ``buf``
+        (batch -1: no tile left)."""
+        i = gl.arange(0, 4, layout=gl.BlockedLayout([4], [32], [1], [0]))
+        slots.index(buf).store(gl.where(i == 0, off_b, gl.where(i == 1, off_h, gl.where(i == 2, start_m, n_loaded))))
+
+    @gluon.jit
+    def _take_tile(slots, buf):
+        """A consumer warpgroup's read of slot ``buf`` (:func:`_put_tile`)."""
+        i = gl.arange(0, 4, layout=gl.BlockedLayout([4], [32], [4], [0]))
+        t = slots.index(buf).load(gl.BlockedLayout([4], [32], [4], [0]))
+        return (gl.sum(gl.where(i == 0, t, 0), 0), gl.sum(gl.where(i == 1, t, 0), 0),
+                gl.sum(gl.where(i == 2, t, 0), 0), gl.sum(gl.where(i == 3, t, 0), 0))
 
     @gluon.jit
     def _row(off_b, off_h, start_m, heads_q, tiles_m, BLOCK_M: gl.constexpr, WARPGROUPS: gl.constexpr):
@@ -386,63 +445,127 @@ if AVAILABLE:
         return (off_b * heads_q + off_h) * tiles_m + start_m // (WARPGROUPS * BLOCK_M)
 
     @gluon.jit
-    def _consumer_persistent(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc,
-                             Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m, n_tiles,
+    def _consume(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, Lse, stride_lb,
+                 stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m, Timeline, off_b, off_h, start_m, n_loaded,
+                 ring, i_t, W: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 D: gl.constexpr, WARPGROUPS: gl.constexpr, TIMELINE: gl.constexpr):
+        """Consumer warpgroup ``W``'s rows of the program's ``i_t``-th tile, its K/V blocks from block ``ring`` of
+        the ring on; then Q's buffer released."""
+        n_blocks, n_full = _blocks(start_m + W * BLOCK_M, len_q, len_k, len_k - len_q, CAUSAL, BLOCK_M, BLOCK_N)
+        buf = i_t % 2
+        if TIMELINE:
+            stamps = Timeline + _row(off_b, off_h, start_m, heads_q, tiles_m, BLOCK_M, WARPGROUPS) \
+                * _TIMELINE_SLOTS + 4 + 8 * W
+        else:
+            stamps = Lse  # not written
+        _attend(q_smem.index(buf * WARPGROUPS + W), q_ready.index(buf * WARPGROUPS + W), (i_t // 2) & 1, k_smem,
+                v_smem, k_ready, v_ready, k_empty, v_empty, ring, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b,
+                off_h, start_m + W * BLOCK_M, len_q, len_k, len_k - len_q, n_blocks, n_full, n_loaded, stamps, CAUSAL,
+                BLOCK_M, BLOCK_N, D, TIMELINE)
+        mbarrier.arrive(q_empty.index(buf), count=1)
+
+    @gluon.jit
+    def _consumer_persistent(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, slots,
+                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m, n_tiles,
                              Timeline, W: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                              BLOCK_N: gl.constexpr, D: gl.constexpr, WARPGROUPS: gl.constexpr,
-                             TIMELINE: gl.constexpr):
-        """Consumer warpgroup ``W`` of a persistent program: its rows of each of the program's tiles, Q from
-        the buffer of the tile's parity, which it releases once its output is stored. ``TIMELINE``: its events
-        stamped in the tile's row (:func:`_row`)."""
+                             DYNAMIC: gl.constexpr, TIMELINE: gl.constexpr):
+        """Consumer warpgroup ``W`` of a persistent program: its rows of each of the program's tiles
+        (:func:`_consume`), Q from the buffer of the tile's parity, which it releases once its output is stored;
+        the tiles of the walk (:func:`_walk`) or, ``DYNAMIC``, each as the producer leaves it in ``slots``
+        (:func:`_put_tile`), slot of the tile's parity, ready with its Q. ``TIMELINE``: its events stamped in the
+        tile's row (:func:`_row`)."""
         ring = 0
         i_t = 0
+        if DYNAMIC:
+            mbarrier.wait(q_ready.index(W), 0)
+            off_b, off_h, start_m, n_loaded = _take_tile(slots, 0)
+            while off_b >= 0:
+                _consume(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, Lse,
+                         stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m, Timeline, off_b, off_h,
+                         start_m, n_loaded, ring, i_t, W, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS, TIMELINE)
+                ring += n_loaded
+                i_t += 1
+                buf = i_t % 2
+                mbarrier.wait(q_ready.index(buf * WARPGROUPS + W), (i_t // 2) & 1)
+                off_b, off_h, start_m, n_loaded = _take_tile(slots, buf)
+            return
         for it in range(_rounds(tiles_m, n_tiles, CAUSAL)):
             valid, off_b, off_h, start_m, n_loaded = _walk(it, tiles_m, n_tiles, heads_q, len_q, len_k, CAUSAL,
                                                            BLOCK_M, BLOCK_N, WARPGROUPS)
             if valid:
-                n_blocks, n_full = _blocks(start_m + W * BLOCK_M, len_q, len_k, len_k - len_q, CAUSAL, BLOCK_M,
-                                           BLOCK_N)
-                buf = i_t % 2
-                if TIMELINE:
-                    stamps = Timeline + _row(off_b, off_h, start_m, heads_q, tiles_m, BLOCK_M, WARPGROUPS) \
-                        * _TIMELINE_SLOTS + 4 + 8 * W
-                else:
-                    stamps = Lse  # not written
-                _attend(q_smem.index(buf * WARPGROUPS + W), q_ready.index(buf * WARPGROUPS + W), (i_t // 2) & 1,
-                        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring, o_desc, Lse, stride_lb, stride_lh,
-                        stride_ln, c, off_b, off_h, start_m + W * BLOCK_M, len_q, len_k, len_k - len_q, n_blocks,
-                        n_full, n_loaded, stamps, CAUSAL, BLOCK_M, BLOCK_N, D, TIMELINE)
-                mbarrier.arrive(q_empty.index(buf), count=1)
+                _consume(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, Lse,
+                         stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m, Timeline, off_b, off_h,
+                         start_m, n_loaded, ring, i_t, W, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS, TIMELINE)
                 ring += n_loaded
                 i_t += 1
 
     @gluon.jit
+    def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                 slots, heads_q, group, tiles_m, Timeline, off_b, off_h, start_m, n_loaded, ring, i_t,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr, DYNAMIC: gl.constexpr,
+                 TIMELINE: gl.constexpr):
+        """The producer's ``i_t``-th tile: its Q tiles into the buffer of its parity once free (two tiles back;
+        ``DYNAMIC``: the tile left in the slot of that parity, :func:`_put_tile`), then its K and V blocks into the
+        ring from block ``ring`` on. ``TIMELINE``: the tile's row gets the SM and the times it takes the tile up
+        (slots 0-2) and issues its Q (slot 3)."""
+        buf = i_t % 2
+        if TIMELINE:
+            stamps = _timeline_row(Timeline, _row(off_b, off_h, start_m, heads_q, tiles_m, BLOCK_M, WARPGROUPS))
+        mbarrier.wait(q_empty.index(buf), ((i_t // 2) & 1) ^ 1, pred=i_t >= 2)
+        if TIMELINE:
+            _stamp(stamps, 3, TIMELINE)
+        if DYNAMIC:
+            _put_tile(slots, buf, off_b, off_h, start_m, n_loaded)
+        for w in gl.static_range(WARPGROUPS):
+            mbarrier.expect(q_ready.index(buf * WARPGROUPS + w), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [off_b, off_h, start_m + w * BLOCK_M, 0], q_ready.index(buf * WARPGROUPS + w),
+                      q_smem.index(buf * WARPGROUPS + w))
+        _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, off_b, off_h // group, ring,
+                 n_loaded, BLOCK_N)
+
+    @gluon.jit
     def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, heads_q, group, len_q, len_k, tiles_m, n_tiles, Timeline,
-                             CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                             WARPGROUPS: gl.constexpr, TIMELINE: gl.constexpr):
-        """The producer warp of a persistent program: per tile, its Q tiles into the buffer of the tile's
-        parity once free (two tiles back), then its K and V blocks into the ring. ``TIMELINE``: the tile's row
-        gets the SM and the times it takes the tile up (slots 0-2) and issues its Q (slot 3)."""
+                             k_empty, v_empty, slots, Counter, heads_q, group, len_q, len_k, tiles_m, n_tiles,
+                             tail_heads, Timeline, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                             BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr, DYNAMIC: gl.constexpr,
+                             TIMELINE: gl.constexpr):
+        """The producer warp of a persistent program: its tiles' loads (:func:`_produce`), the tiles of the walk
+        (:func:`_walk`) or, ``DYNAMIC``, those of the units it takes one at a time from ``Counter``
+        (:func:`_grab`; one taken ahead, so that the atomic's round trip overlaps the loads), each left in
+        ``slots`` for the consumers; past the last, batch -1 there and its Q barriers arrived on without a load."""
         ring = 0
         i_t = 0
+        if DYNAMIC:
+            n_units = _units(tiles_m, n_tiles, tail_heads)
+            u = _grab(Counter)
+            while u < n_units:
+                nxt = _grab(Counter)
+                pid_bh, pid_m, pair = _unit(u, tiles_m, n_tiles, tail_heads)
+                for second in range(1 + pair.to(gl.int32)):
+                    if second == 1:
+                        pid_m = tiles_m - 1 - pid_m
+                    off_b, off_h, start_m, n_loaded = _tile(pid_bh, pid_m, heads_q, len_q, len_k, CAUSAL, BLOCK_M,
+                                                            BLOCK_N, WARPGROUPS)
+                    _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, slots, heads_q, group, tiles_m, Timeline, off_b, off_h, start_m,
+                             n_loaded, ring, i_t, BLOCK_M, BLOCK_N, WARPGROUPS, DYNAMIC, TIMELINE)
+                    ring += n_loaded
+                    i_t += 1
+                u = nxt
+            buf = i_t % 2
+            mbarrier.wait(q_empty.index(buf), ((i_t // 2) & 1) ^ 1, pred=i_t >= 2)
+            _put_tile(slots, buf, -1, 0, 0, 0)
+            for w in gl.static_range(WARPGROUPS):
+                mbarrier.arrive(q_ready.index(buf * WARPGROUPS + w), count=1)
+            return
         for it in range(_rounds(tiles_m, n_tiles, CAUSAL)):
             valid, off_b, off_h, start_m, n_loaded = _walk(it, tiles_m, n_tiles, heads_q, len_q, len_k, CAUSAL,
                                                            BLOCK_M, BLOCK_N, WARPGROUPS)
             if valid:
-                buf = i_t % 2
-                if TIMELINE:
-                    stamps = _timeline_row(Timeline, _row(off_b, off_h, start_m, heads_q, tiles_m, BLOCK_M,
-                                                          WARPGROUPS))
-                mbarrier.wait(q_empty.index(buf), ((i_t // 2) & 1) ^ 1, pred=i_t >= 2)
-                if TIMELINE:
-                    _stamp(stamps, 3, TIMELINE)
-                for w in gl.static_range(WARPGROUPS):
-                    mbarrier.expect(q_ready.index(buf * WARPGROUPS + w), q_desc.block_type.nbytes)
-                    _tma_load(q_desc, [off_b, off_h, start_m + w * BLOCK_M, 0], q_ready.index(buf * WARPGROUPS + w),
-                              q_smem.index(buf * WARPGROUPS + w))
-                _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, off_b, off_h // group,
-                         ring, n_loaded, BLOCK_N)
+                _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                         v_empty, slots, heads_q, group, tiles_m, Timeline, off_b, off_h, start_m, n_loaded, ring, i_t,
+                         BLOCK_M, BLOCK_N, WARPGROUPS, DYNAMIC, TIMELINE)
                 ring += n_loaded
                 i_t += 1
 
@@ -540,9 +663,10 @@ if AVAILABLE:
 
     @gluon.jit
     def _attn_fwd_persistent(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q,
-                             group, len_q, len_k, tiles_m, n_tiles, Timeline, CAUSAL: gl.constexpr,
-                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, WARPGROUPS: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, TIMELINE: gl.constexpr):
+                             group, len_q, len_k, tiles_m, n_tiles, Counter, tail_heads, Timeline,
+                             CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                             WARPGROUPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, DYNAMIC: gl.constexpr,
+                             TIMELINE: gl.constexpr):
         """One program per SM over the tiles ``program_id, program_id + programs, ...`` of the walk
         (:func:`_walk`); Q in two buffers, so that the next tile's is loaded while this one runs, and the K/V
         ring runs on from tile to tile."""
@@ -556,6 +680,7 @@ if AVAILABLE:
         k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+        slots = gl.allocate_shared_memory(gl.int32, [2, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         for i in gl.static_range(2 * WARPGROUPS):
             mbarrier.init(q_ready.index(i), count=1)
         for i in gl.static_range(2):
@@ -570,29 +695,36 @@ if AVAILABLE:
         if WARPGROUPS == 2:
             gl.warp_specialize([
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                                        o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m,
-                                        n_tiles, Timeline, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS, TIMELINE)),
+                                        slots, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k,
+                                        tiles_m, n_tiles, Timeline, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS,
+                                        DYNAMIC, TIMELINE)),
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                                        o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m,
-                                        n_tiles, Timeline, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS, TIMELINE)),
+                                        slots, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k,
+                                        tiles_m, n_tiles, Timeline, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS,
+                                        DYNAMIC, TIMELINE)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                                        v_ready, k_empty, v_empty, heads_q, group, len_q, len_k, tiles_m, n_tiles,
-                                        Timeline, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS, TIMELINE)),
+                                        v_ready, k_empty, v_empty, slots, Counter, heads_q, group, len_q, len_k,
+                                        tiles_m, n_tiles, tail_heads, Timeline, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS,
+                                        DYNAMIC, TIMELINE)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                                        o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m,
-                                        n_tiles, Timeline, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS, TIMELINE)),
+                                        slots, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k,
+                                        tiles_m, n_tiles, Timeline, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS,
+                                        DYNAMIC, TIMELINE)),
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                                        o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m,
-                                        n_tiles, Timeline, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS, TIMELINE)),
+                                        slots, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k,
+                                        tiles_m, n_tiles, Timeline, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS,
+                                        DYNAMIC, TIMELINE)),
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                                        o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m,
-                                        n_tiles, Timeline, 2, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS, TIMELINE)),
+                                        slots, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k,
+                                        tiles_m, n_tiles, Timeline, 2, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS,
+                                        DYNAMIC, TIMELINE)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                                        v_ready, k_empty, v_empty, heads_q, group, len_q, len_k, tiles_m, n_tiles,
-                                        Timeline, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS, TIMELINE)),
+                                        v_ready, k_empty, v_empty, slots, Counter, heads_q, group, len_q, len_k,
+                                        tiles_m, n_tiles, tail_heads, Timeline, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS,
+                                        DYNAMIC, TIMELINE)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
     _GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
@@ -632,16 +764,49 @@ if AVAILABLE:
         vars(desc).update(fields, base=t, shape=shape, strides=strides)
         return desc
 
-PERSISTENT_CAUSAL_MAX_KEYS = 8192
+PERSISTENT_CAUSAL_MAX_KEYS = 16384
 
 
 def persistent(causal: bool, len_k: int) -> bool:
     """Whether :func:`forward` runs the persistent kernel (one program per SM walking the tiles) rather than one
-    program per tile: not causal, and causal up to :data:`PERSISTENT_CAUSAL_MAX_KEYS` keys. On an H200 the
-    persistent kernel ran causal attention 1.02-1.14x as fast at N = 1024 and 4096, 0.975-0.99x at 16384, where a
-    tile's fixed cost counts least and the hardware's scheduling of one program per tile balances their
-    unequal work better than the walk's fixed pairs (8192: not measured)."""
+    program per tile: not causal, and causal up to :data:`PERSISTENT_CAUSAL_MAX_KEYS` keys. On an H200, with the
+    walk's fixed pairs, the persistent kernel ran causal attention 1.02-1.14x as fast at N = 1024 and 4096 and
+    0.975-0.99x at 16384, where the hardware's scheduling of one program per tile balanced their unequal work
+    better; with the dynamic walk (:func:`dynamic`) 1.008x (head dim 128) and 1.041x (64) at 16384 (beyond: not
+    measured)."""
     return not causal or len_k <= PERSISTENT_CAUSAL_MAX_KEYS
+
+
+DYNAMIC_CAUSAL = True
+TAIL_UNITS_PER_PROGRAM = 3
+
+
+def dynamic(causal: bool) -> bool:
+    """Whether the persistent kernel's programs take their tiles as they free up, from a counter (causal:
+    :func:`unit`), rather than by a fixed walk (:func:`walk`)."""
+    return causal and DYNAMIC_CAUSAL
+
+
+def tail_heads(programs: int, tiles_m: int, heads: int) -> int:
+    """The heads whose tiles the dynamic walk hands out one at a time, longest first (:func:`unit`): about
+    ``TAIL_UNITS_PER_PROGRAM`` tiles a program."""
+    return min(heads, -(-TAIL_UNITS_PER_PROGRAM * programs // tiles_m))
+
+
+def unit(u: int, tiles_m: int, n_tiles: int, tail: int) -> list:
+    """:func:`_unit` in Python: the (batch x head, Q tile) of unit ``u`` of the causal dynamic walk, one or two."""
+    pairs_m = (tiles_m + 1) // 2
+    n_pairs = (n_tiles // tiles_m - tail) * pairs_m
+    if u < n_pairs:
+        h, k = divmod(u, pairs_m)
+        return [(h, tiles_m - 1 - k)] + ([(h, k)] if k != tiles_m - 1 - k else [])
+    rank, h = divmod(u - n_pairs, tail)
+    return [(n_tiles // tiles_m - tail + h, tiles_m - 1 - rank)]
+
+
+def units(tiles_m: int, n_tiles: int, tail: int) -> int:
+    """:func:`_units` in Python."""
+    return (n_tiles // tiles_m - tail) * ((tiles_m + 1) // 2) + tail * tiles_m
 
 
 def walk(it: int, program: int, programs: int, tiles_m: int, n_tiles: int, causal: bool):
@@ -708,8 +873,11 @@ def forward(q, k, v, out, lse, *, causal: bool, scale: float, timeline: torch.Te
     if persistent(causal, k.shape[2]):
         n_tiles = grid[0] * grid[1]
         n_prog = min(n_tiles, _sm_count(q.device))
-        replay.launch(_attn_fwd_persistent, (n_prog, ), *args, grid[0], n_tiles, timeline,
-                      TIMELINE=timeline is not None, **meta)
+        dyn = dynamic(causal)
+        counter = replay.zeros((1, ), dtype=torch.int32, device=q.device) if dyn else lse  # unread where static
+        replay.launch(_attn_fwd_persistent, (n_prog, ), *args, grid[0], n_tiles, counter,
+                      tail_heads(n_prog, grid[0], grid[1]), timeline, DYNAMIC=dyn, TIMELINE=timeline is not None,
+                      **meta)
     else:
         replay.launch(_attn_fwd_ws, grid, *args, timeline, TIMELINE=timeline is not None, **meta)
     if target is not out:

@@ -144,18 +144,19 @@ for d, groups in WARPGROUP_CONFIGS:
 # the timeline's stamps (forward(..., timeline=...)) in the kernels of the bench's rows
 for d, groups in WARPGROUP_CONFIGS:
     build_forward(f"d{d}-wg{groups}-fp16-timeline", d, groups, "fp16", gl.float16, False, True)
-# the persistent kernel (forward() runs it where not causal, and causal over up to 8192 keys), with its timeline
+# the persistent kernel (forward() runs it where not causal, and causal over up to 16384 keys, there with the
+# dynamic walk), with its timeline
 def build_persistent(key, d, groups, dt, gdt, causal, timeline):
     signature = {"q_desc": desc(dt, gdt, gf.BLOCK_M, d), "k_desc": desc(dt, gdt, gf.BLOCK_N, d),
                  "v_desc": desc(dt, gdt, gf.BLOCK_N, d), "o_desc": desc(dt, gdt, gf.BLOCK_M, d),
                  "Lse": "*fp32", **{name: "i32" for name in ("stride_lb", "stride_lh", "stride_ln")},
                  "c": "fp32", **{name: "i32" for name in ("heads_q", "group", "len_q", "len_k", "tiles_m",
                                                           "n_tiles")},
-                 "Timeline": "*i64" if timeline else "constexpr",
+                 "Counter": "*i32", "tail_heads": "i32", "Timeline": "*i64" if timeline else "constexpr",
                  **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "WARPGROUPS",
-                                                   "CONSUMER_REGS", "TIMELINE")}}
+                                                   "CONSUMER_REGS", "DYNAMIC", "TIMELINE")}}
     constexprs = {"CAUSAL": causal, "BLOCK_M": gf.BLOCK_M, "BLOCK_N": gf.BLOCK_N, "D": d, "WARPGROUPS": groups,
-                  "CONSUMER_REGS": gf.CONSUMER_REGS, "TIMELINE": timeline}
+                  "CONSUMER_REGS": gf.CONSUMER_REGS, "DYNAMIC": gf.dynamic(causal), "TIMELINE": timeline}
     build(key, gf._attn_fwd_persistent, signature, constexprs if timeline else {**constexprs, "Timeline": None})
 
 
@@ -439,6 +440,33 @@ def test_timeline_stamps_each_tile_in_order_and_changes_no_output(d, causal, wal
                 assert ev[0] >= row[2], (i, w, ev)
             if (pid_m * groups + w) * gf.BLOCK_M < n:  # rows to compute: every event (Nq == Nk, a key each)
                 assert all(ev), (i, w, ev)
+
+
+@pytest.mark.parametrize("tiles_m,heads,programs", [(8, 256, 132), (8, 512, 132), (32, 64, 132), (64, 32, 132),
+                                                    (128, 16, 132), (3, 7, 5), (5, 1, 8), (1, 300, 132),
+                                                    (11, 33, 114), (16, 10, 132), (2, 2, 132)])
+def test_dynamic_walk_takes_every_tile_once_and_ends_on_the_shortest(tiles_m, heads, programs):
+    """gf.unit (the kernel's causal _unit in Python): over its units (gf.units), every (head, Q tile) once; a
+    pair's tiles of one head, the longer first, adding up to the same work; the tail's tiles (gf.tail_heads)
+    one a unit and never longer than the one before, so that the walk ends on its shortest tiles."""
+    n_tiles = tiles_m * heads
+    programs = min(programs, n_tiles)
+    tail = gf.tail_heads(programs, tiles_m, heads)
+    assert 1 <= tail <= heads and tail * tiles_m >= min(n_tiles, gf.TAIL_UNITS_PER_PROGRAM * programs)
+    seen, lengths = [], []
+    for u in range(gf.units(tiles_m, n_tiles, tail)):
+        tiles = gf.unit(u, tiles_m, n_tiles, tail)
+        assert all(0 <= bh < heads and 0 <= m < tiles_m for bh, m in tiles)
+        if len(tiles) == 2:
+            (bh0, m0), (bh1, m1) = tiles
+            assert bh0 == bh1 < heads - tail and m0 > m1 and m0 + m1 == tiles_m - 1
+        else:
+            lengths.append(tiles[0][1] if tiles[0][0] >= heads - tail else None)
+        seen += tiles
+    assert sorted(seen) == [(bh, m) for bh in range(heads) for m in range(tiles_m)]
+    tail_lengths = [m for m in lengths if m is not None]
+    assert len(tail_lengths) == tail * tiles_m and tail_lengths == sorted(tail_lengths, reverse=True)
+    assert tail_lengths[-1] == 0
 
 
 @pytest.mark.parametrize("causal", [False, True])
