@@ -13,15 +13,17 @@ this card and torch build offer:
 ``sdpa_efficient``  the same under ``SDPBackend.EFFICIENT_ATTENTION``
 ``flex``            ``torch.compile(flex_attention)`` with a causal block mask (none when not causal)
 
-with ``triton.testing.do_bench`` (CUDA events, median), in ``--rounds`` rounds (default 3) over every
-kernel of the row, the order reversed every other round; each figure is the median over the rounds.
+each call timed alone with CUDA events after a cache flush (as ``triton.testing.do_bench`` times one),
+the calls of all the row's measurements interleaved one by one, in ``--rounds`` rounds (default 3) of about
+100 ms of calls per measurement; each figure is the median of every call's time, and each ratio is shown
+with the lowest and highest of the rounds' ratios.
 ``--atomic-dq`` also times the backward with ``deterministic=False`` (dQ added with atomics by the dK/dV
 kernel: the Gluon one on Hopper), beside the deterministic one, in two more columns. A peer that cannot
 run a configuration (no cuDNN, a head dim a backend refuses) is listed with torch's reason and left out
 of that row. The table gives TFLOP/s, the fastest peer of each
 row and the ratio Triton / fastest peer, forward and backward apart, and a second table every peer's
-figures. With Nq == Nk SDPA's top-left and the Triton kernel's bottom-right causal masks coincide; ``max|dout|`` is the largest difference of any peer's output from
-Triton's.
+figures. With Nq == Nk SDPA's top-left and the Triton kernel's bottom-right causal masks coincide;
+``max|dout|`` is the largest difference of any peer's output from Triton's.
 
 FLOPs: forward ``4 * B * H * N * N * D`` (two matrix products), halved for causal; backward 2.5 times
 the forward (five matrix products). The batch and head counts keep ``B * N = 16384`` tokens and
@@ -60,25 +62,58 @@ def _tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
 
 
-def _time(fn) -> float:
-    import triton.testing
+FLUSH_BYTES = 256 * 1024 * 1024  # zeroed before every timed call (as do_bench does): no call finds its data in L2
+BUDGET_MS = 100.0  # GPU time per measurement and round
 
-    fn()  # compile and autotune outside the measurement
+
+def interleaved_order(keys: list, reps: int, seed: int = 0) -> list:
+    """The order of the calls of one round: ``reps`` passes over ``keys``, each pass in its own order (drawn
+    with ``seed``), so that a call follows each of the others, and itself across passes, about equally
+    often: a clock or memory state that drifts over a round, or one that a call leaves to the next (an
+    H200 lowers its clock under its power limit), reaches all measurements alike."""
+    import random
+
+    rng = random.Random(seed)
+    return [key for _ in range(reps) for key in rng.sample(keys, len(keys))]
+
+
+def _gpu_times(fns: list) -> list[float]:
+    """Each call's time (ms, CUDA events around it), run in the given order, each after a cache flush."""
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
+    for fn, (start, end) in zip(fns, events):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
     torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return [start.elapsed_time(end) for start, end in events]
 
 
-def timed_in_rounds(measurements: dict, rounds: int, time=_time) -> dict:
-    """The median over ``rounds`` of each measurement's time (``time(fn)``, ms), the measurements timed one
-    after another in each round, in their order in even rounds and reversed in odd ones: on an H200 the
-    first thing timed after a row's setup read up to 9% slow (docs/benchmarks.md), and no measurement
-    should always take that place."""
+def timed_interleaved(measurements: dict, rounds: int, times=_gpu_times, budget_ms: float = BUDGET_MS) -> dict:
+    """Time every measurement's call (``{key: fn}``) interleaved with the others' (:func:`interleaved_order`),
+    ``rounds`` rounds of about ``budget_ms`` of calls each per measurement, every call timed alone after a
+    cache flush (``times``: the calls' times in ms, in their order). Returns ``{key: median ms of all its
+    calls}`` and, under ``"rounds_ms"``, ``{key: [each round's median]}``. The first pass of each round,
+    which fixes the number of passes from the calls' times, is not counted. Call by call, not measurement
+    by measurement as ``do_bench`` one after another would: on an H200 a whole ``do_bench`` of ~100 ms read
+    up to 10% slow at times, and a kernel timed alone runs at the clock its own power draw leaves it under
+    the card's power limit, so that a kernel drawing less power a cycle read faster alone than among the
+    others (docs/benchmarks.md, thirteenth session)."""
     keys = list(measurements)
-    times: dict = {key: [] for key in keys}
+    samples: dict = {key: [] for key in keys}
+    per_round: dict = {key: [] for key in keys}
     for r in range(rounds):
-        for key in keys if r % 2 == 0 else keys[::-1]:
-            times[key].append(time(measurements[key]))
-    return {key: statistics.median(values) for key, values in times.items()}
+        first = times([measurements[key] for key in keys])
+        reps = max(3, min(1000, round(budget_ms / max(sum(first), 1e-3) * len(keys))))
+        order = interleaved_order(keys, reps, seed=r)
+        got: dict = {key: [] for key in keys}
+        for key, ms in zip(order, times([measurements[key] for key in order])):
+            got[key].append(ms)
+        for key in keys:
+            samples[key] += got[key]
+            per_round[key].append(statistics.median(got[key]))
+    return {**{key: statistics.median(samples[key]) for key in keys}, "rounds_ms": per_round}
 
 
 def _sdpa(backend_name: str) -> Callable:
@@ -128,9 +163,20 @@ PEER_MAKERS = {"sdpa_flash": _sdpa("FLASH_ATTENTION"), "sdpa_cudnn": _sdpa("CUDN
                "sdpa_efficient": _sdpa("EFFICIENT_ATTENTION"), "flex": _flex}
 
 
+def _ratio_range(row: dict, mine: str, best: str) -> list[float] | None:
+    """The lowest and highest of the rounds' ratios (the peer's round median over ours), where ``row`` has
+    the rounds' medians (``rounds_ms``)."""
+    rounds = row.get("rounds_ms", {})
+    if mine not in rounds or best not in rounds:
+        return None
+    ratios = [theirs / ours for ours, theirs in zip(rounds[mine], rounds[best])]
+    return [min(ratios), max(ratios)]
+
+
 def finish_row(row: dict) -> dict:
     """Add TFLOP/s, each kind's fastest peer and the ratio Triton / fastest peer to ``row`` (which holds
-    ``{name}_{kind}_ms`` for triton and the peers that ran)."""
+    ``{name}_{kind}_ms`` for triton and the peers that ran), and where it has each round's medians
+    (``rounds_ms``) the lowest and highest round's ratio (``{kind}_ratio_range``)."""
     names = ["triton", *row["peers"]]
     flops = {kind: _flops(row["batch"], row["heads"], row["n"], row["d"], row["causal"], kind == "bwd")
              for kind in KINDS}
@@ -140,10 +186,12 @@ def finish_row(row: dict) -> dict:
         best = max(row["peers"], key=lambda p: row[f"{p}_{kind}_tflops"], default=None)
         row[f"best_{kind}"] = best
         row[f"{kind}_ratio"] = row[f"triton_{kind}_tflops"] / row[f"{best}_{kind}_tflops"] if best else None
+        row[f"{kind}_ratio_range"] = _ratio_range(row, f"triton_{kind}_ms", f"{best}_{kind}_ms") if best else None
     if "triton_atomic_bwd_ms" in row:  # --atomic-dq: against the same fastest backward peer
         row["triton_atomic_bwd_tflops"] = _tflops(flops["bwd"], row["triton_atomic_bwd_ms"])
         best = row["best_bwd"]
         row["atomic_bwd_ratio"] = row["triton_atomic_bwd_tflops"] / row[f"{best}_bwd_tflops"] if best else None
+        row["atomic_bwd_ratio_range"] = _ratio_range(row, "triton_atomic_bwd_ms", f"{best}_bwd_ms") if best else None
     return row
 
 
@@ -152,8 +200,9 @@ def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, peers=PEERS, 
     """Time one configuration; returns a dict of times (ms), TFLOP/s, the fastest peers and ratios, the
     peers that could not run (with torch's reason) and the largest output difference from Triton's.
     ``atomic_dq``: also the backward with ``deterministic=False`` (``triton_atomic_bwd_ms``). Each time is
-    the median of ``rounds`` (:func:`timed_in_rounds`); every forward and backward runs once first, so that
-    a peer that cannot run is found before the timing starts."""
+    the median of every call's in ``rounds`` rounds of calls interleaved with the other measurements'
+    (:func:`timed_interleaved`); every forward and backward runs once first, so that a peer that cannot run
+    is found before the timing starts."""
     from kernels import triton_attention
 
     batch, heads = max(1, tokens // n), max(1, width // d)
@@ -196,14 +245,19 @@ def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, peers=PEERS, 
             row["not_run"][name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}" \
                 if str(exc).strip() else type(exc).__name__
             torch.cuda.synchronize()
-    row.update(timed_in_rounds(measurements, rounds))
+    row.update(timed_interleaved(measurements, rounds))
     del q, k, v, dout, reference, measurements
     torch.cuda.empty_cache()
     return finish_row(row)
 
 
 def _ratio(r: dict, kind: str) -> str:
-    return f"{r[f'{kind}_ratio']:.2f}" if r[f"{kind}_ratio"] is not None else "-"
+    """The ratio, and in brackets the lowest and highest round's where there were rounds."""
+    if r[f"{kind}_ratio"] is None:
+        return "-"
+    spread = r.get(f"{kind}_ratio_range")
+    return f"{r[f'{kind}_ratio']:.2f}" + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread and r.get("rounds", 1) > 1
+                                         else "")
 
 
 def _best(r: dict, kind: str) -> str:
@@ -239,7 +293,7 @@ def markdown(rows: list[dict], header: str) -> str:
             f"| {r['triton_bwd_tflops']:.0f}{' (gluon)' if r.get('bwd_kernel') == 'gluon' else ''} "
             f"| {_best(r, 'bwd')} | {_ratio(r, 'bwd')} |{extra} {r['max_diff']:.1e} |")
     lines += ["", "TFLOP/s; forward FLOPs 4·B·H·N²·D (halved if causal), backward 2.5× that; "
-              "ratio = Triton / the fastest peer of the row."]
+              "ratio = Triton / the fastest peer of the row (in brackets the lowest and highest round's)."]
     if any(r.get("fwd_kernel") == "gluon" for r in rows):
         lines += ["fwd Triton \"(gluon)\": fa2_forward ran the Gluon forward of kernels/gluon_forward.py (Hopper); "
                   f"{gluon_env()}=0 keeps the Triton one."]
@@ -291,8 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS),
                         help="the peers to time (default: all; none: Triton alone)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds of timing per row, the order reversed every other round; each figure is "
-                             "the median over them (default: 3)")
+                        help="rounds of timing per row, each about 100 ms of calls per measurement, the calls "
+                             "of all the row's measurements interleaved; each figure is the median of every "
+                             "call, the ratio's lowest and highest round shown beside it (default: 3)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: should be 1 or more")
@@ -305,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"Triton FA2 beside the fastest attention on {torch.cuda.get_device_name()} "
               f"(torch {torch.__version__}, triton {triton.__version__})"
               + (", and its backward with dQ added by atomics (deterministic=False)" if args.atomic_dq else "")
-              + f"; each time the median of {args.rounds} round{'s' if args.rounds > 1 else ''}")
+              + f"; each time the median of every call in {args.rounds} round{'s' if args.rounds > 1 else ''} "
+              "of calls interleaved with the row's other measurements")
     causal_flags = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     rows = []
     for d in args.dims:

@@ -3,6 +3,8 @@ are in docs/benchmarks.md, with the card named)."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from kernels import bench
@@ -95,19 +97,76 @@ def test_a_row_whose_backward_ran_gluon_dkdv_says_so():
     assert "dK/dV kernel was the Gluon one of kernels/gluon_backward.py" in text
 
 
-def test_rounds_reverse_the_order_every_other_round_and_keep_the_median():
-    """No measurement is always timed first after a row's setup (the first one read slow on an H200): the
-    order flips every round, and each figure is the median of its rounds."""
-    calls = []
-    made_up = {"a": [5.0, 1.0, 2.0], "b": [3.0, 9.0, 4.0], "c": [7.0, 7.0, 6.0]}
+def test_each_pass_has_its_own_order_so_a_call_follows_every_call_about_as_often():
+    keys = ["tf", "tb", "cf", "cb"]
+    order = bench.interleaved_order(keys, 2000, seed=1)
+    assert len(order) == 8000
+    passes = [order[i:i + 4] for i in range(0, len(order), 4)]
+    assert all(sorted(p) == sorted(keys) for p in passes)  # every key once a pass
+    follows = collections.Counter(zip(order, order[1:]))
+    # each of the 12 (predecessor, key) pairs of two keys about as often (a fixed rotation would give each key
+    # one predecessor almost always), and a key after itself across passes too
+    others = [c for (x, y), c in follows.items() if x != y]
+    mean = sum(others) / 12
+    assert len(others) == 12 and all(0.8 * mean < c < 1.2 * mean for c in others)
+    assert all(follows[(key, key)] > 50 for key in keys)
+    for key in keys:  # every place in a pass about equally often
+        places = collections.Counter(p.index(key) for p in passes)
+        assert all(400 < places[i] < 600 for i in range(4))
+    assert order == bench.interleaved_order(keys, 2000, seed=1)  # the same seed, the same order
 
-    def time(fn):
-        calls.append(fn)
-        return made_up[fn].pop(0)
 
-    got = bench.timed_in_rounds({"a_ms": "a", "b_ms": "b", "c_ms": "c"}, 3, time=time)
-    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
-    assert got == {"a_ms": 2.0, "b_ms": 4.0, "c_ms": 7.0}
+def _fake_clock(speed, drift_per_call=0.0, first_pass_ms=50.0):
+    """A made-up GPU: each call of fn ``f`` takes ``speed[f]`` ms, times a clock that slows by
+    ``drift_per_call`` a call; the first pass of each round (the estimate) reads ``first_pass_ms``."""
+    state = {"calls": 0, "batches": 0, "seen": []}
+
+    def times(fns):
+        state["batches"] += 1
+        state["seen"].append(list(fns))
+        if state["batches"] % 2 == 1:  # each round's first pass, which only sizes the round
+            return [first_pass_ms for _ in fns]
+        out = []
+        for fn in fns:
+            out.append(speed[fn] * (1 + drift_per_call * state["calls"]))
+            state["calls"] += 1
+        return out
+    return times, state
+
+
+def test_interleaved_timing_keeps_the_median_of_every_call_and_each_rounds_median():
+    times, state = _fake_clock({"a": 1.0, "b": 2.0}, drift_per_call=0.1)
+    got = bench.timed_interleaved({"a_ms": "a", "b_ms": "b"}, 2, times=times, budget_ms=30.0)
+    # the round's size from its first pass: 30 ms a measurement over 50 + 50 ms a pass, so the least, 3
+    # passes; round r in interleaved_order's order of seed r
+    assert state["seen"][0] == ["a", "b"] and state["seen"][2] == ["a", "b"]
+    assert state["seen"][1] == [k[0] for k in bench.interleaved_order(["a_ms", "b_ms"], 3, seed=0)] == list("baabba")
+    assert state["seen"][3] == [k[0] for k in bench.interleaved_order(["a_ms", "b_ms"], 3, seed=1)] == list("abbaba")
+    # calls b a a b b a | a b b a b a at clock 1.0, 1.1, ... 2.1; the first passes' 50 ms not among them
+    assert got["rounds_ms"]["a_ms"] == pytest.approx([1.2, 1.9])  # of 1.1 1.2 1.5 | 1.6 1.9 2.1
+    assert got["rounds_ms"]["b_ms"] == pytest.approx([2.6, 3.6])  # of 2.0 2.6 2.8 | 3.4 3.6 4.0
+    assert got["a_ms"] == pytest.approx(1.55) and got["b_ms"] == pytest.approx(3.1)
+
+
+def test_a_clock_that_drifts_during_a_round_reaches_both_measurements_alike():
+    """Two equally fast kernels under a clock that slows by 20% over the round: interleaved, their ratio
+    stays within a pass's drift of 1, where one measured after the other would read about 10% apart."""
+    times, state = _fake_clock({"a": 1.0, "b": 1.0}, drift_per_call=0.0001, first_pass_ms=0.05)
+    got = bench.timed_interleaved({"a_ms": "a", "b_ms": "b"}, 1, times=times, budget_ms=50.0)
+    assert state["calls"] == 2000  # 1000 passes, the most a round takes
+    assert 1.05 < got["a_ms"] < 1.15  # the drift was there
+    assert abs(got["a_ms"] / got["b_ms"] - 1) < 0.002
+
+
+def test_the_ratio_shows_its_lowest_and_highest_round():
+    row = _row(triton=(1.0, 2.0), sdpa_cudnn=(1.1, 1.8))
+    row.update(rounds=3, rounds_ms={"triton_fwd_ms": [1.0, 1.1, 1.0], "sdpa_cudnn_fwd_ms": [1.1, 1.1, 0.9],
+                                    "triton_bwd_ms": [2.0, 2.0, 2.0], "sdpa_cudnn_bwd_ms": [1.8, 1.8, 1.9]})
+    row = bench.finish_row(row)
+    assert row["fwd_ratio_range"] == pytest.approx([0.9, 1.1])
+    assert row["bwd_ratio_range"] == pytest.approx([0.9, 0.95])
+    text = bench.markdown([row], "header")
+    assert "| 1.10 (0.90-1.10) |" in text and "| 0.90 (0.90-0.95) |" in text
 
 
 def test_rounds_below_one_are_refused(capsys):

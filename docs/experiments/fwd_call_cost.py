@@ -53,7 +53,17 @@ for d in (128, 64):
             for ev in prof.events():
                 if ev.device_type == torch.autograd.DeviceType.CUDA:
                     kern[ev.name[:60]] += 1; dev += ev.device_time_total
+            # the same kernels with do_bench's cache flush (a 256 MB zero fill) before each call
+            flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    flush.zero_()
+                    fn()
+                torch.cuda.synchronize()
+            flushed = sum(ev.device_time_total for ev in prof.events()
+                          if ev.device_type == torch.autograd.DeviceType.CUDA and "Fill" not in ev.name) / 5
+            del flush
             res[name] = (host_us, wall_us, bench, graph, dev / 5)
             print(f"D{d} causal={causal} {name:13s} host {host_us:6.1f}us wall/call {wall_us:6.1f} "
-                  f"do_bench {bench:6.1f} graph {graph:6.1f} prof-dev/call {dev/5:6.1f} "
+                  f"do_bench {bench:6.1f} graph {graph:6.1f} prof-dev/call {dev/5:6.1f} flushed {flushed:6.1f} "
                   f"kernels/call {dict((k2, c/5) for k2, c in kern.items())}", flush=True)
