@@ -23,11 +23,12 @@ consumer warpgroups of four warps, ``BLOCK_N`` keys each, run per Q tile, in the
 Without ``ATOMIC_DQ`` this is the whole kernel, and the Triton dQ kernel runs after it (7 tile products per
 (Q tile, KV tile) pair in all): the deterministic backward at head dim 64. With ``ATOMIC_DQ`` (5 products,
 no dQ kernel) each warpgroup also writes its dS^T to shared memory; once both have (an mbarrier), warpgroup
-``w`` issues ``dK += dS^T Q`` from there and ``dQ[:, w half of D] = dS K[:, w half]`` over the program's 128
-keys (K loaded a second time, in column halves), and that float32 tile is added to a ``[B, Hq, Nq, D]``
-buffer by a TMA reduce. At head dim 128 the dQ products are issued before dK's so that the tile's store and
-reduce overlap it. Not causal, each program walks a head's Q tiles from its own start (:func:`_tile`), so
-that the programs of a head add to different tiles at a time.
+``w`` issues ``dQ[:, w half of D] = dS K[:, w half]`` over the program's 128 keys (K loaded a second time,
+in column halves), and that float32 tile is added to a ``[B, Hq, Nq, D]`` buffer by a TMA reduce. At head
+dim 128 (``DK_FIRST``) ``dK += dS^T Q`` is issued before all that, from registers, so that dS^T's store and
+the wait for the other warpgroup overlap it; at 64 after the barrier, from shared memory. Not causal, each
+program walks a head's Q tiles from its own start (:func:`_tile`), so that the programs of a head add to
+different tiles at a time.
 
 - ``deterministic=False``: each warpgroup issues its reduce itself; dQ's sum follows the order the reduces
   arrive in.
@@ -70,8 +71,10 @@ HEAD_DIMS = gluon_forward.HEAD_DIMS
 BLOCK_N = 64  # keys per consumer warpgroup; a program covers 2 * BLOCK_N
 BLOCK_M = 64  # query rows per stage (128 at head dim 64 spills, and ran 1.3-1.6x slower on an H200)
 STAGES = 2
-# the atomic-dQ loop's order per head dim: dQ's products before dK's (True) or after (docs/benchmarks.md)
-DQ_FIRST = {64: False, 128: True}
+# the atomic-dQ loop's order per head dim: dK's product first, from registers, overlapping dS^T's store and
+# the warpgroups' barrier (True; H200: 1.02-1.06x at 128, the same sums), or after the barrier from shared
+# memory, with dQ's (False; docs/benchmarks.md)
+DK_FIRST = {64: False, 128: True}
 DS_BUFS = 2  # dS^T buffers of the atomic-dQ form: a warpgroup may write one while the other's dQ reads the other
 
 
@@ -118,6 +121,16 @@ if AVAILABLE:
                            gl.zeros([BLOCK_M, DH], gl.float32, layout=Q_LAYOUT), use_acc=False, is_async=True)
         return warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)), kh_smem.index(2 + WG).reshape([BLOCK_N, DH]),
                              dq, is_async=True)
+
+    @gluon.jit
+    def _share_ds(ds, ds_smem, ds_free, ds_ready, buf, step, WG: gl.constexpr, DS_BUFS: gl.constexpr):
+        """Warpgroup ``WG``'s dS^T into ``ds_smem`` buffer ``buf`` (free once both warpgroups' dQ products of
+        ``DS_BUFS`` steps ago are done), then wait until the other warpgroup has written its own."""
+        mbarrier.wait(ds_free.index(buf), ((step // DS_BUFS) & 1) ^ 1, pred=step >= DS_BUFS)
+        ds_smem.index(buf * 2 + WG).store(ds)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(buf), count=1)
+        mbarrier.wait(ds_ready.index(buf), (step // DS_BUFS) & 1)
 
     @gluon.jit
     def _add_dq(dq, scale, dq_smem, dq_desc, at, dq_full, dq_empty, step, ORDERED: gl.constexpr):
@@ -197,7 +210,7 @@ if AVAILABLE:
                   group, start_n, lo, n_tiles, len_k, causal_offset, pid_n, n_prog,
                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   D: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, ATOMIC_DQ: gl.constexpr,
-                  DS_BUFS: gl.constexpr, DQ_FIRST: gl.constexpr, WARPGROUPS: gl.constexpr, ROTATE: gl.constexpr,
+                  DS_BUFS: gl.constexpr, DK_FIRST: gl.constexpr, WARPGROUPS: gl.constexpr, ROTATE: gl.constexpr,
                   ORDERED: gl.constexpr):
         """One warpgroup (``WG``: 0 or 1, or 2 where there are three, without dQ): keys [start_n, start_n +
         BLOCK_N) against every Q tile of the group's heads. ``ATOMIC_DQ``: also dQ's columns [WG * D / 2, (WG
@@ -261,33 +274,22 @@ if AVAILABLE:
             dp = warpgroup_mma_wait(1, deps=(dp, ))  # dP^T done, dV's product still running ...
             ds = (p * (dp - gl.expand_dims(rows_tile.index(1).load(COL), 0))).to(dtype)  # ... during this
             if ATOMIC_DQ:
-                # dS^T to shared memory (the buffer free once both warpgroups' dQ products of DS_BUFS steps
-                # ago are done); then dK += dS^T Q from it, and dQ[:, cols] = dS K[:, cols] over both
-                # warpgroups' keys (their dS^T transposed)
+                # dK += dS^T Q, and dS^T to shared memory for dQ[:, cols] = dS K[:, cols] over both
+                # warpgroups' keys (their dS^T transposed), issued once both have written theirs
                 buf = step % DS_BUFS
-                mbarrier.wait(ds_free.index(buf), ((step // DS_BUFS) & 1) ^ 1, pred=step >= DS_BUFS)
-                ds_smem.index(buf * 2 + WG).store(ds)
-                fence_async_shared()
-                mbarrier.arrive(ds_ready.index(buf), count=1)
-                mbarrier.wait(ds_ready.index(buf), (step // DS_BUFS) & 1)
                 dq_at = [off_b, off_h, start_m, WG * DH]
-                if DQ_FIRST:  # dQ's products first: its store and reduce overlap dK's product
-                    dq = _issue_dq(ds_smem, kh_smem, buf, WG, BLOCK_M, BLOCK_N, DH, Q_LAYOUT)
-                    dk = warpgroup_mma(ds_smem.index(buf * 2 + WG), q_tile, dk, is_async=True)
-                    dq = warpgroup_mma_wait(1, deps=(dq, ))  # dQ's products done, dK's still running ...
-                    _add_dq(dq, scale, dq_smem.index(WG), dq_desc, dq_at, dq_full.index(WG), dq_empty.index(WG), step,
-                            ORDERED)  # ... during this
-                    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-                    mbarrier.arrive(ds_free.index(buf), count=1)
-                    mbarrier.arrive(empty.index(st), count=1)
+                if DK_FIRST:  # dK's product first, from registers: dS^T's store and the barrier overlap it
+                    dk = warpgroup_mma(gl.convert_layout(ds, P_LAYOUT), q_tile, dk, is_async=True)
+                    _share_ds(ds, ds_smem, ds_free, ds_ready, buf, step, WG, DS_BUFS)
                 else:
+                    _share_ds(ds, ds_smem, ds_free, ds_ready, buf, step, WG, DS_BUFS)
                     dk = warpgroup_mma(ds_smem.index(buf * 2 + WG), q_tile, dk, is_async=True)
-                    dq = _issue_dq(ds_smem, kh_smem, buf, WG, BLOCK_M, BLOCK_N, DH, Q_LAYOUT)
-                    dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
-                    mbarrier.arrive(ds_free.index(buf), count=1)
-                    mbarrier.arrive(empty.index(st), count=1)
-                    _add_dq(dq, scale, dq_smem.index(WG), dq_desc, dq_at, dq_full.index(WG), dq_empty.index(WG), step,
-                            ORDERED)
+                dq = _issue_dq(ds_smem, kh_smem, buf, WG, BLOCK_M, BLOCK_N, DH, Q_LAYOUT)
+                dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
+                mbarrier.arrive(ds_free.index(buf), count=1)
+                mbarrier.arrive(empty.index(st), count=1)
+                _add_dq(dq, scale, dq_smem.index(WG), dq_desc, dq_at, dq_full.index(WG), dq_empty.index(WG), step,
+                        ORDERED)
             else:
                 dk = warpgroup_mma(gl.convert_layout(ds, P_LAYOUT), q_tile, dk, is_async=True)
                 dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
@@ -341,7 +343,7 @@ if AVAILABLE:
     def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, rows_desc, dk_desc, dv_desc, kh_desc, dq_desc, lock_ptr,
                           c, scale, heads_kv, group, len_q, len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ATOMIC_DQ: gl.constexpr,
-                          DS_BUFS: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_FIRST: gl.constexpr,
+                          DS_BUFS: gl.constexpr, DS_LAYOUT: gl.constexpr, DK_FIRST: gl.constexpr,
                           WARPGROUPS: gl.constexpr, ROTATE: gl.constexpr, ORDERED: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         pid_n = gl.program_id(0)  # causal: the first key tiles have the most Q tiles, and run first
@@ -399,12 +401,12 @@ if AVAILABLE:
                              kv_bar.index(0), kh_bar.index(0), ready, empty, ds_ready, ds_free, dq_full, dq_empty,
                              dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n, lo, n_tiles,
                              len_k, causal_offset, pid_n, n_prog, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 0, True,
-                             DS_BUFS, DQ_FIRST, WARPGROUPS, ROTATE, True)),
+                             DS_BUFS, DK_FIRST, WARPGROUPS, ROTATE, True)),
                 (_consumer, (k_smem.index(1), v_smem.index(1), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,
                              kv_bar.index(1), kh_bar.index(0), ready, empty, ds_ready, ds_free, dq_full, dq_empty,
                              dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n + BLOCK_N, lo, n_tiles,
                              len_k, causal_offset, pid_n, n_prog, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 1, True,
-                             DS_BUFS, DQ_FIRST, WARPGROUPS, ROTATE, True)),
+                             DS_BUFS, DK_FIRST, WARPGROUPS, ROTATE, True)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, rows_desc, kh_desc, k_smem, v_smem, q_smem, do_smem,
                              rows_smem, kh_smem, kv_bar, kh_bar.index(0), ready, empty, off_b, off_hkv, group, start_n,
                              lo, n_tiles, pid_n, n_prog, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, STAGES, True,
@@ -418,12 +420,12 @@ if AVAILABLE:
                              kv_bar.index(0), kh_bar.index(0), ready, empty, ds_ready, ds_free, dq_full, dq_empty,
                              dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n, lo, n_tiles,
                              len_k, causal_offset, pid_n, n_prog, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 0, ATOMIC_DQ,
-                             DS_BUFS, DQ_FIRST, WARPGROUPS, ROTATE, False)),
+                             DS_BUFS, DK_FIRST, WARPGROUPS, ROTATE, False)),
                 (_consumer, (k_smem.index(1), v_smem.index(1), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,
                              kv_bar.index(1), kh_bar.index(0), ready, empty, ds_ready, ds_free, dq_full, dq_empty,
                              dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n + BLOCK_N, lo, n_tiles,
                              len_k, causal_offset, pid_n, n_prog, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 1, ATOMIC_DQ,
-                             DS_BUFS, DQ_FIRST, WARPGROUPS, ROTATE, False)),
+                             DS_BUFS, DK_FIRST, WARPGROUPS, ROTATE, False)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, rows_desc, kh_desc, k_smem, v_smem, q_smem, do_smem,
                              rows_smem, kh_smem, kv_bar, kh_bar.index(0), ready, empty, off_b, off_hkv, group, start_n,
                              lo, n_tiles, pid_n, n_prog, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, STAGES, ATOMIC_DQ,
@@ -435,17 +437,17 @@ if AVAILABLE:
                              kv_bar.index(0), kh_bar.index(0), ready, empty, ds_ready, ds_free, dq_full, dq_empty,
                              dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n, lo, n_tiles,
                              len_k, causal_offset, pid_n, n_prog, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 0, False,
-                             DS_BUFS, DQ_FIRST, WARPGROUPS, False, False)),
+                             DS_BUFS, DK_FIRST, WARPGROUPS, False, False)),
                 (_consumer, (k_smem.index(1), v_smem.index(1), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,
                              kv_bar.index(1), kh_bar.index(0), ready, empty, ds_ready, ds_free, dq_full, dq_empty,
                              dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n + BLOCK_N, lo, n_tiles,
                              len_k, causal_offset, pid_n, n_prog, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 1, False,
-                             DS_BUFS, DQ_FIRST, WARPGROUPS, False, False)),
+                             DS_BUFS, DK_FIRST, WARPGROUPS, False, False)),
                 (_consumer, (k_smem.index(2), v_smem.index(2), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,
                              kv_bar.index(2), kh_bar.index(0), ready, empty, ds_ready, ds_free, dq_full, dq_empty,
                              dk_desc, dv_desc, dq_desc, c, scale, off_b, off_hkv, group, start_n + 2 * BLOCK_N, lo,
                              n_tiles, len_k, causal_offset, pid_n, n_prog, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, 2,
-                             False, DS_BUFS, DQ_FIRST, WARPGROUPS, False, False)),
+                             False, DS_BUFS, DK_FIRST, WARPGROUPS, False, False)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, rows_desc, kh_desc, k_smem, v_smem, q_smem, do_smem,
                              rows_smem, kh_smem, kv_bar, kh_bar.index(0), ready, empty, off_b, off_hkv, group, start_n,
                              lo, n_tiles, pid_n, n_prog, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, STAGES, False,
@@ -571,7 +573,7 @@ def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float, dq_su
         descriptor(q, BLOCK_M), k_desc, descriptor(v, BLOCK_N), descriptor(dout, BLOCK_M),
         descriptor(rows, 2, BLOCK_M, swizzled=False), dk_desc, descriptor(targets[1], BLOCK_N), kh_desc, dq_desc,
         locks, scale * LOG2E, scale, hkv, hq // hkv, len_q, len_k, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d,
-        STAGES=STAGES, ATOMIC_DQ=atomic, DS_BUFS=DS_BUFS, DS_LAYOUT=_ds_layout(q.dtype), DQ_FIRST=DQ_FIRST[d],
+        STAGES=STAGES, ATOMIC_DQ=atomic, DS_BUFS=DS_BUFS, DS_LAYOUT=_ds_layout(q.dtype), DK_FIRST=DK_FIRST[d],
         WARPGROUPS=groups, ROTATE=rotate, ORDERED=ordered, num_warps=4)
     for target, given in zip(targets, (dk, dv)):
         if target is not given:

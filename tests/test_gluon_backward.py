@@ -256,14 +256,14 @@ for d in gb.HEAD_DIMS:
                              "dv_desc": keys, "kh_desc": kh, "dq_desc": dq, "lock_ptr": "*i32", "c": "fp32",
                              "scale": "fp32", **{name: "i32" for name in ("heads_kv", "group", "len_q", "len_k")},
                              **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "STAGES",
-                                                               "ATOMIC_DQ", "DS_BUFS", "DS_LAYOUT", "DQ_FIRST",
+                                                               "ATOMIC_DQ", "DS_BUFS", "DS_LAYOUT", "DK_FIRST",
                                                                "WARPGROUPS", "ROTATE", "ORDERED")}}
                 ds_layout = gl.NVMMASharedLayout.get_default_for([gb.BLOCK_N, gb.BLOCK_M], gdt)
                 build(f"d{d}-{dt}-{'causal' if causal else 'full'}-{form}",
                       gb._attn_bwd_dkdv_ws, signature,
                       {"CAUSAL": causal, "BLOCK_M": gb.BLOCK_M, "BLOCK_N": gb.BLOCK_N, "D": d, "STAGES": gb.STAGES,
                        "ATOMIC_DQ": atomic, "DS_BUFS": gb.DS_BUFS, "DS_LAYOUT": ds_layout,
-                       "DQ_FIRST": gb.DQ_FIRST[d], "WARPGROUPS": gb.warpgroups(d, atomic),
+                       "DK_FIRST": gb.DK_FIRST[d], "WARPGROUPS": gb.warpgroups(d, atomic),
                        "ROTATE": atomic and not causal, "ORDERED": form == "ordered"})
 """
 
