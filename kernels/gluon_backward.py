@@ -72,7 +72,7 @@ BLOCK_N = 64  # keys per consumer warpgroup; a program covers 2 * BLOCK_N
 BLOCK_M = 64  # query rows per stage (128 at head dim 64 spills, and ran 1.3-1.6x slower on an H200)
 STAGES = 2
 # the atomic-dQ loop's order per head dim: dK's product first, from registers, overlapping dS^T's store and
-# the warpgroups' barrier (True; H200: 1.02-1.06x at 128, the same sums), or after the barrier from shared
+# the warpgroups' barrier (True; H200: 1.03-1.06x at 128, the same sums), or after the barrier from shared
 # memory, with dQ's (False; docs/benchmarks.md)
 DK_FIRST = {64: False, 128: True}
 DS_BUFS = 2  # dS^T buffers of the atomic-dQ form: a warpgroup may write one while the other's dQ reads the other
