@@ -51,6 +51,12 @@ fixed walk had ended up to 8% apart, beyond the walk's own 3% (docs/benchmarks.m
 hardware's scheduling of one program per tile, the longest first, balanced the tiles better (0.975-0.99x,
 measured with the fixed walk).
 
+Causal, a head's Q tiles end at its last row (:func:`first_row`): where the rows are not a whole number of
+tiles, the rows missing are the first tile's, which sees fewest keys, not the last one's, which sees most
+(its idle warpgroups had cost three warpgroups 17% at 2048 keys); a warpgroup whose rows would start before
+row 0 runs rows from row 0 on (:func:`wg_row`). Outputs bitwise those of tiles from row 0 (a row's arithmetic
+does not depend on its tile); three warpgroups at head dim 64 now from 2048 causal keys (:func:`warpgroups`).
+
 No product is in flight across the loop's back edge: when an accumulator in flight is copied there, ptxas
 serializes every product of the kernel (its "C7514" note), which cost this design all its speed
 (docs/benchmarks.md). On the H100 this forward runs 0.9-1.1 of cuDNN's where the Triton one ran 0.7-0.95.
@@ -86,7 +92,7 @@ HEAD_DIMS = (64, 128)
 BLOCK_M = 64  # query rows per consumer warpgroup; a program covers warpgroups(...) * BLOCK_M
 BLOCK_N = 128  # keys per KV block
 CONSUMER_REGS = 160  # registers per thread of a consumer warpgroup where there are three (240 with two)
-THREE_WARPGROUPS_CAUSAL_MIN_KEYS = 4096
+THREE_WARPGROUPS_CAUSAL_MIN_KEYS = 2048
 THREE_WARPGROUPS_MAX_PADDING = 1.05  # 192-row tiles' rows over 128-row tiles' (warpgroups()): between the
 # 1.03 where three ran 1.05x as fast and the 1.125 where two ran 1.03x
 
@@ -94,10 +100,12 @@ THREE_WARPGROUPS_MAX_PADDING = 1.05  # 192-row tiles' rows over 128-row tiles' (
 def warpgroups(head_dim: int, causal: bool, len_q: int, len_k: int) -> int:
     """Consumer warpgroups per program. Three at head dim 64 (192 query rows share each K and V block; its
     accumulators fit 160 registers a thread), except
-    - causal attention over fewer than 4096 keys: on the H200 three ran 3-8% faster than two wherever not
-      causal (N = 1024-16384) and causal from 4096 keys on, but 2% slower causal at 2048 and 14% at 1024,
-      where a 192-row tile on the diagonal leaves more of its warpgroups idle (measured with one program per
-      tile; in the persistent kernel three ran 0.83x as fast as two causal at 2048 keys, 1.01x at 3072);
+    - causal attention over fewer than ``THREE_WARPGROUPS_CAUSAL_MIN_KEYS`` (2048) keys: on the H200 three ran
+      3-8% faster than two wherever not causal (N = 1024-16384) and causal from 4096 keys on. Causal tiles
+      end at a head's last row (:func:`first_row`), so that a head's rows short of a whole tile are missing
+      from its first tile, the one that sees fewest keys; since then three ran 1.02x as fast as two causal
+      at 2048 keys and 1.06x at 3072, but 0.95x at 1024 (H200, float16, the persistent kernel; with tiles
+      from row 0, where the last, longest tile carried the padding, three had run 0.83x as fast at 2048);
     - where 192-row tiles would pad the last tile of a head by more than 128-row tiles do, beyond
       ``THREE_WARPGROUPS_MAX_PADDING``: a warpgroup past the end idles through its tile's whole loop. In the
       persistent kernel (H200, float16, CUDA graphs) two ran 1.03x as fast as three at Nq = 1024 (1152 rows
@@ -107,6 +115,24 @@ def warpgroups(head_dim: int, causal: bool, len_q: int, len_k: int) -> int:
         return 2
     rows_three, rows_two = -(-len_q // (3 * BLOCK_M)) * 3 * BLOCK_M, -(-len_q // (2 * BLOCK_M)) * 2 * BLOCK_M
     return 3 if rows_three <= rows_two * THREE_WARPGROUPS_MAX_PADDING else 2
+
+
+def first_row(pid_m: int, len_q: int, causal: bool, groups: int) -> int:
+    """The first query row of Q tile ``pid_m`` of ``groups * BLOCK_M`` rows (the kernels' ``_first_row``): from
+    row 0 on, but causal from the last row back: a head's tiles end at its last row, and the rows short of a
+    whole tile are missing from its first tile, the one that sees fewest keys, not from its last, which sees
+    most (the first row may then be negative: :func:`wg_row`)."""
+    rows = groups * BLOCK_M
+    return len_q - (-(-len_q // rows) - pid_m) * rows if causal else pid_m * rows
+
+
+def wg_row(start: int, w: int) -> int:
+    """The first of the ``BLOCK_M`` rows warpgroup ``w`` runs in the tile from row ``start`` (the kernels'
+    ``_wg_row``): never before row 0; a warpgroup whose rows would start there runs rows from row 0 on, some
+    of them also another warpgroup's (a row's arithmetic does not depend on the warpgroup that runs it, so
+    both write the same bits), and no TMA box starts at a negative row (the H200 raised an illegal
+    instruction where one did)."""
+    return max(start + w * BLOCK_M, 0)
 
 
 # A program's row of a timeline (``forward(..., timeline=...)``, docs/experiments/gluon_fwd_timeline.py; in the
@@ -344,7 +370,7 @@ if AVAILABLE:
         _stamp(stamps, 3, TIMELINE)
         for w in gl.static_range(WARPGROUPS):
             mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [off_b, off_h, start_m + w * BLOCK_M, 0], q_bar.index(w), q_smem.index(w))
+            _tma_load(q_desc, [off_b, off_h, _wg_row(start_m, w, BLOCK_M), 0], q_bar.index(w), q_smem.index(w))
         _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, off_b, off_hkv, 0, n_loaded,
                  BLOCK_N)
 
@@ -383,14 +409,28 @@ if AVAILABLE:
         return valid, off_b, off_h, start_m, n_loaded
 
     @gluon.jit
+    def _first_row(pid_m, len_q, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, WARPGROUPS: gl.constexpr):
+        """:func:`first_row` in the kernel."""
+        rows: gl.constexpr = WARPGROUPS * BLOCK_M
+        first = pid_m * rows
+        if CAUSAL:
+            first = len_q - (gl.cdiv(len_q, rows) - pid_m) * rows
+        return first
+
+    @gluon.jit
+    def _wg_row(start_m, w, BLOCK_M: gl.constexpr):
+        """:func:`wg_row` in the kernel."""
+        return gl.maximum(start_m + w * BLOCK_M, 0)
+
+    @gluon.jit
     def _tile(pid_bh, pid_m, heads_q, len_q, len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr):
         """(batch, head, first row, KV blocks loaded) of Q tile ``pid_m`` of (batch x head) ``pid_bh``: the
         blocks its longest warpgroup reads."""
-        start_m = pid_m * WARPGROUPS * BLOCK_M
+        start_m = _first_row(pid_m, len_q, CAUSAL, BLOCK_M, WARPGROUPS)
         n_loaded = 0
         for w in gl.static_range(WARPGROUPS):
-            n, full = _blocks(start_m + w * BLOCK_M, len_q, len_k, len_k - len_q, CAUSAL, BLOCK_M, BLOCK_N)
+            n, full = _blocks(_wg_row(start_m, w, BLOCK_M), len_q, len_k, len_k - len_q, CAUSAL, BLOCK_M, BLOCK_N)
             n_loaded = gl.maximum(n_loaded, n)
         return pid_bh // heads_q, pid_bh % heads_q, start_m, n_loaded
 
@@ -439,10 +479,12 @@ if AVAILABLE:
                 gl.sum(gl.where(i == 2, t, 0), 0), gl.sum(gl.where(i == 3, t, 0), 0))
 
     @gluon.jit
-    def _row(off_b, off_h, start_m, heads_q, tiles_m, BLOCK_M: gl.constexpr, WARPGROUPS: gl.constexpr):
+    def _row(off_b, off_h, start_m, heads_q, tiles_m, len_q, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+             WARPGROUPS: gl.constexpr):
         """A tile's row of a timeline in the persistent kernel: ``(b * Hq + h) * tiles_m + pid_m``, a head's Q
         tiles in order (the per-tile kernel's rows are its programs', causal ones the longest rows first)."""
-        return (off_b * heads_q + off_h) * tiles_m + start_m // (WARPGROUPS * BLOCK_M)
+        return (off_b * heads_q + off_h) * tiles_m + (start_m - _first_row(0, len_q, CAUSAL, BLOCK_M, WARPGROUPS)) \
+            // (WARPGROUPS * BLOCK_M)
 
     @gluon.jit
     def _consume(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, Lse, stride_lb,
@@ -451,17 +493,18 @@ if AVAILABLE:
                  D: gl.constexpr, WARPGROUPS: gl.constexpr, TIMELINE: gl.constexpr):
         """Consumer warpgroup ``W``'s rows of the program's ``i_t``-th tile, its K/V blocks from block ``ring`` of
         the ring on; then Q's buffer released."""
-        n_blocks, n_full = _blocks(start_m + W * BLOCK_M, len_q, len_k, len_k - len_q, CAUSAL, BLOCK_M, BLOCK_N)
+        row = _wg_row(start_m, W, BLOCK_M)
+        n_blocks, n_full = _blocks(row, len_q, len_k, len_k - len_q, CAUSAL, BLOCK_M, BLOCK_N)
         buf = i_t % 2
         if TIMELINE:
-            stamps = Timeline + _row(off_b, off_h, start_m, heads_q, tiles_m, BLOCK_M, WARPGROUPS) \
+            stamps = Timeline + _row(off_b, off_h, start_m, heads_q, tiles_m, len_q, CAUSAL, BLOCK_M, WARPGROUPS) \
                 * _TIMELINE_SLOTS + 4 + 8 * W
         else:
             stamps = Lse  # not written
         _attend(q_smem.index(buf * WARPGROUPS + W), q_ready.index(buf * WARPGROUPS + W), (i_t // 2) & 1, k_smem,
                 v_smem, k_ready, v_ready, k_empty, v_empty, ring, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b,
-                off_h, start_m + W * BLOCK_M, len_q, len_k, len_k - len_q, n_blocks, n_full, n_loaded, stamps, CAUSAL,
-                BLOCK_M, BLOCK_N, D, TIMELINE)
+                off_h, row, len_q, len_k, len_k - len_q, n_blocks, n_full, n_loaded, stamps, CAUSAL, BLOCK_M, BLOCK_N,
+                D, TIMELINE)
         mbarrier.arrive(q_empty.index(buf), count=1)
 
     @gluon.jit
@@ -502,16 +545,17 @@ if AVAILABLE:
 
     @gluon.jit
     def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                 slots, heads_q, group, tiles_m, Timeline, off_b, off_h, start_m, n_loaded, ring, i_t,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr, DYNAMIC: gl.constexpr,
-                 TIMELINE: gl.constexpr):
+                 slots, heads_q, group, tiles_m, len_q, Timeline, off_b, off_h, start_m, n_loaded, ring, i_t,
+                 CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr,
+                 DYNAMIC: gl.constexpr, TIMELINE: gl.constexpr):
         """The producer's ``i_t``-th tile: its Q tiles into the buffer of its parity once free (two tiles back;
         ``DYNAMIC``: the tile left in the slot of that parity, :func:`_put_tile`), then its K and V blocks into the
         ring from block ``ring`` on. ``TIMELINE``: the tile's row gets the SM and the times it takes the tile up
         (slots 0-2) and issues its Q (slot 3)."""
         buf = i_t % 2
         if TIMELINE:
-            stamps = _timeline_row(Timeline, _row(off_b, off_h, start_m, heads_q, tiles_m, BLOCK_M, WARPGROUPS))
+            stamps = _timeline_row(Timeline, _row(off_b, off_h, start_m, heads_q, tiles_m, len_q, CAUSAL, BLOCK_M,
+                                                  WARPGROUPS))
         mbarrier.wait(q_empty.index(buf), ((i_t // 2) & 1) ^ 1, pred=i_t >= 2)
         if TIMELINE:
             _stamp(stamps, 3, TIMELINE)
@@ -519,7 +563,7 @@ if AVAILABLE:
             _put_tile(slots, buf, off_b, off_h, start_m, n_loaded)
         for w in gl.static_range(WARPGROUPS):
             mbarrier.expect(q_ready.index(buf * WARPGROUPS + w), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [off_b, off_h, start_m + w * BLOCK_M, 0], q_ready.index(buf * WARPGROUPS + w),
+            _tma_load(q_desc, [off_b, off_h, _wg_row(start_m, w, BLOCK_M), 0], q_ready.index(buf * WARPGROUPS + w),
                       q_smem.index(buf * WARPGROUPS + w))
         _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, off_b, off_h // group, ring,
                  n_loaded, BLOCK_N)
@@ -548,8 +592,8 @@ if AVAILABLE:
                     off_b, off_h, start_m, n_loaded = _tile(pid_bh, pid_m, heads_q, len_q, len_k, CAUSAL, BLOCK_M,
                                                             BLOCK_N, WARPGROUPS)
                     _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, slots, heads_q, group, tiles_m, Timeline, off_b, off_h, start_m,
-                             n_loaded, ring, i_t, BLOCK_M, BLOCK_N, WARPGROUPS, DYNAMIC, TIMELINE)
+                             k_empty, v_empty, slots, heads_q, group, tiles_m, len_q, Timeline, off_b, off_h,
+                             start_m, n_loaded, ring, i_t, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS, DYNAMIC, TIMELINE)
                     ring += n_loaded
                     i_t += 1
                 u = nxt
@@ -564,8 +608,8 @@ if AVAILABLE:
                                                            BLOCK_M, BLOCK_N, WARPGROUPS)
             if valid:
                 _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, slots, heads_q, group, tiles_m, Timeline, off_b, off_h, start_m, n_loaded, ring, i_t,
-                         BLOCK_M, BLOCK_N, WARPGROUPS, DYNAMIC, TIMELINE)
+                         v_empty, slots, heads_q, group, tiles_m, len_q, Timeline, off_b, off_h, start_m, n_loaded,
+                         ring, i_t, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS, DYNAMIC, TIMELINE)
                 ring += n_loaded
                 i_t += 1
 
@@ -601,11 +645,12 @@ if AVAILABLE:
         pid_bh = gl.program_id(1)
         off_b = pid_bh // heads_q
         off_h = pid_bh % heads_q
-        start_m = pid_m * WARPGROUPS * BLOCK_M
+        start_m = _first_row(pid_m, len_q, CAUSAL, BLOCK_M, WARPGROUPS)
+        row0, row1, row2 = _wg_row(start_m, 0, BLOCK_M), _wg_row(start_m, 1, BLOCK_M), _wg_row(start_m, 2, BLOCK_M)
         causal_offset = len_k - len_q
-        n0, full0 = _blocks(start_m, len_q, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
-        n1, full1 = _blocks(start_m + BLOCK_M, len_q, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
-        n2, full2 = _blocks(start_m + 2 * BLOCK_M, len_q, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+        n0, full0 = _blocks(row0, len_q, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+        n1, full1 = _blocks(row1, len_q, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+        n2, full2 = _blocks(row2, len_q, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
         if WARPGROUPS == 2:
             n2 = 0
         n_loaded = gl.maximum(gl.maximum(n0, n1), n2)
@@ -631,11 +676,11 @@ if AVAILABLE:
         if WARPGROUPS == 2:
             gl.warp_specialize([
                 (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
-                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k,
+                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, row0, len_q, len_k,
                              causal_offset, n0, full0, n_loaded, stamps + 4, CAUSAL, BLOCK_M, BLOCK_N, D,
                              TIMELINE)),
                 (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty, v_empty,
-                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m + BLOCK_M, len_q,
+                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, row1, len_q,
                              len_k, causal_offset, n1, full1, n_loaded, stamps + 12, CAUSAL, BLOCK_M, BLOCK_N,
                              D, TIMELINE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
@@ -645,15 +690,15 @@ if AVAILABLE:
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
-                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k,
+                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, row0, len_q, len_k,
                              causal_offset, n0, full0, n_loaded, stamps + 4, CAUSAL, BLOCK_M, BLOCK_N, D,
                              TIMELINE)),
                 (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty, v_empty,
-                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m + BLOCK_M, len_q,
+                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, row1, len_q,
                              len_k, causal_offset, n1, full1, n_loaded, stamps + 12, CAUSAL, BLOCK_M, BLOCK_N,
                              D, TIMELINE)),
                 (_consumer, (q_smem.index(2), k_smem, v_smem, q_bar.index(2), k_ready, v_ready, k_empty, v_empty,
-                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m + 2 * BLOCK_M,
+                             o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, row2,
                              len_q, len_k, causal_offset, n2, full2, n_loaded, stamps + 20, CAUSAL, BLOCK_M,
                              BLOCK_N, D, TIMELINE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,

@@ -214,13 +214,37 @@ def test_warpgroup_configs_are_the_chosen_ones():
 @pytest.mark.parametrize("len_q,causal,len_k,groups", [(16384, False, 16384, 3), (4096, False, 4096, 3),
                                                        (2048, False, 2048, 3), (1024, False, 1024, 2),
                                                        (1024, False, 16384, 2), (2048, False, 1, 3),
-                                                       (1, False, 4096, 2), (2048, True, 2048, 2),
+                                                       (1, False, 4096, 2), (2048, True, 2048, 3),
+                                                       (2048, True, 2047, 2), (1024, True, 1024, 2),
                                                        (2048, True, 4096, 3), (1024, True, 4096, 2)])
 def test_three_warpgroups_at_head_dim_64_where_their_tiles_pad_little(len_q, causal, len_k, groups):
     """192-row tiles at Nq = 1024 pad it to 1152 rows (1.125x 128-row tiles'): two warpgroups; at 2048 and
-    4096 (1.03x) three; causal over fewer than 4096 keys, two; head dim 128, always two."""
+    4096 (1.03x) three; causal over fewer than 2048 keys, two; head dim 128, always two."""
     assert gf.warpgroups(64, causal, len_q, len_k) == groups
     assert gf.warpgroups(128, causal, len_q, len_k) == 2
+
+
+@pytest.mark.parametrize("len_q", [1, 63, 64, 65, 100, 127, 128, 129, 191, 192, 193, 333, 1000, 1024, 2100, 4033])
+@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tiles_cover_every_row_from_row_0_and_causal_ones_end_at_the_last(len_q, groups, causal):
+    """gf.first_row and gf.wg_row (the kernels' _first_row and _wg_row): the warpgroups' rows of a head's tiles
+    cover every row, no warpgroup starts before row 0; not causal the tiles start at row 0 (the last one's
+    warpgroups may start past the end), causal the last ends at the last row, no warpgroup starts past it, and
+    only the first tile has rows before row 0 (the shortest tile carries the padding)."""
+    rows = groups * gf.BLOCK_M
+    tiles = -(-len_q // rows)
+    covered = set()
+    for m in range(tiles):
+        start = gf.first_row(m, len_q, causal, groups)
+        assert start >= 0 or (causal and m == 0), (m, start)
+        for w in range(groups):
+            first = gf.wg_row(start, w)
+            assert first >= 0 and (first < len_q or not causal), (m, w, first)  # causal: none past the end
+            covered |= set(range(first, min(first + gf.BLOCK_M, len_q)))
+    assert covered == set(range(len_q))
+    last = gf.first_row(tiles - 1, len_q, causal, groups) + rows
+    assert last == len_q if causal else last == tiles * rows
 
 
 def _on_hopper() -> bool:
@@ -244,14 +268,16 @@ def _reference(q, k, v, causal, scale):
 
 # (B, Hq, Hkv, Nq, Nk, D, causal, layout): tails of every size class, Nq != Nk both ways (Nq > Nk, causal:
 # the first rows see no key), GQA, [B, N, H, D] storage; at head dim 64 programs of three warpgroups (not causal,
-# or causal over 4096 keys or more, where 192-row tiles pad little: warpgroups()), the last with its third or its
-# last two warpgroups past the end (Nq = 700, 333, 4500; 4033).
+# or causal over 2048 keys or more, where 192-row tiles pad little: warpgroups()), not causal the last with its
+# third or its last two warpgroups past the end (Nq = 700, 4033), causal the first with warpgroups that would start
+# before row 0 and run rows from row 0 on, some of them twice (Nq = 333, 4500, 2100; and 129, 63 with two).
 SHAPES = [
     (2, 4, 4, 1, 1, 64, False, "bhnd"), (1, 2, 2, 63, 65, 128, True, "bhnd"), (2, 3, 3, 129, 127, 64, True, "bhnd"),
     (1, 4, 2, 200, 333, 128, False, "bhnd"), (1, 4, 1, 300, 100, 128, True, "bhnd"), (2, 2, 2, 256, 256, 64, True, "bnhd"),
     (1, 8, 2, 1000, 1000, 128, True, "bnhd"), (1, 2, 2, 100, 1024, 64, True, "bhnd"), (1, 2, 2, 517, 517, 128, False, "bnhd"),
     (2, 4, 2, 700, 300, 64, False, "bhnd"), (1, 2, 2, 333, 4100, 64, True, "bnhd"),
     (1, 4, 2, 4500, 4500, 64, True, "bhnd"), (1, 2, 2, 4033, 200, 64, False, "bhnd"),
+    (1, 4, 2, 2100, 2100, 64, True, "bnhd"),
 ]
 
 

@@ -1,7 +1,7 @@
 """Versions of kernels/gluon_forward.py against each other in one process on one GPU, every kernel compiled
 first in parallel processes (``EXP_JOBS``, 14): kernels.bench's rows (B * N = 16384, H * D = 2048, float16)
 timed with CUDA graphs (``triton.testing.do_bench_cudagraph``), ``EXP_ROUNDS`` rounds (4) rotating the order,
-medians, beside cuDNN's SDPA; then every version's outputs and LSEs compared bitwise with the first one's over
+medians (``EXP_TIMING=interleaved``: as kernels.bench times calls, :func:`kernels.bench.timed_interleaved`), beside cuDNN's SDPA; then every version's outputs and LSEs compared bitwise with the first one's over
 edge cases (GQA, Nq != Nk both ways, several tiles a program, float16 and bfloat16) and against float32
 attention, in parallel processes. One JSON line per row in ``$OUT/ab_parallel.jsonl``.
 
@@ -108,10 +108,15 @@ def main(versions: dict) -> None:
             for nm in order:
                 fns[nm]()
             torch.cuda.synchronize()
-            for r in range(int(os.environ.get("EXP_ROUNDS", "4"))):
-                rot = order[r % len(order):] + order[:r % len(order)]
-                for nm in (rot[::-1] if r % 2 else rot):
-                    times[nm].append(triton.testing.do_bench_cudagraph(fns[nm], rep=60))
+            if os.environ.get("EXP_TIMING") == "interleaved":  # as kernels.bench times calls
+                from kernels import bench
+                got = bench.timed_interleaved(fns, int(os.environ.get("EXP_ROUNDS", "4")))
+                times = {nm: [got[nm]] for nm in fns}
+            else:
+                for r in range(int(os.environ.get("EXP_ROUNDS", "4"))):
+                    rot = order[r % len(order):] + order[:r % len(order)]
+                    for nm in (rot[::-1] if r % 2 else rot):
+                        times[nm].append(triton.testing.do_bench_cudagraph(fns[nm], rep=60))
         med = {nm: sorted(t)[len(t) // 2] for nm, t in times.items()}
         flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
         row = {"d": d, "n": n, "causal": causal, "ms": med,
