@@ -1,7 +1,8 @@
 """Versions of kernels/gluon_forward.py against each other in one process on one GPU, every kernel compiled
 first in parallel processes (``EXP_JOBS``, 14): kernels.bench's rows (B * N = 16384, H * D = 2048, float16)
 timed with CUDA graphs (``triton.testing.do_bench_cudagraph``), ``EXP_ROUNDS`` rounds (4) rotating the order,
-medians (``EXP_TIMING=interleaved``: as kernels.bench times calls, :func:`kernels.bench.timed_interleaved`), beside cuDNN's SDPA; then every version's outputs and LSEs compared bitwise with the first one's over
+medians (``EXP_TIMING=interleaved``: as kernels.bench times calls, :func:`kernels.bench.timed_interleaved`),
+beside cuDNN's SDPA; then every version's outputs and LSEs compared bitwise with the first one's over
 edge cases (GQA, Nq != Nk both ways, several tiles a program, float16 and bfloat16) and against float32
 attention, in parallel processes. One JSON line per row in ``$OUT/ab_parallel.jsonl``.
 
