@@ -13,9 +13,10 @@ with the Triton of the environment (the figures in docs/benchmarks.md: ``triton=
 whose ptxas is 12.8; Triton 3.9's ptxas 13.4 orders the loop the same way, with other spill counts).
     EXP_MODULE=/tmp/gf.py PYTHONPATH=. python docs/experiments/gluon_fwd_sass.py
 
-Prints one line a configuration: ptxas's spill report and the (before, after) counts of each such wait in code
-order (one per consumer partition and place: the first block's, the loop's, the last block's). A record of an
-experiment, not tested code.
+Prints one line a configuration: ptxas's spill report, the (before, after) counts of each such wait in code
+order (one per consumer partition and place: the first block's, the loop's, the last block's), and the
+instructions of one step of the KV loop with its causal mask and of the mask alone (:func:`step`; the fifteenth
+session's figures in docs/benchmarks.md). A record of an experiment, not tested code.
 """
 import importlib.util
 import inspect
@@ -85,10 +86,35 @@ def waits(dis):
     return found
 
 
+def step(dis):
+    """The instructions of a consumer's KV loop (the first loop whose body holds a ``P V`` product and exponentials)
+    and of the causal mask's block in it (skipped by a branch where the block needs no mask; 0 where there is
+    none): (a masked step's instructions, the mask's)."""
+    lines = dis.splitlines()
+    label_at = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\.L_x_\d+):", line))}
+    is_op = [bool(re.search(r"/\*[0-9a-f]{4}\*/", line)) for line in lines]
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if not m or label_at.get(m.group(1), i) >= i:
+            continue
+        body = range(label_at[m.group(1)], i + 1)
+        if any("tnspB" in lines[k] for k in body) and any("MUFU.EX2" in lines[k] for k in body):
+            mask = 0
+            for k in body:
+                f = re.search(r"BRA `\((\.L_x_\d+)\)", lines[k])
+                if f and k < label_at.get(f.group(1), -1) <= i:
+                    skipped = range(k + 1, label_at[f.group(1)])
+                    if any("FSEL" in lines[x] and "-INF" in lines[x] for x in skipped):
+                        mask = sum(is_op[x] for x in skipped)
+            return sum(is_op[k] for k in body), mask
+    return None
+
+
 if __name__ == "__main__":
     print(triton.__version__, os.environ.get("EXP_MODULE", "kernels/gluon_forward.py"), flush=True)
     for d, groups in ((128, 2), (64, 2), (64, 3)):
         for causal in (False, True):
             spills, dis = sass(d, groups, causal)
             print(f"D={d} warpgroups={groups} causal={causal}: {spills}; waits for all products "
-                  f"(EX2 before, after): {waits(dis)}", flush=True)
+                  f"(EX2 before, after): {waits(dis)}; a KV step's instructions, masked and the mask's: "
+                  f"{step(dis)}", flush=True)
