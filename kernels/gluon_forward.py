@@ -57,6 +57,10 @@ tiles, the rows missing are the first tile's, which sees fewest keys, not the la
 row 0 runs rows from row 0 on (:func:`wg_row`). Outputs bitwise those of tiles from row 0 (a row's arithmetic
 does not depend on its tile); three warpgroups at head dim 64 now from 2048 causal keys (:func:`warpgroups`).
 
+Both kernels are launched programmatically (:data:`PROGRAMMATIC_LAUNCH`, CUDA's programmatic dependent launch): a
+kernel may start while the one before it on the stream ends, and each partition waits for that one's writes
+(``griddepcontrol.wait``) before it touches global memory.
+
 No product is in flight across the loop's back edge: when an accumulator in flight is copied there, ptxas
 serializes every product of the kernel (its "C7514" note), which cost this design all its speed
 (docs/benchmarks.md). On the H100 this forward runs 0.9-1.1 of cuDNN's where the Triton one ran 0.7-0.95.
@@ -352,6 +356,7 @@ if AVAILABLE:
                   n_loaded, stamps, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                   TIMELINE: gl.constexpr):
         """One warpgroup of a program of one tile."""
+        _after_prior_grids()
         _attend(q_smem, q_bar, 0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 0, o_desc, Lse, stride_lb,
                 stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k, causal_offset, n_blocks, n_full,
                 n_loaded, stamps, CAUSAL, BLOCK_M, BLOCK_N, D, TIMELINE)
@@ -377,6 +382,7 @@ if AVAILABLE:
                   off_h, off_hkv, start_m, n_loaded, stamps, WARPGROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, TIMELINE: gl.constexpr):
         """One warp: every warpgroup's Q tile, then K and V block by block into the stages as they are freed."""
+        _after_prior_grids()
         _stamp(stamps, 3, TIMELINE)
         for w in gl.static_range(WARPGROUPS):
             mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
@@ -431,6 +437,14 @@ if AVAILABLE:
     def _wg_row(start_m, w, BLOCK_M: gl.constexpr):
         """:func:`wg_row` in the kernel."""
         return gl.maximum(start_m + w * BLOCK_M, 0)
+
+    @gluon.jit
+    def _after_prior_grids():
+        """Wait for the kernels before this one on the stream to end and their writes to show
+        (``griddepcontrol.wait``): the launch is programmatic (:data:`PROGRAMMATIC_LAUNCH`), so this kernel may
+        start while the one before it ends; every partition calls this before it touches global memory. A
+        no-op where the launch was not programmatic."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _tile(pid_bh, pid_m, heads_q, len_q, len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -528,6 +542,7 @@ if AVAILABLE:
         the tiles of the walk (:func:`_walk`) or, ``DYNAMIC``, each as the producer leaves it in ``slots``
         (:func:`_put_tile`), slot of the tile's parity, ready with its Q. ``TIMELINE``: its events stamped in the
         tile's row (:func:`_row`)."""
+        _after_prior_grids()
         ring = 0
         i_t = 0
         if DYNAMIC:
@@ -588,6 +603,7 @@ if AVAILABLE:
         (:func:`_walk`) or, ``DYNAMIC``, those of the units it takes one at a time from ``Counter``
         (:func:`_grab`; one taken ahead, so that the atomic's round trip overlaps the loads), each left in
         ``slots`` for the consumers; past the last, batch -1 there and its Q barriers arrived on without a load."""
+        _after_prior_grids()
         ring = 0
         i_t = 0
         if DYNAMIC:
@@ -645,6 +661,7 @@ if AVAILABLE:
                      D: gl.constexpr, WARPGROUPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, TIMELINE: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         if TIMELINE:  # this program's row of the timeline: SM, start (global timer, cycles), then the partitions'
+            _after_prior_grids()
             stamps = _timeline_row(Timeline, gl.program_id(1) * gl.num_programs(0) + gl.program_id(0))
         else:
             stamps = Lse  # not written
@@ -820,6 +837,11 @@ if AVAILABLE:
         return desc
 
 PERSISTENT_CAUSAL_MAX_KEYS = 16384
+# Launch the kernels programmatically (CUDA's programmatic dependent launch): a kernel may start while the one
+# before it on the stream ends (in a causal call, the zero fill of the walk's counter), its partitions waiting
+# for that one's writes before they touch global memory (_after_prior_grids). On an H200 1.005-1.006x at N = 1024
+# causal (docs/benchmarks.md, fifteenth session).
+PROGRAMMATIC_LAUNCH = True
 
 
 def persistent(causal: bool, len_k: int) -> bool:
@@ -924,7 +946,7 @@ def forward(q, k, v, out, lse, *, causal: bool, scale: float, timeline: torch.Te
     args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(target, BLOCK_M),
             lse, lse.stride(0), lse.stride(1), lse.stride(2), scale * LOG2E, hq, hq // k.shape[1], len_q, k.shape[2])
     meta = dict(CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, WARPGROUPS=groups, CONSUMER_REGS=CONSUMER_REGS,
-                num_warps=4)
+                num_warps=4, launch_pdl=PROGRAMMATIC_LAUNCH)
     if persistent(causal, k.shape[2]):
         n_tiles = grid[0] * grid[1]
         n_prog = min(n_tiles, _sm_count(q.device))

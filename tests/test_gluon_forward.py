@@ -205,6 +205,19 @@ def test_the_persistent_kernel_causal_and_stamped_compiles_without_serialized_pr
     gluon_compile.assert_not_serialized(compiled[f"d{d}-wg{groups}-fp16-persistent-{variant}"])
 
 
+@needs_gluon
+@pytest.mark.parametrize("d,groups", WARPGROUP_CONFIGS)
+@pytest.mark.parametrize("kind", ["causal", "timeline", "persistent", "persistent-causal", "persistent-timeline"])
+def test_every_partition_waits_for_the_kernels_before_it(compiled, d, groups, kind):
+    """Launched programmatically (gf.PROGRAMMATIC_LAUNCH), a kernel may start before the one ahead of it on the
+    stream has ended: each partition (the consumer warpgroups, the producer warp; the per-tile kernel's
+    timeline row, stamped before them) waits for that one (griddepcontrol.wait) before it touches global
+    memory. One wait fewer would let a partition read inputs, or the walk's counter, not yet written."""
+    result = compiled[f"d{d}-wg{groups}-fp16-{kind}"]
+    assert "error" not in result, result.get("error")
+    assert result["grid_waits"] == groups + 1 + (kind == "timeline")
+
+
 def test_warpgroup_configs_are_the_chosen_ones():
     chosen = {(d, gf.warpgroups(d, causal, n, n)) for d in gf.HEAD_DIMS for causal in (False, True)
               for n in (1, 1024, 4095, 4096, 16384)}
