@@ -855,6 +855,8 @@ def persistent(causal: bool, len_k: int) -> bool:
 
 
 DYNAMIC_CAUSAL = True
+# Single tiles at the walk's end, about this many a program (tail_heads). On an H200, 2 and 5 ran within the
+# noise of 3; 4, 5, 6 and 8 ran 0.96-1.006x of 3 at 1024-4096 causal keys (docs/benchmarks.md, sixteenth session).
 TAIL_UNITS_PER_PROGRAM = 3
 
 
