@@ -14,7 +14,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from reports import plots
-from reports.summary import LEGEND, TABLE_COLUMNS, WORST_COLUMNS, failure_counts, failure_kind, fmt, num, status_line
+from reports.summary import (LEGEND, TABLE_COLUMNS, WORST_COLUMNS, failure_counts, failure_kind, fmt, num,
+                             status_line, tests_not_run)
 
 STYLE = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto; max-width: 1400px;
@@ -231,6 +232,11 @@ def report_html(summary: dict, rows: list[dict]) -> str:
                     + (f"<p>Replay:</p><pre>{esc(f['replay'])}</pre>" if f.get("replay") else
                        f"<p class=\"muted\">No replay command{': ' + esc(f['note']) if f.get('note') else ''}</p>")
                     + f"<p class=\"muted\">File: <code>{esc(f.get('file', ''))}</code></p></details>")
+    not_run = tests_not_run(summary)
+    if not_run:
+        body += [f"<h2>Tests not run ({len(not_run)})</h2>",
+                 f"<details{' open' if len(not_run) <= 20 else ''}><summary>the tests the run never got to</summary>"
+                 "<ul>" + "".join(f"<li><code>{esc(t)}</code></li>" for t in not_run) + "</ul></details>"]
     body += _coverage_section(summary.get("coverage") or {})
     return page("flashverify report", body)
 

@@ -268,15 +268,22 @@ def _md(text: Any) -> str:
     return fmt(text).replace("|", "\\|").replace("\n", " ")
 
 
+def tests_not_run(summary: dict) -> list[str]:
+    """The tests a stopped run never ran (each stop's ``not_run``, in order, once each)."""
+    return list(dict.fromkeys(t for s in summary.get("stopped") or [] for t in s.get("not_run") or []))
+
+
 def status_line(summary: dict) -> str:
+    """One line: complete, or PARTIAL with why and how many tests did not run (the tests themselves are
+    listed apart, under "Tests not run": a run cut short can leave hundreds)."""
     if summary["status"] == "complete":
         return "Status: complete."
     if summary.get("stopped"):
         unfinished = summary.get("unfinished_workers") or []
+        listed = " (listed under \"Tests not run\")" if tests_not_run(summary) else ""
         return " ".join("Status: PARTIAL: " + (f"the run stopped after {s['test']} ({s.get('reason')}); "
                                                  if s.get("test") else f"{s.get('reason')}; ")
-                        + f"{len(s.get('not_run') or [])} test(s) not run: "
-                        f"{', '.join(s.get('not_run') or []) or 'none'}." for s in summary["stopped"]) + (
+                        + f"{len(s.get('not_run') or [])} test(s) not run{listed}." for s in summary["stopped"]) + (
             f" Workers that did not finish: {', '.join(unfinished)}." if unfinished else "")
     workers = ", ".join(summary.get("unfinished_workers") or []) or "no run header found"
     return (f"Status: PARTIAL: the run did not finish (unfinished: {workers}); this summarises the "
@@ -357,6 +364,9 @@ def markdown(summary: dict) -> str:
             lines += ["Replay:", "", "```", f["replay"], "```", ""]
         elif f.get("note"):
             lines += [f"No replay command: {f['note']}", ""]
+    not_run = tests_not_run(summary)
+    if not_run:
+        lines += ["", f"## Tests not run ({len(not_run)})", ""] + [f"- `{t}`" for t in not_run]
     return "\n".join(lines) + "\n"
 
 

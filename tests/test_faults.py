@@ -7,6 +7,7 @@ subprocess, as a user would."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -424,3 +425,99 @@ def test_a_sticky_cuda_error_after_the_forward_ends_the_test_with_the_case_that_
     assert "illegal memory access" in str(info.value)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         run_example(backward_breaks, Context(impl=impl, prop="x", case=case), case, env("cpu"))
+
+
+# --- interrupted runs: Ctrl-C, or a time limit's SIGINT / SIGTERM --------------------------------------------
+
+SLOW = f"{FAULTY}:slow_on_full_attention"
+
+
+def _interrupt_when(tmp_path, args, ready, signum, *, timeout=180):
+    """``pytest verify`` in a subprocess, sent ``signum`` once ``ready(its output so far)`` holds; (exit status,
+    output). The child starts with SIGINT's default action, as under a terminal (a shell may hand a
+    background job SIGINT ignored)."""
+    log = tmp_path / "out.log"
+    cmd = [sys.executable, "-m", "pytest", "verify", "--hypothesis-profile=ci", "-p", "no:cacheprovider",
+           "--report-dir", str(tmp_path / "report"), *args]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=_env(),
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            deadline = time.monotonic() + timeout
+            while not ready(log.read_text()):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.1)
+            proc.send_signal(signum)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return proc.returncode, log.read_text()
+
+
+@pytest.mark.slow(seconds=30)
+def test_ctrl_c_ends_the_run_with_a_partial_report_naming_the_tests_not_run(tmp_path):
+    # Without pytest-xdist, the signal as soon as the first test starts (pytest -v names it then).
+    first = f"verify/test_forward.py::test_out_matches_reference[{SLOW}-float32]"
+    rc, out = _interrupt_when(tmp_path, ["--impl", SLOW, "-k", "out_matches_reference and float32", "-v"],
+                              lambda text: first in text, signal.SIGINT)
+    assert rc == pytest.ExitCode.INTERRUPTED, out[-3000:]
+    summary = _summary(tmp_path)
+    assert summary["status"] == "partial", summary["status"]
+    (stop,) = summary["stopped"]
+    assert stop["test"] is None and stop["reason"] == "interrupted (SIGINT: Ctrl-C, or a time limit)", stop
+    # the test it interrupted, then the two longest cases (full and causal) it never got to
+    assert stop["not_run"][0] == first and len(stop["not_run"]) == 3, stop
+    md = (tmp_path / "report" / "report.md").read_text()
+    status = md.splitlines()[2]
+    assert status == ('Status: PARTIAL: interrupted (SIGINT: Ctrl-C, or a time limit); 3 test(s) not run '
+                      '(listed under "Tests not run").'), status
+    assert "## Tests not run (3)" in md and all(f"- `{t}`" in md for t in stop["not_run"])
+    assert "Tests not run (3)" in (tmp_path / "report" / "report.html").read_text()
+    assert "flashverify report: PARTIAL: interrupted (SIGINT" in out, out[-2000:]
+
+
+@pytest.mark.slow(seconds=45)
+def test_sigterm_ends_an_xdist_run_with_a_partial_report(tmp_path):
+    # What `timeout` sends the process it started, here pytest-xdist's controller alone: the run ends as on
+    # Ctrl-C once a test of the fast kernel has passed, while the slow kernel's test still runs.
+    rc, out = _interrupt_when(tmp_path, ["--impl", SLOW, "--impl", "fa2_blocked", "-k",
+                                         "out_matches_reference and float32 and not longest", "-n", "2", "-v"],
+                              lambda text: "PASSED" in text, signal.SIGTERM)
+    assert rc == pytest.ExitCode.INTERRUPTED, out[-3000:]
+    summary = _summary(tmp_path)
+    assert summary["status"] == "partial", summary["status"]
+    (stop,) = summary["stopped"]
+    assert stop["reason"] == "interrupted (SIGTERM: a time limit, or a cancelled job)", stop
+    assert f"verify/test_forward.py::test_out_matches_reference[{SLOW}-float32]" in stop["not_run"], stop
+    assert summary["outcomes"].get("passed", 0) >= 1, summary["outcomes"]
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert md.splitlines()[2].startswith("Status: PARTIAL: interrupted (SIGTERM: a time limit, or a cancelled "
+                                         "job); "), md[:600]
+
+
+def test_an_interrupt_that_was_lost_is_raised_again_before_the_next_example(monkeypatch):
+    # CPython drops an exception raised in a garbage-collection callback: a KeyboardInterrupt raised by the
+    # signal handler there never reaches pytest. The handler remembers the signal, and the next example
+    # (or test) raises it again, until pytest has seen one.
+    from verify import watchdog
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        watchdog.catch_interrupts()
+        handler = signal.getsignal(signal.SIGTERM)
+        assert handler is not signal.SIG_DFL
+        watchdog.end_if_interrupted()  # nothing asked the run to end yet
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            handler(signal.SIGTERM, None)  # what the signal runs; suppose the interpreter drops it
+        assert watchdog.interrupted_by() == "SIGTERM: a time limit, or a cancelled job"
+        with pytest.raises(KeyboardInterrupt, match="Python dropped the first one"):
+            watchdog.end_if_interrupted()
+        watchdog.interrupt_reached()  # pytest got it: the run is ending
+        watchdog.end_if_interrupted()
+        watchdog.release_interrupts()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and watchdog.interrupted_by() is None
+    finally:
+        watchdog.release_interrupts()
+        signal.signal(signal.SIGTERM, previous)

@@ -212,6 +212,14 @@ def pytest_cmdline_main(config):
     return None
 
 
+def pytest_unconfigure(config):
+    watchdog.release_interrupts()
+
+
+def pytest_keyboard_interrupt(excinfo):
+    watchdog.interrupt_reached()
+
+
 def pytest_configure(config):
     if torch.device(_device(config)).type == "cpu":
         # The suite's tensors are small: one intra-op thread is several times faster than many
@@ -222,6 +230,8 @@ def pytest_configure(config):
     config._flashverify_report = None
     worker = _xdist_worker(config) or "main"
     if not config.getoption("--no-report") and _collects_verify(config):
+        if not _xdist_worker(config):
+            watchdog.catch_interrupts()  # the process that writes the summary: SIGINT and SIGTERM end the run
         from reports.session import ReportSession, clear_report_dir
 
         if worker == "main":
@@ -420,22 +430,27 @@ def pytest_runtest_makereport(item, call):
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     """After a test whose failure was a sticky CUDA error (its reports written and sent): end this
-    pytest-xdist worker, which pytest-xdist replaces, or without xdist stop the run (PARTIAL report)."""
+    pytest-xdist worker, which pytest-xdist replaces, or without xdist stop the run (PARTIAL report).
+    Before a test: end the run if a SIGINT or SIGTERM asked for it and its interrupt was lost
+    (:func:`verify.watchdog.end_if_interrupted`)."""
+    watchdog.end_if_interrupted()
     result = yield
     failures.end_if_poisoned(item, _xdist_worker(item.config))
     return result
 
 
-# Tests with an outcome (pytest-xdist controller): any other collected test never ran (:func:`_never_ran`).
+# Tests with an outcome (in the process that writes the summary): any other collected test never ran
+# (:func:`_never_ran`, :func:`_interrupted`).
 _REPORTED: set[str] = set()
 
 
 def pytest_runtest_logreport(report):
-    """pytest-xdist controller: remember the tests that poisoned their worker (:func:`pytest_handlecrashitem`)
-    and the tests that got an outcome."""
+    """Remember the tests that got an outcome and (pytest-xdist controller) those that poisoned their worker
+    (:func:`pytest_handlecrashitem`)."""
     failures.remember_poisoned(report)
     if report.when in ("call", "???") or (report.when == "setup" and not report.passed):
         _REPORTED.add(report.nodeid)
+        watchdog.end_if_interrupted()  # pytest-xdist's controller runs no test: a lost interrupt ends the run here
 
 
 def _never_ran(session) -> dict | None:
@@ -448,8 +463,22 @@ def _never_ran(session) -> dict | None:
     missing = [nodeid for nodeid in collection if nodeid not in _REPORTED]
     if not missing:
         return None
-    why = getattr(dsession, "_summary_report", None) or "pytest-xdist ended before every test ran"
+    why = getattr(dsession, "_summary_report", None) or "ended before every test ran"
     return {"test": None, "reason": f"pytest-xdist: {why}", "not_run": missing}
+
+
+def _interrupted(session, exitstatus) -> dict | None:
+    """An interrupted run (Ctrl-C; SIGINT or SIGTERM from a time limit or a cancelled CI job): the collected
+    tests that got no outcome, the one running when it came included, as the report's ``stopped``."""
+    if exitstatus != pytest.ExitCode.INTERRUPTED:
+        return None
+    if _xdist_controller(session.config):
+        dsession = session.config.pluginmanager.get_plugin("dsession")
+        collected = list(getattr(getattr(dsession, "sched", None), "collection", None) or [])
+    else:
+        collected = [item.nodeid for item in session.items]
+    return {"test": None, "reason": f"interrupted ({watchdog.interrupted_by() or 'KeyboardInterrupt'})",
+            "not_run": [nodeid for nodeid in collected if nodeid not in _REPORTED]}
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -512,7 +541,7 @@ def pytest_sessionfinish(session, exitstatus):
         outcomes[f"{key} (laws, no kernel)"] = n
         if not outcomes[key]:
             del outcomes[key]
-    stopped = getattr(session.config, "_flashverify_stopped", None)
+    stopped = getattr(session.config, "_flashverify_stopped", None) or _interrupted(session, exitstatus)
     if stopped is None and _xdist_controller(session.config):
         stopped = _never_ran(session)
     report.close(outcomes=outcomes, exitstatus=session.exitstatus, stopped=stopped)

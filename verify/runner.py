@@ -38,6 +38,7 @@ from verify import properties
 from verify.gpu import sticky_cuda_error
 from verify.harness import Context, Recorder, StickyDeviceError, free_device_memory, running
 from verify.properties import NotForThisCase, NotForThisKernel
+from verify.watchdog import end_if_interrupted
 
 DTYPE_NAMES = tuple(DTYPES)
 
@@ -256,7 +257,9 @@ def run_example(fn, ctx: Context, case, env: Env) -> None:
     next one starts from what the worker's budget allows.
 
     Any exception leaving the example carries its context (:func:`verify.harness.failing_context`): the
-    failure file names the case that ran, exactly as drawn, and its replay command."""
+    failure file names the case that ran, exactly as drawn, and its replay command. A run a signal asked to
+    end ends here if its interrupt was lost (:func:`verify.watchdog.end_if_interrupted`)."""
+    end_if_interrupted()
     on_gpu = not env.device.startswith("cpu")
     try:
         with running(ctx):

@@ -10,6 +10,10 @@ Python cannot interrupt (a GPU kernel that never finishes: the host waits in nat
 watchdog a grace period later (10% of the limit, 5 to 60 s), which writes the failure file and the
 summary and then ends the process (pytest-timeout's thread method; under pytest-xdist the worker is
 replaced and the run goes on).
+
+Interruptions: in the process that writes the run's summary (no pytest-xdist, or its controller) SIGINT
+(Ctrl-C, ``timeout -s INT``) and SIGTERM (``timeout``, a CI job out of time or cancelled) end the run as
+Ctrl-C does, so that the report comes out PARTIAL with the tests not run (:func:`catch_interrupts`).
 """
 
 from __future__ import annotations
@@ -114,3 +118,69 @@ def _native_hang(item, settings, worker):
     except Exception as exc:  # noqa: BLE001 - the process must end whatever the report does
         terminal.line(f"flashverify report: writing the report failed: {type(exc).__name__}: {exc}", red=True)
     pytest_timeout.timeout_timer(item, settings)  # dumps every thread's stack, then os._exit(1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Interruptions
+# --------------------------------------------------------------------------------------------------
+
+_SIGNALS = {"SIGINT": "SIGINT: Ctrl-C, or a time limit", "SIGTERM": "SIGTERM: a time limit, or a cancelled job"}
+_pending: str | None = None  # the signal that asked the run to end, once one has
+_reached = False  # its KeyboardInterrupt reached pytest (:func:`interrupt_reached`)
+_installed: dict = {}  # signal number -> (our handler, the handler it replaced)
+
+
+def catch_interrupts() -> None:
+    """End the run on SIGINT and SIGTERM as on Ctrl-C (a ``KeyboardInterrupt``), remembering which came
+    (:func:`interrupted_by`): pytest then finishes the session and the report is written, where SIGTERM's
+    default action would end the process with no report at all. Only in the main thread, and only for a
+    signal that still has Python's default handling (nobody else handles it); :func:`release_interrupts`
+    puts the handlers back."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name, default in (("SIGINT", signal.default_int_handler), ("SIGTERM", signal.SIG_DFL)):
+        signum = getattr(signal, name)
+        if signal.getsignal(signum) is not default:
+            continue
+
+        def on_signal(_signum, _frame, name=name):
+            global _pending
+            _pending = name
+            raise KeyboardInterrupt(name)
+
+        signal.signal(signum, on_signal)
+        _installed[signum] = (on_signal, default)
+
+
+def release_interrupts() -> None:
+    """Undo :func:`catch_interrupts` (where nobody replaced its handlers since) and forget the signal."""
+    global _pending, _reached
+    for signum, (ours, previous) in list(_installed.items()):
+        if signal.getsignal(signum) is ours:
+            signal.signal(signum, previous)
+        del _installed[signum]
+    _pending, _reached = None, False
+
+
+def interrupt_reached() -> None:
+    """A ``KeyboardInterrupt`` reached pytest (its ``pytest_keyboard_interrupt``): the run is ending, so
+    :func:`end_if_interrupted` raises no more."""
+    global _reached
+    _reached = True
+
+
+def interrupted_by() -> str | None:
+    """What asked the run to end (``"SIGTERM: a time limit, or a cancelled job"``), or None."""
+    return _SIGNALS.get(_pending) if _pending else None
+
+
+def end_if_interrupted() -> None:
+    """Raise ``KeyboardInterrupt`` again if a signal asked the run to end and the run is still going: a
+    signal handler's exception raised while Python runs a garbage-collection callback (Hypothesis keeps
+    one) is dropped by CPython, so that the first one can be lost. Called before each test and each
+    example (the controller of pytest-xdist: after each test's outcome), so that a lost one ends the run
+    there."""
+    if _pending and not _reached:
+        raise KeyboardInterrupt(f"{_pending} (raised again: Python dropped the first one, raised in a "
+                                "garbage-collection callback)")
+
