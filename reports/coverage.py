@@ -105,8 +105,20 @@ def summary(report_dir: str | Path) -> dict:
     return {"by_property": by_property(records), "required_missing": missing(records) if records else []}
 
 
-def markdown(cov: dict) -> list[str]:
-    """The report's coverage section (Markdown lines)."""
+PARTIAL_NOTE = "The run is PARTIAL: the tests it did not run reached nothing."
+
+
+def missing_line(cov: dict, *, partial: bool) -> str:
+    """The report's line on the required classes not reached ("" where none is missing); on a PARTIAL run
+    it says so, since the tests that never ran may be what would have reached them."""
+    if not cov.get("required_missing"):
+        return ""
+    return "Required classes not reached: " + "; ".join(cov["required_missing"]) + "." + (
+        f" {PARTIAL_NOTE}" if partial else "")
+
+
+def markdown(cov: dict, *, partial: bool = False) -> list[str]:
+    """The report's coverage section (Markdown lines); ``partial``: the run did not finish."""
     rows = cov.get("by_property") or []
     if not rows:
         return []
@@ -118,5 +130,5 @@ def markdown(cov: dict) -> list[str]:
         classes = ", ".join(f"{k} {v}" for k, v in row["classes"].items()) or "none"
         lines.append(f"| {row['property']} | {row['tests']} | {row['examples']} | {classes} |")
     if cov.get("required_missing"):
-        lines += ["", "Required classes not reached: " + "; ".join(cov["required_missing"]) + "."]
+        lines += ["", missing_line(cov, partial=partial)]
     return lines

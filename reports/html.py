@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from reports import plots
+from reports import coverage, plots
 from reports.summary import (LEGEND, TABLE_COLUMNS, WORST_COLUMNS, failure_counts, failure_kind, fmt, num,
                              status_line, tests_not_run)
 
@@ -237,11 +237,11 @@ def report_html(summary: dict, rows: list[dict]) -> str:
         body += [f"<h2>Tests not run ({len(not_run)})</h2>",
                  f"<details{' open' if len(not_run) <= 20 else ''}><summary>the tests the run never got to</summary>"
                  "<ul>" + "".join(f"<li><code>{esc(t)}</code></li>" for t in not_run) + "</ul></details>"]
-    body += _coverage_section(summary.get("coverage") or {})
+    body += _coverage_section(summary.get("coverage") or {}, partial=partial)
     return page("flashverify report", body)
 
 
-def _coverage_section(cov: dict) -> list[str]:
+def _coverage_section(cov: dict, *, partial: bool) -> list[str]:
     """The boundary classes each property's examples reached (``reports/coverage.py``)."""
     rows = cov.get("by_property") or []
     if not rows:
@@ -253,7 +253,7 @@ def _coverage_section(cov: dict) -> list[str]:
                  ([r["property"], r["tests"], r["examples"],
                    ", ".join(f"{k} {v}" for k, v in r["classes"].items()) or "none"] for r in rows))]
     if cov.get("required_missing"):
-        out.append(f"<p class=\"fail\">Required classes not reached: {esc('; '.join(cov['required_missing']))}.</p>")
+        out.append(f"<p class=\"fail\">{esc(coverage.missing_line(cov, partial=partial))}</p>")
     return out
 
 

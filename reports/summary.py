@@ -354,7 +354,7 @@ def markdown(summary: dict) -> str:
                   "| " + " | ".join(h for _, h in WORST_COLUMNS) + " |", "|" + "---|" * len(WORST_COLUMNS)]
         for w in worst:
             lines.append("| " + " | ".join(_md(w.get(k)) for k, _ in WORST_COLUMNS) + " |")
-    lines += coverage.markdown(summary.get("coverage") or {})
+    lines += coverage.markdown(summary.get("coverage") or {}, partial=summary.get("status") != "complete")
     lines += memory.markdown(summary.get("peak_memory") or {})
     failures = summary.get("failures") or []
     lines += ["", f"## Failures ({failure_counts(failures)})", ""]

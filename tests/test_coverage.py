@@ -77,3 +77,17 @@ def test_a_ci_run_reaches_every_required_class_and_draws_distinct_cases(tmp_path
 def test_derandomized_profiles_are_what_the_seeds_rely_on():
     # The runner gives each test its own seed only under derandomize (ci, gpu): check the profiles.
     assert settings.get_profile("ci").derandomize and settings.get_profile("gpu").derandomize
+
+
+def test_classes_not_reached_on_a_partial_run_say_the_run_was_cut_short():
+    # A run cut short (a signal, a crash) did not run every property: the report must not read as if the
+    # properties that ran had missed the classes.
+    from reports.html import _coverage_section
+
+    cov = {"by_property": [{"property": "out_matches_reference", "tests": 1, "examples": 1, "classes": {}}],
+           "required_missing": ["no_keys: reached by no property"]}
+    complete, partial = coverage.markdown(cov, partial=False), coverage.markdown(cov, partial=True)
+    assert complete[-1] == "Required classes not reached: no_keys: reached by no property."
+    assert partial[-1] == complete[-1] + " " + coverage.PARTIAL_NOTE
+    assert coverage.PARTIAL_NOTE in "".join(_coverage_section(cov, partial=True))
+    assert coverage.PARTIAL_NOTE not in "".join(_coverage_section(cov, partial=False))
