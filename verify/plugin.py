@@ -453,16 +453,27 @@ def pytest_runtest_logreport(report):
         watchdog.end_if_interrupted()  # pytest-xdist's controller runs no test: a lost interrupt ends the run here
 
 
+def _collected(session) -> list[str]:
+    """The run's collected tests: pytest-xdist's controller collects none itself, so its scheduler's."""
+    if _xdist_controller(session.config):
+        dsession = session.config.pluginmanager.get_plugin("dsession")
+        return list(getattr(getattr(dsession, "sched", None), "collection", None) or [])
+    return [item.nodeid for item in session.items]
+
+
+def _without_outcome(session) -> list[str]:
+    return [nodeid for nodeid in _collected(session) if nodeid not in _REPORTED]
+
+
 def _never_ran(session) -> dict | None:
     """pytest-xdist controller: the collected tests that never got an outcome (pytest-xdist stopped
     replacing crashed workers, or ended early for another reason than -x), as the report's ``stopped``."""
-    dsession = session.config.pluginmanager.get_plugin("dsession")
-    collection = getattr(getattr(dsession, "sched", None), "collection", None)
-    if not collection or session.shouldfail or session.shouldstop:
-        return None  # nothing was distributed, or -x / --maxfail stopped the run (its exit status says so)
-    missing = [nodeid for nodeid in collection if nodeid not in _REPORTED]
+    if session.shouldfail or session.shouldstop:
+        return None  # -x / --maxfail stopped the run (its exit status says so)
+    missing = _without_outcome(session)  # none where nothing was distributed
     if not missing:
         return None
+    dsession = session.config.pluginmanager.get_plugin("dsession")
     why = getattr(dsession, "_summary_report", None) or "ended before every test ran"
     return {"test": None, "reason": f"pytest-xdist: {why}", "not_run": missing}
 
@@ -472,13 +483,8 @@ def _interrupted(session, exitstatus) -> dict | None:
     tests that got no outcome, the one running when it came included, as the report's ``stopped``."""
     if exitstatus != pytest.ExitCode.INTERRUPTED:
         return None
-    if _xdist_controller(session.config):
-        dsession = session.config.pluginmanager.get_plugin("dsession")
-        collected = list(getattr(getattr(dsession, "sched", None), "collection", None) or [])
-    else:
-        collected = [item.nodeid for item in session.items]
     return {"test": None, "reason": f"interrupted ({watchdog.interrupted_by() or 'KeyboardInterrupt'})",
-            "not_run": [nodeid for nodeid in collected if nodeid not in _REPORTED]}
+            "not_run": _without_outcome(session)}
 
 
 @pytest.hookimpl(optionalhook=True)
