@@ -41,9 +41,9 @@ the K/V ring runs on across tiles, so that a tile starts without waiting for its
 launched per tile (that wait, the launch and the epilogue were most of a tile's fixed cost: forward(...,
 timeline=...) stamps the per-tile kernel's phases). Not causal the walk takes a head's Q tiles one after
 another, program p the tiles p, p + P, ... (:func:`_walk`). Causal the programs take their tiles as they free
-up (:func:`dynamic`): the producer warp takes the next unit of the walk with one atomic add on a counter the
-call zeroes, and hands each tile to the consumers through shared memory with its Q. The units (:func:`_unit`): a
-head's Q tiles paired, the k-th longest with the k-th shortest, a head after another, then the last heads' tiles
+up (:func:`dynamic`): the producer warp takes the next unit of the walk with one atomic add on a counter that
+each call's kernel leaves at 0 (:func:`walk_counter`), and hands each tile to the consumers through shared
+memory with its Q. The units (:func:`_unit`): a head's Q tiles paired, the k-th longest with the k-th shortest, a head after another, then the last heads' tiles
 one at a time, longest first, so that the walk ends on its shortest tiles. Programs given the same pairs by a
 fixed walk had ended up to 8% apart, beyond the walk's own 3% (docs/benchmarks.md); the dynamic walk ran
 1.01-1.06x as fast. On an H200 the persistent kernel ran 1.01-1.09x as fast as one program per tile at N =
@@ -488,6 +488,14 @@ if AVAILABLE:
             "=r,l", [Counter], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _clear(Counter):
+        """``*Counter = 0``, by the warp's first lane (:func:`_producer_persistent`: the walk's last claim)."""
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 r, l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
+            "@p atom.global.exch.b32 r, [$1], 0; mov.u32 $0, 0; }",
+            "=r,l", [Counter], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _put_tile(slots, buf, off_b, off_h, start_m, n_loaded):
         """The producer's (one warp) tile for the consumers: (batch, head, first row, KV blocks) in slot ``buf``
         (batch -1: no tile left)."""
@@ -623,6 +631,11 @@ if AVAILABLE:
                     ring += n_loaded
                     i_t += 1
                 u = nxt
+            # Every program's last claim is its first past the units, so that a call claims n_units + programs
+            # times: the one given the last value knows every claim is in, and leaves the counter at 0 for the
+            # next call (walk_counter).
+            if u == n_units + gl.num_programs(0) - 1:
+                _clear(Counter)
             buf = i_t % 2
             mbarrier.wait(q_empty.index(buf), ((i_t // 2) & 1) ^ 1, pred=i_t >= 2)
             _put_tile(slots, buf, -1, 0, 0, 0)
@@ -909,6 +922,25 @@ def rounds(programs: int, tiles_m: int, n_tiles: int, causal: bool) -> int:
     return -(-n_tiles // programs)
 
 
+_COUNTERS: dict = {}
+
+
+def walk_counter(device: torch.device) -> torch.Tensor:
+    """The dynamic walk's counter for a call on ``device``'s current stream: one int32 a stream, zeroed when
+    made and left at 0 by every call's kernel (its last claim clears it: :func:`_producer_persistent`), so that
+    a call launches no zero fill before its kernel. Calls on one stream run one after another; a stream's
+    own counter keeps calls on two streams apart. While a CUDA graph is captured, a new zeroed counter: the
+    graph's own, its zero fill captured with it."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros((1, ), dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device)
+    key = (stream.device_index, stream.cuda_stream)  # the default stream is 0 on every device
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = _COUNTERS[key] = torch.zeros((1, ), dtype=torch.int32, device=stream.device)
+    return counter
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -953,7 +985,7 @@ def forward(q, k, v, out, lse, *, causal: bool, scale: float, timeline: torch.Te
         n_tiles = grid[0] * grid[1]
         n_prog = min(n_tiles, _sm_count(q.device))
         dyn = dynamic(causal)
-        counter = replay.zeros((1, ), dtype=torch.int32, device=q.device) if dyn else lse  # unread where static
+        counter = replay.provided(walk_counter, q.device) if dyn else lse  # unread where static
         replay.launch(_attn_fwd_persistent, (n_prog, ), *args, grid[0], n_tiles, counter,
                       tail_heads(n_prog, grid[0], grid[1]), timeline, DYNAMIC=dyn, TIMELINE=timeline is not None,
                       **meta)

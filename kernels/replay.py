@@ -9,6 +9,7 @@ values of its other arguments. So the first call of a signature runs the full pa
 writes down what it did, in terms of the call's input tensors:
 
 - ``empty``/``zeros``: a new tensor (shape, dtype, device);
+- ``provided``: a tensor a function gives (a buffer kept across calls), asked for again at each replay;
 - ``launch``: a kernel, its grid, and its arguments, each tensor argument (or tensor descriptor over one)
   named by the tensor it was (an input or an earlier allocation), every other argument kept as it was;
 - ``copy``: one named tensor copied into another.
@@ -96,6 +97,11 @@ class Recorder:
         self.slots[id(t)] = len(self.tensors)
         self.tensors.append(t)
         self.steps.append(("alloc", tuple(t.shape), t.dtype, t.device, zero))
+
+    def provide(self, t: torch.Tensor, fn, args: tuple) -> None:
+        self.slots[id(t)] = len(self.tensors)
+        self.tensors.append(t)
+        self.steps.append(("provide", fn, args))
 
     def copy(self, dst, src) -> None:
         d, s = self.slot(dst), self.slot(src)
@@ -226,6 +232,16 @@ def zeros(shape, *, dtype, device) -> torch.Tensor:
     return _allocate(shape, dtype, device, zero=True)
 
 
+def provided(fn, *args) -> torch.Tensor:
+    """``fn(*args)``: a tensor the call takes rather than allocates (a buffer kept across calls), recorded
+    as the function that gave it, so that a replay asks ``fn`` again (and gets, say, the current stream's)."""
+    t = fn(*args)
+    recorder = _active()
+    if recorder is not None:
+        recorder.provide(t, fn, args)
+    return t
+
+
 def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
     recorder = _active()
@@ -294,6 +310,8 @@ class Plan:
             elif kind == "alloc":
                 _, shape, dtype, device, zero = step
                 tensors.append((torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device))
+            elif kind == "provide":
+                tensors.append(step[1](*step[2]))
             else:
                 tensors[step[1]].copy_(tensors[step[2]])
         return tuple(tensors[i] for i in self.outputs)

@@ -5,7 +5,7 @@ tests/test_gluon_backward.py.
 interpreter off), after a prelude that defines ``desc(dt, gdt, rows, d)`` (a ``[1, 1, rows, d]`` tensor
 descriptor's signature type) and ``build(key, fn, signature, constexprs)``: compile ``fn`` for sm_90,
 assemble its PTX with Triton's own ptxas (``-v``) and record ``{"rc", "ptxas" (its report), "wgmma" (the
-warpgroup MMAs in the PTX), "grid_waits" (its ``griddepcontrol.wait``)}``, or ``{"error"}``, under ``key``.
+warpgroup MMAs in the PTX), "grid_waits" (its ``griddepcontrol.wait``), "clears" (its ``atom.global.exch``)}``, or ``{"error"}``, under ``key``.
 
 Under pytest-xdist every worker that runs a test of the module runs its fixture; the workers' processes
 then share the builds of one body through a directory of the run (``PYTEST_XDIST_TESTRUNUID``): each key
@@ -60,7 +60,8 @@ def compile_one(fn, signature, constexprs):
         run = subprocess.run([ptxas, "-v", "-arch=sm_90a", ptx, "-o", ptx + ".o"], capture_output=True, text=True)
     return {"rc": run.returncode, "ptxas": run.stderr[-3000:],
             "wgmma": len(re.findall(r"wgmma\.mma_async", kernel.asm["ptx"])),
-            "grid_waits": len(re.findall(r"griddepcontrol\.wait", kernel.asm["ptx"]))}
+            "grid_waits": len(re.findall(r"griddepcontrol\.wait", kernel.asm["ptx"])),
+            "clears": len(re.findall(r"atom\.global\.exch", kernel.asm["ptx"]))}
 
 
 def build(key, fn, signature, constexprs):

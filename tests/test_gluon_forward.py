@@ -218,6 +218,17 @@ def test_every_partition_waits_for_the_kernels_before_it(compiled, d, groups, ki
     assert result["grid_waits"] == groups + 1 + (kind == "timeline")
 
 
+@needs_gluon
+@pytest.mark.parametrize("d,groups", WARPGROUP_CONFIGS)
+@pytest.mark.parametrize("kind", ["persistent", "persistent-causal"])
+def test_the_dynamic_walk_leaves_its_counter_at_zero(compiled, d, groups, kind):
+    """A call launches no zero fill of the dynamic walk's counter (gf.walk_counter): the kernel's last claim
+    sets it back to 0 (one exchange in the causal persistent kernel, none where no counter is read)."""
+    result = compiled[f"d{d}-wg{groups}-fp16-{kind}"]
+    assert "error" not in result, result.get("error")
+    assert result["clears"] == (kind == "persistent-causal")
+
+
 def test_warpgroup_configs_are_the_chosen_ones():
     chosen = {(d, gf.warpgroups(d, causal, n, n)) for d in gf.HEAD_DIMS for causal in (False, True)
               for n in (1, 1024, 4095, 4096, 16384)}
@@ -372,6 +383,56 @@ def test_persistent_kernel_equals_the_per_tile_one(shape, causal, monkeypatch):
     (out0, lse0), (out1, lse1) = results
     assert torch.isfinite(out0).all() and not torch.isnan(lse0).any()
     assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
+
+
+@pytest.mark.skipif(not _on_hopper(), reason="the Gluon forward runs on a GPU of compute capability 9.0 only")
+def test_the_walk_counter_is_left_at_zero_across_calls_streams_and_graphs():
+    """No call zeroes the dynamic walk's counter (gf.walk_counter): each causal call's kernel leaves it at 0 for
+    the next. Calls of other shapes one after another (other counts of units and programs), on two streams
+    and replayed from a CUDA graph must each give what the per-tile kernel (no counter) gives, and leave
+    every counter at 0; a counter left at its last claim would have the next call's programs take no tile."""
+    device = torch.device("cuda")
+
+    def inputs(b, h, n, d, seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return [torch.randn(b, h, n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3)]
+
+    def call(q, k, v, walk=True):
+        out, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")
+        real = gf.persistent
+        try:
+            gf.persistent = (lambda causal, len_k: real(causal, len_k)) if walk else (lambda causal, len_k: False)
+            gf.forward(q, k, v, out, lse, causal=True, scale=q.shape[-1] ** -0.5)
+        finally:
+            gf.persistent = real
+        return out, lse
+
+    cases = [inputs(8, 16, 1000, 64, 1), inputs(3, 40, 2100, 64, 2), inputs(4, 16, 777, 128, 3),
+             inputs(8, 16, 1000, 64, 4)]
+    expected = [call(*c, walk=False) for c in cases]
+    for c, want in zip(cases, expected):
+        got = call(*c)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert gf.walk_counter(device).item() == 0
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = [call(*c) for c in cases]
+        side_counter = gf.walk_counter(device)
+    torch.cuda.current_stream().wait_stream(side)
+    assert side_counter is not gf.walk_counter(device) and side_counter.item() == 0
+    assert all(torch.equal(g, w) for pair, want in zip(got, expected) for g, w in zip(pair, want))
+    q, k, v = cases[1]
+    graph = torch.cuda.CUDAGraph()
+    call(q, k, v)  # compiled before the capture
+    with torch.cuda.graph(graph):
+        captured = call(q, k, v)
+    for _ in range(3):
+        captured[0].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured[0], expected[1][0]) and torch.equal(captured[1], expected[1][1])
+    assert gf.walk_counter(device).item() == 0
 
 
 def test_persistent_where_not_causal_and_causal_over_short_rows():

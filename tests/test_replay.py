@@ -198,6 +198,30 @@ def test_a_plan_launches_the_compiled_kernel_with_the_new_tensors(plans, monkeyp
     assert len(kernel.jit_launches) == 1, "the replay went through kernel[grid], not the compiled kernel"
 
 
+def test_a_provided_tensor_is_asked_for_again_at_each_replay(plans, monkeypatch):
+    """``replay.provided``: a buffer kept across calls (the forward's walk counter, one a stream) is not an
+    allocation of the plan: each replay calls its function again and launches with what it returns now."""
+    monkeypatch.setattr(replay, "_current_stream", lambda: "stream")
+    kernel = _Kernel()
+    x = torch.zeros(4)
+    buffers = [torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)]
+    asked = []
+
+    def buffer(tag):
+        asked.append(tag)
+        return buffers[len(asked) - 1]
+
+    with replay.recording(("provided",), (x,)) as outputs:
+        got = replay.provided(buffer, "tag")
+        replay.launch(kernel, (1,), x, got, 1)
+        outputs((got,))
+    plan = plans[("provided",)]
+    for i in (1, 2):
+        out, = plan(torch.ones(4))
+        assert out is buffers[i] and kernel.compiled.launches[-1][1][1] is buffers[i]
+    assert asked == ["tag"] * 3
+
+
 def test_a_step_the_recorder_cannot_name_keeps_no_plan(plans):
     kernel = _Kernel()
     x = torch.zeros(4)
