@@ -36,20 +36,20 @@ exponentials (an already-complete barrier wait before it, whose loop ends a basi
 at head dim 64 and 0.99-1.05x at 128 on an H200 (docs/benchmarks.md), so the loop is left to ptxas.
 
 Mostly (:func:`persistent`: not causal, and causal up to 16384 keys) one program per SM walks the tiles
-(:func:`_walk`), with Q in two buffers: the producer loads the next tile's Q while the current tile runs, and
-the K/V ring runs on across tiles, so that a tile starts without waiting for its first loads and no program is
+(:func:`_walk`), with Q in two buffers: the producer loads the next tile's Q while the current tile runs, and the
+K/V ring runs on across tiles, so that a tile starts without waiting for its first loads and no program is
 launched per tile (that wait, the launch and the epilogue were most of a tile's fixed cost: forward(...,
-timeline=...) stamps the per-tile kernel's phases). Not causal the walk takes a head's Q tiles one after
-another, program p the tiles p, p + P, ... (:func:`_walk`). Causal the programs take their tiles as they free
-up (:func:`dynamic`): the producer warp takes the next unit of the walk with one atomic add on a counter that
-each call's kernel leaves at 0 (:func:`walk_counter`), and hands each tile to the consumers through shared
-memory with its Q. The units (:func:`_unit`): a head's Q tiles paired, the k-th longest with the k-th shortest, a head after another, then the last heads' tiles
-one at a time, longest first, so that the walk ends on its shortest tiles. Programs given the same pairs by a
-fixed walk had ended up to 8% apart, beyond the walk's own 3% (docs/benchmarks.md); the dynamic walk ran
-1.01-1.06x as fast. On an H200 the persistent kernel ran 1.01-1.09x as fast as one program per tile at N =
-1024 and 4096, 1.14x at head dim 64 causal over 1024 keys (docs/benchmarks.md); causal over 16384 keys the
-hardware's scheduling of one program per tile, the longest first, balanced the tiles better (0.975-0.99x,
-measured with the fixed walk).
+timeline=...) stamps the per-tile kernel's phases). Not causal the walk takes a head's Q tiles one after another,
+program p the tiles p, p + P, ... (:func:`_walk`). Causal the programs take their tiles as they free up
+(:func:`dynamic`): the producer warp takes its first unit of the walk by its program's number and each next one
+with one atomic add on a counter that each call's kernel leaves at 0 (:func:`walk_counter`), and hands each tile
+to the consumers through shared memory with its Q. The units (:func:`_unit`): a head's Q tiles paired, the k-th
+longest with the k-th shortest, a head after another, then the last heads' tiles one at a time, longest first, so
+that the walk ends on its shortest tiles. Programs given the same pairs by a fixed walk had ended up to 8% apart,
+beyond the walk's own 3% (docs/benchmarks.md); the dynamic walk ran 1.01-1.06x as fast. On an H200 the persistent
+kernel ran 1.01-1.09x as fast as one program per tile at N = 1024 and 4096, 1.14x at head dim 64 causal over 1024
+keys (docs/benchmarks.md); causal over 16384 keys the hardware's scheduling of one program per tile, the longest
+first, balanced the tiles better (0.975-0.99x, measured with the fixed walk).
 
 Causal, a head's Q tiles end at its last row (:func:`first_row`): where the rows are not a whole number of
 tiles, the rows missing are the first tile's, which sees fewest keys, not the last one's, which sees most
@@ -479,17 +479,24 @@ if AVAILABLE:
         return n_tiles // tiles_m - tail_heads + (u - n_pairs - rank * tail_heads), tiles_m - 1 - rank, False
 
     @gluon.jit
-    def _grab(Counter):
-        """The next unit of the dynamic walk: the old value of ``*Counter`` after one atomic add by the warp's
-        first lane, given to every lane."""
+    def _claim(Counter):
+        """Take the next unit of the dynamic walk: one atomic add on ``*Counter`` by the warp's first lane,
+        whose old value it returns (0 in the other lanes); :func:`_claimed` waits for it. Apart, so that the
+        atomic's round trip overlaps what the warp issues between them."""
         return gl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 r, l; mov.u32 r, 0; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
-            "@p atom.global.add.u32 r, [$1], 1; shfl.sync.idx.b32 $0, r, 0, 31, -1; }",
+            "{ .reg .pred p; .reg .b32 l; mov.u32 $0, 0; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
+            "@p atom.global.add.u32 $0, [$1], 1; }",
             "=r,l", [Counter], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _claimed(r):
+        """The unit :func:`_claim` took (``r``, its value), given to every lane."""
+        return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [r], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
     def _clear(Counter):
-        """``*Counter = 0``, by the warp's first lane (:func:`_producer_persistent`: the walk's last claim)."""
+        """``*Counter = 0``, by the warp's first lane (:func:`_producer_persistent`: after the walk's last claim)."""
         gl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .b32 r, l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
             "@p atom.global.exch.b32 r, [$1], 0; mov.u32 $0, 0; }",
@@ -608,17 +615,19 @@ if AVAILABLE:
                              BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr, DYNAMIC: gl.constexpr,
                              TIMELINE: gl.constexpr):
         """The producer warp of a persistent program: its tiles' loads (:func:`_produce`), the tiles of the walk
-        (:func:`_walk`) or, ``DYNAMIC``, those of the units it takes one at a time from ``Counter``
-        (:func:`_grab`; one taken ahead, so that the atomic's round trip overlaps the loads), each left in
-        ``slots`` for the consumers; past the last, batch -1 there and its Q barriers arrived on without a load."""
+        (:func:`_walk`) or, ``DYNAMIC``, those of the units it takes one at a time: program p's first is unit p,
+        each next one ``programs`` past the count of ``Counter`` (:func:`_claim`, issued before the unit's loads
+        and waited for after them, so that no atomic's round trip holds a load up), each left in ``slots`` for
+        the consumers; past the last, batch -1 there and its Q barriers arrived on without a load."""
         _after_prior_grids()
         ring = 0
         i_t = 0
         if DYNAMIC:
             n_units = _units(tiles_m, n_tiles, tail_heads)
-            u = _grab(Counter)
+            programs = gl.num_programs(0)
+            u = gl.program_id(0)
             while u < n_units:
-                nxt = _grab(Counter)
+                r = _claim(Counter)
                 pid_bh, pid_m, pair = _unit(u, tiles_m, n_tiles, tail_heads)
                 for second in range(1 + pair.to(gl.int32)):
                     if second == 1:
@@ -630,11 +639,12 @@ if AVAILABLE:
                              start_m, n_loaded, ring, i_t, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS, DYNAMIC, TIMELINE)
                     ring += n_loaded
                     i_t += 1
-                u = nxt
-            # Every program's last claim is its first past the units, so that a call claims n_units + programs
-            # times: the one given the last value knows every claim is in, and leaves the counter at 0 for the
-            # next call (walk_counter).
-            if u == n_units + gl.num_programs(0) - 1:
+                u = _claimed(r) + programs
+            # A program claims while it has a unit (its last claim is its first past the units), so that a call
+            # claims n_units - programs + min(n_units, programs) = n_units times: the claim given the last
+            # value, n_units - 1, comes after every other, and its program leaves the counter at 0 for the next
+            # call (walk_counter).
+            if u == n_units - 1 + programs:
                 _clear(Counter)
             buf = i_t % 2
             mbarrier.wait(q_empty.index(buf), ((i_t // 2) & 1) ^ 1, pred=i_t >= 2)

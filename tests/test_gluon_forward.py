@@ -407,8 +407,9 @@ def test_the_walk_counter_is_left_at_zero_across_calls_streams_and_graphs():
             gf.persistent = real
         return out, lse
 
+    # the last: as many programs as units, each program's first unit its own, its first claim past the end
     cases = [inputs(8, 16, 1000, 64, 1), inputs(3, 40, 2100, 64, 2), inputs(4, 16, 777, 128, 3),
-             inputs(8, 16, 1000, 64, 4)]
+             inputs(8, 16, 1000, 64, 4), inputs(1, 2, 1000, 64, 5)]
     expected = [call(*c, walk=False) for c in cases]
     for c, want in zip(cases, expected):
         got = call(*c)
