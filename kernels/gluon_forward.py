@@ -41,7 +41,7 @@ K/V ring runs on across tiles, so that a tile starts without waiting for its fir
 launched per tile (that wait, the launch and the epilogue were most of a tile's fixed cost: forward(...,
 timeline=...) stamps the per-tile kernel's phases). Not causal the walk takes a head's Q tiles one after another,
 program p the tiles p, p + P, ... (:func:`_walk`). Causal the programs take their tiles as they free up
-(:func:`dynamic`): the producer warp takes its first unit of the walk by its program's number and each next one
+(:func:`unit`): the producer warp takes its first unit of the walk by its program's number and each next one
 with one atomic add on a counter that each call's kernel leaves at 0 (:func:`walk_counter`), and hands each tile
 to the consumers through shared memory with its Q. The units (:func:`_unit`): a head's Q tiles paired, the k-th
 longest with the k-th shortest, a head after another, then the last heads' tiles one at a time, longest first, so
@@ -391,36 +391,21 @@ if AVAILABLE:
                  BLOCK_N)
 
     @gluon.jit
-    def _rounds(tiles_m, n_tiles, CAUSAL: gl.constexpr):
-        """The rounds of a persistent program's loop (:func:`_walk`)."""
-        if CAUSAL:
-            return 2 * gl.cdiv(n_tiles // tiles_m * ((tiles_m + 1) // 2), gl.num_programs(0))
+    def _rounds(tiles_m, n_tiles):
+        """The rounds of a persistent program's loop where not causal (:func:`_walk`)."""
         return gl.cdiv(n_tiles, gl.num_programs(0))
 
     @gluon.jit
-    def _walk(it, tiles_m, n_tiles, heads_q, len_q, len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr):
-        """A persistent program's tile of round ``it``: (whether there is one, batch, head, first row, KV blocks
-        loaded for it). Not causal: program p takes tile ``it * P + p`` of the walk, a head's Q tiles one after
-        another, then the next head's. Causal: a head's Q tiles pair up, the k-th from the end with the k-th
-        (the middle one alone where their number is odd), so that every pair is the same work; program p takes
-        pair ``(it // 2) * P + p`` of the walk, a head's pairs one after another, its longer tile in the even
-        round, its shorter one in the odd."""
-        if CAUSAL:
-            units_m = (tiles_m + 1) // 2
-            u = (it // 2) * gl.num_programs(0) + gl.program_id(0)
-            k = u % units_m
-            pid_bh = u // units_m
-            pid_m = tiles_m - 1 - k
-            if it % 2 == 1:
-                pid_m = k
-            valid = (pid_bh < n_tiles // tiles_m) & ((it % 2 == 0) | (k != tiles_m - 1 - k))
-        else:
-            i = it * gl.num_programs(0) + gl.program_id(0)
-            pid_bh = i // tiles_m
-            pid_m = i % tiles_m
-            valid = i < n_tiles
-        off_b, off_h, start_m, n_loaded = _tile(pid_bh, pid_m, heads_q, len_q, len_k, CAUSAL, BLOCK_M, BLOCK_N,
+    def _walk(it, tiles_m, n_tiles, heads_q, len_q, len_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              WARPGROUPS: gl.constexpr):
+        """A persistent program's tile of round ``it`` where not causal (causal: :func:`_unit`): (whether there
+        is one, batch, head, first row, KV blocks loaded for it). Program p takes tile ``it * P + p`` of the
+        walk, a head's Q tiles one after another, then the next head's."""
+        i = it * gl.num_programs(0) + gl.program_id(0)
+        pid_bh = i // tiles_m
+        pid_m = i % tiles_m
+        valid = i < n_tiles
+        off_b, off_h, start_m, n_loaded = _tile(pid_bh, pid_m, heads_q, len_q, len_k, False, BLOCK_M, BLOCK_N,
                                                 WARPGROUPS)
         return valid, off_b, off_h, start_m, n_loaded
 
@@ -551,16 +536,16 @@ if AVAILABLE:
                              o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m, n_tiles,
                              Timeline, W: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                              BLOCK_N: gl.constexpr, D: gl.constexpr, WARPGROUPS: gl.constexpr,
-                             DYNAMIC: gl.constexpr, TIMELINE: gl.constexpr):
+                             TIMELINE: gl.constexpr):
         """Consumer warpgroup ``W`` of a persistent program: its rows of each of the program's tiles
         (:func:`_consume`), Q from the buffer of the tile's parity, which it releases once its output is stored;
-        the tiles of the walk (:func:`_walk`) or, ``DYNAMIC``, each as the producer leaves it in ``slots``
+        the tiles of the walk (:func:`_walk`) or, ``CAUSAL``, each as the producer leaves it in ``slots``
         (:func:`_put_tile`), slot of the tile's parity, ready with its Q. ``TIMELINE``: its events stamped in the
         tile's row (:func:`_row`)."""
         _after_prior_grids()
         ring = 0
         i_t = 0
-        if DYNAMIC:
+        if CAUSAL:
             mbarrier.wait(q_ready.index(W), 0)
             off_b, off_h, start_m, n_loaded = _take_tile(slots, 0)
             while off_b >= 0:
@@ -573,9 +558,9 @@ if AVAILABLE:
                 mbarrier.wait(q_ready.index(buf * WARPGROUPS + W), (i_t // 2) & 1)
                 off_b, off_h, start_m, n_loaded = _take_tile(slots, buf)
             return
-        for it in range(_rounds(tiles_m, n_tiles, CAUSAL)):
-            valid, off_b, off_h, start_m, n_loaded = _walk(it, tiles_m, n_tiles, heads_q, len_q, len_k, CAUSAL,
-                                                           BLOCK_M, BLOCK_N, WARPGROUPS)
+        for it in range(_rounds(tiles_m, n_tiles)):
+            valid, off_b, off_h, start_m, n_loaded = _walk(it, tiles_m, n_tiles, heads_q, len_q, len_k, BLOCK_M,
+                                                           BLOCK_N, WARPGROUPS)
             if valid:
                 _consume(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, Lse,
                          stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m, Timeline, off_b, off_h,
@@ -587,9 +572,9 @@ if AVAILABLE:
     def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                  slots, heads_q, group, tiles_m, len_q, Timeline, off_b, off_h, start_m, n_loaded, ring, i_t,
                  CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr,
-                 DYNAMIC: gl.constexpr, TIMELINE: gl.constexpr):
+                 TIMELINE: gl.constexpr):
         """The producer's ``i_t``-th tile: its Q tiles into the buffer of its parity once free (two tiles back;
-        ``DYNAMIC``: the tile left in the slot of that parity, :func:`_put_tile`), then its K and V blocks into the
+        ``CAUSAL``: the tile left in the slot of that parity, :func:`_put_tile`), then its K and V blocks into the
         ring from block ``ring`` on. ``TIMELINE``: the tile's row gets the SM and the times it takes the tile up
         (slots 0-2) and issues its Q (slot 3)."""
         buf = i_t % 2
@@ -599,7 +584,7 @@ if AVAILABLE:
         mbarrier.wait(q_empty.index(buf), ((i_t // 2) & 1) ^ 1, pred=i_t >= 2)
         if TIMELINE:
             _stamp(stamps, 3, TIMELINE)
-        if DYNAMIC:
+        if CAUSAL:
             _put_tile(slots, buf, off_b, off_h, start_m, n_loaded)
         for w in gl.static_range(WARPGROUPS):
             mbarrier.expect(q_ready.index(buf * WARPGROUPS + w), q_desc.block_type.nbytes)
@@ -612,17 +597,16 @@ if AVAILABLE:
     def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                              k_empty, v_empty, slots, Counter, heads_q, group, len_q, len_k, tiles_m, n_tiles,
                              tail_heads, Timeline, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                             BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr, DYNAMIC: gl.constexpr,
-                             TIMELINE: gl.constexpr):
+                             BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr, TIMELINE: gl.constexpr):
         """The producer warp of a persistent program: its tiles' loads (:func:`_produce`), the tiles of the walk
-        (:func:`_walk`) or, ``DYNAMIC``, those of the units it takes one at a time: program p's first is unit p,
+        (:func:`_walk`) or, ``CAUSAL``, those of the units it takes one at a time: program p's first is unit p,
         each next one ``programs`` past the count of ``Counter`` (:func:`_claim`, issued before the unit's loads
         and waited for after them, so that no atomic's round trip holds a load up), each left in ``slots`` for
         the consumers; past the last, batch -1 there and its Q barriers arrived on without a load."""
         _after_prior_grids()
         ring = 0
         i_t = 0
-        if DYNAMIC:
+        if CAUSAL:
             n_units = _units(tiles_m, n_tiles, tail_heads)
             programs = gl.num_programs(0)
             u = gl.program_id(0)
@@ -636,7 +620,7 @@ if AVAILABLE:
                                                             BLOCK_N, WARPGROUPS)
                     _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                              k_empty, v_empty, slots, heads_q, group, tiles_m, len_q, Timeline, off_b, off_h,
-                             start_m, n_loaded, ring, i_t, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS, DYNAMIC, TIMELINE)
+                             start_m, n_loaded, ring, i_t, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS, TIMELINE)
                     ring += n_loaded
                     i_t += 1
                 u = _claimed(r) + programs
@@ -652,13 +636,13 @@ if AVAILABLE:
             for w in gl.static_range(WARPGROUPS):
                 mbarrier.arrive(q_ready.index(buf * WARPGROUPS + w), count=1)
             return
-        for it in range(_rounds(tiles_m, n_tiles, CAUSAL)):
-            valid, off_b, off_h, start_m, n_loaded = _walk(it, tiles_m, n_tiles, heads_q, len_q, len_k, CAUSAL,
-                                                           BLOCK_M, BLOCK_N, WARPGROUPS)
+        for it in range(_rounds(tiles_m, n_tiles)):
+            valid, off_b, off_h, start_m, n_loaded = _walk(it, tiles_m, n_tiles, heads_q, len_q, len_k, BLOCK_M,
+                                                           BLOCK_N, WARPGROUPS)
             if valid:
                 _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                          v_empty, slots, heads_q, group, tiles_m, len_q, Timeline, off_b, off_h, start_m, n_loaded,
-                         ring, i_t, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS, DYNAMIC, TIMELINE)
+                         ring, i_t, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS, TIMELINE)
                 ring += n_loaded
                 i_t += 1
 
@@ -760,11 +744,11 @@ if AVAILABLE:
     def _attn_fwd_persistent(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q,
                              group, len_q, len_k, tiles_m, n_tiles, Counter, tail_heads, Timeline,
                              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                             WARPGROUPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, DYNAMIC: gl.constexpr,
-                             TIMELINE: gl.constexpr):
-        """One program per SM over the tiles ``program_id, program_id + programs, ...`` of the walk
-        (:func:`_walk`); Q in two buffers, so that the next tile's is loaded while this one runs, and the K/V
-        ring runs on from tile to tile."""
+                             WARPGROUPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, TIMELINE: gl.constexpr):
+        """One program per SM: not causal over the tiles ``program_id, program_id + programs, ...`` of the walk
+        (:func:`_walk`), causal over the units of the dynamic walk as it frees up (:func:`_unit`); Q in two
+        buffers, so that the next tile's is loaded while this one runs, and the K/V ring runs on from tile to
+        tile."""
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2 * WARPGROUPS, 1, 1, BLOCK_M, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, 1, 1, BLOCK_N, D], k_desc.layout)
@@ -792,34 +776,34 @@ if AVAILABLE:
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                         slots, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k,
                                         tiles_m, n_tiles, Timeline, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS,
-                                        DYNAMIC, TIMELINE)),
+                                        TIMELINE)),
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                         slots, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k,
                                         tiles_m, n_tiles, Timeline, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS,
-                                        DYNAMIC, TIMELINE)),
+                                        TIMELINE)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                         v_ready, k_empty, v_empty, slots, Counter, heads_q, group, len_q, len_k,
                                         tiles_m, n_tiles, tail_heads, Timeline, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS,
-                                        DYNAMIC, TIMELINE)),
+                                        TIMELINE)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                         slots, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k,
                                         tiles_m, n_tiles, Timeline, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS,
-                                        DYNAMIC, TIMELINE)),
+                                        TIMELINE)),
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                         slots, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k,
                                         tiles_m, n_tiles, Timeline, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS,
-                                        DYNAMIC, TIMELINE)),
+                                        TIMELINE)),
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                         slots, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k,
                                         tiles_m, n_tiles, Timeline, 2, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS,
-                                        DYNAMIC, TIMELINE)),
+                                        TIMELINE)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                         v_ready, k_empty, v_empty, slots, Counter, heads_q, group, len_q, len_k,
                                         tiles_m, n_tiles, tail_heads, Timeline, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS,
-                                        DYNAMIC, TIMELINE)),
+                                        TIMELINE)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
     _GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
@@ -872,21 +856,14 @@ def persistent(causal: bool, len_k: int) -> bool:
     program per tile: not causal, and causal up to :data:`PERSISTENT_CAUSAL_MAX_KEYS` keys. On an H200, with the
     walk's fixed pairs, the persistent kernel ran causal attention 1.02-1.14x as fast at N = 1024 and 4096 and
     0.975-0.99x at 16384, where the hardware's scheduling of one program per tile balanced their unequal work
-    better; with the dynamic walk (:func:`dynamic`) 1.008x (head dim 128) and 1.041x (64) at 16384 (beyond: not
+    better; with the dynamic walk (:func:`unit`) 1.008x (head dim 128) and 1.041x (64) at 16384 (beyond: not
     measured)."""
     return not causal or len_k <= PERSISTENT_CAUSAL_MAX_KEYS
 
 
-DYNAMIC_CAUSAL = True
 # Single tiles at the walk's end, about this many a program (tail_heads). On an H200, 2 and 5 ran within the
 # noise of 3; 4, 5, 6 and 8 ran 0.96-1.006x of 3 at 1024-4096 causal keys (docs/benchmarks.md, sixteenth session).
 TAIL_UNITS_PER_PROGRAM = 3
-
-
-def dynamic(causal: bool) -> bool:
-    """Whether the persistent kernel's programs take their tiles as they free up, from a counter (causal:
-    :func:`unit`), rather than by a fixed walk (:func:`walk`)."""
-    return causal and DYNAMIC_CAUSAL
 
 
 def tail_heads(programs: int, tiles_m: int, heads: int) -> int:
@@ -911,24 +888,15 @@ def units(tiles_m: int, n_tiles: int, tail: int) -> int:
     return (n_tiles // tiles_m - tail) * ((tiles_m + 1) // 2) + tail * tiles_m
 
 
-def walk(it: int, program: int, programs: int, tiles_m: int, n_tiles: int, causal: bool):
-    """:func:`_walk` in Python: the (batch x head, Q tile) of a persistent program's round ``it``, or None."""
-    if causal:
-        pairs_m = (tiles_m + 1) // 2  # a head's pairs of Q tiles
-        u = (it // 2) * programs + program
-        k = u % pairs_m
-        longer = it % 2 == 0
-        if u // pairs_m >= n_tiles // tiles_m or (not longer and k == tiles_m - 1 - k):
-            return None
-        return u // pairs_m, (tiles_m - 1 - k if longer else k)
+def walk(it: int, program: int, programs: int, tiles_m: int, n_tiles: int):
+    """:func:`_walk` in Python: the (batch x head, Q tile) of a persistent program's round ``it`` where not causal,
+    or None."""
     i = it * programs + program
     return (i // tiles_m, i % tiles_m) if i < n_tiles else None
 
 
-def rounds(programs: int, tiles_m: int, n_tiles: int, causal: bool) -> int:
+def rounds(programs: int, tiles_m: int, n_tiles: int) -> int:
     """:func:`_rounds` in Python."""
-    if causal:
-        return 2 * -(-(n_tiles // tiles_m * ((tiles_m + 1) // 2)) // programs)
     return -(-n_tiles // programs)
 
 
@@ -994,11 +962,9 @@ def forward(q, k, v, out, lse, *, causal: bool, scale: float, timeline: torch.Te
     if persistent(causal, k.shape[2]):
         n_tiles = grid[0] * grid[1]
         n_prog = min(n_tiles, _sm_count(q.device))
-        dyn = dynamic(causal)
-        counter = replay.provided(walk_counter, q.device) if dyn else lse  # unread where static
+        counter = replay.provided(walk_counter, q.device) if causal else lse  # unread where not causal
         replay.launch(_attn_fwd_persistent, (n_prog, ), *args, grid[0], n_tiles, counter,
-                      tail_heads(n_prog, grid[0], grid[1]), timeline, DYNAMIC=dyn, TIMELINE=timeline is not None,
-                      **meta)
+                      tail_heads(n_prog, grid[0], grid[1]), timeline, TIMELINE=timeline is not None, **meta)
     else:
         replay.launch(_attn_fwd_ws, grid, *args, timeline, TIMELINE=timeline is not None, **meta)
     if target is not out:
