@@ -49,13 +49,13 @@ def sass(d, groups, causal):
                  "o_desc": desc(gf.BLOCK_M, d), "Lse": "*fp32",
                  **{n: "i32" for n in ("stride_lb", "stride_lh", "stride_ln")}, "c": "fp32",
                  **{n: "i32" for n in ("heads_q", "group", "len_q", "len_k", "tiles_m", "n_tiles")},
-                 **({"Counter": "*i32", "tail_heads": "i32"} if "DYNAMIC" in SIGNATURE else {}),
+                 **({"Counter": "*i32", "tail_heads": "i32"} if "Counter" in SIGNATURE else {}),
                  "Timeline": "constexpr",
                  **{n: "constexpr" for n in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "WARPGROUPS", "CONSUMER_REGS")
                     + (("DYNAMIC", ) if "DYNAMIC" in SIGNATURE else ()) + ("TIMELINE", )}}
     constexprs = {"CAUSAL": causal, "BLOCK_M": gf.BLOCK_M, "BLOCK_N": gf.BLOCK_N, "D": d, "WARPGROUPS": groups,
                   "CONSUMER_REGS": gf.CONSUMER_REGS, "TIMELINE": False, "Timeline": None,
-                  **({"DYNAMIC": gf.dynamic(causal)} if "DYNAMIC" in SIGNATURE else {})}
+                  **({"DYNAMIC": causal} if "DYNAMIC" in SIGNATURE else {})}  # modules before 08d3342
     kernel = triton.compile(GluonASTSource(fn=gf._attn_fwd_persistent, signature=signature, constexprs=constexprs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     with tempfile.TemporaryDirectory() as tmp:
