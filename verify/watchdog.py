@@ -13,7 +13,8 @@ replaced and the run goes on).
 
 Interruptions: in the process that writes the run's summary (no pytest-xdist, or its controller) SIGINT
 (Ctrl-C, ``timeout -s INT``) and SIGTERM (``timeout``, a CI job out of time or cancelled) end the run as
-Ctrl-C does, so that the report comes out PARTIAL with the tests not run (:func:`catch_interrupts`).
+Ctrl-C does, so that the report comes out PARTIAL with the tests not run (:func:`catch_interrupts`); the
+same signal delivered again while the run ends does not cut the report short.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 # Per-test time limit of `pytest verify` runs (seconds): a test runs up to hundreds of Hypothesis
 # examples, and on a GPU its first examples compile Triton kernels.
@@ -126,6 +128,12 @@ def _native_hang(item, settings, worker):
 
 _SIGNALS = {"SIGINT": "SIGINT: Ctrl-C, or a time limit", "SIGTERM": "SIGTERM: a time limit, or a cancelled job"}
 _pending: str | None = None  # the signal that asked the run to end, once one has
+_pending_at = 0.0  # when it came (time.monotonic())
+# A signal within this long of the first is the same request delivered again, not raised: GNU `timeout` signals
+# the process it started and then its whole process group, so the controller gets its signal twice, and a
+# KeyboardInterrupt raised while pytest writes the report ends the process without one. Later, it is raised:
+# someone asks again.
+REPEAT_GRACE_S = 2.0
 _reached = False  # its KeyboardInterrupt reached pytest (:func:`interrupt_reached`)
 _installed: dict = {}  # signal number -> (our handler, the handler it replaced)
 
@@ -135,7 +143,7 @@ def catch_interrupts() -> None:
     (:func:`interrupted_by`): pytest then finishes the session and the report is written, where SIGTERM's
     default action would end the process with no report at all. Only in the main thread, and only for a
     signal that still has Python's default handling (nobody else handles it); :func:`release_interrupts`
-    puts the handlers back."""
+    puts the handlers back. A signal within :data:`REPEAT_GRACE_S` of the first does nothing."""
     if threading.current_thread() is not threading.main_thread():
         return
     for name, default in (("SIGINT", signal.default_int_handler), ("SIGTERM", signal.SIG_DFL)):
@@ -144,8 +152,12 @@ def catch_interrupts() -> None:
             continue
 
         def on_signal(_signum, _frame, name=name):
-            global _pending
-            _pending = name
+            global _pending, _pending_at
+            now = time.monotonic()
+            if _pending is None:
+                _pending, _pending_at = name, now
+            elif now - _pending_at < REPEAT_GRACE_S:
+                return  # delivered again: the run is ending already (end_if_interrupted raises a lost one)
             raise KeyboardInterrupt(name)
 
         signal.signal(signum, on_signal)
