@@ -5,7 +5,8 @@ tests/test_gluon_backward.py.
 interpreter off), after a prelude that defines ``desc(dt, gdt, rows, d)`` (a ``[1, 1, rows, d]`` tensor
 descriptor's signature type) and ``build(key, fn, signature, constexprs)``: compile ``fn`` for sm_90,
 assemble its PTX with Triton's own ptxas (``-v``) and record ``{"rc", "ptxas" (its report), "wgmma" (the
-warpgroup MMAs in the PTX), "grid_waits" (its ``griddepcontrol.wait``), "clears" (its ``atom.global.exch``)}``, or ``{"error"}``, under ``key``.
+warpgroup MMAs in the PTX), "grid_waits" (its ``griddepcontrol.wait``), "clears" (its ``atom.global.exch``)}``,
+or ``{"error"}``, under ``key``.
 
 Under pytest-xdist every worker that runs a test of the module runs its fixture; the workers' processes
 then share the builds of one body through a directory of the run (``PYTEST_XDIST_TESTRUNUID``): each key
