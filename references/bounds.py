@@ -83,16 +83,20 @@ Whatever the blocking, key ``j``'s float32 weight in both ``acc`` and ``l`` is
 ``exp(s^_j - m^) * (1 + theta_j)`` for the final running max ``m^``, where ``theta_j`` collects
 
 * the rounding of the exponent arguments: ``s^_j - m^(t)`` (relative ``u``, so ``u |s^_j - m^(t)| <=
-  u (m^ - s^_j)`` absolute in the exponent), a possible multiply by ``log2(e)``, and the arguments of
-  the rescaling factors applied after ``j``'s block, whose magnitudes telescope to at most
-  ``m^ - m^(t) <= m^ - s^_j``: in all at most ``C_ARG u (m - s_j)`` to first order;
+  u (m^ - s^_j + lag)`` absolute in the exponent), a possible multiply by ``log2(e)``, and the arguments
+  of the rescaling factors applied after ``j``'s block, whose magnitudes telescope to at most
+  ``m^ - m^(t) <= m^ - s^_j + lag``: in all at most ``C_ARG u (m - s_j + lag)`` to first order. ``lag``
+  (``Model.lag``, ``MAX_LAG = log(256)`` for a kernel, 0 for the reference) is how far a running max may
+  trail the scores it has seen: FlashAttention-4 moves it only when a score beats it by more than
+  ``log2(256)`` in base 2, so ``p`` reaches 256 and ``s_j - m^(t)`` is positive up to ``log(256)``;
 * ``C_EXP u`` for ``exp`` of ``p_j``, and ``C_EXP u + u`` for each rescaling factor applied after
   ``j``'s block (its ``exp``, and in FA1 the product ``alpha l_old`` used by both numerator and
   ``l``). ``alpha = exp(0) = 1`` is exact and multiplies exactly, so only rescalings where the running
   max grows count; each is caused by a key whose perturbed score beats ``s^_j``, so there are fewer
   than ``R_j = #{k : s_k >= s_j - 2 max_k E_k}`` (``j`` counted) of them, in any order.
 
-So ``|log((1 + theta_j) exp(s^_j - s_j))| <= Phi_j = E_j + C_ARG u (m - s_j) + (C_EXP + 1) u R_j``.
+So ``|log((1 + theta_j) exp(s^_j - s_j))| <= Phi_j = E_j + C_ARG u (m - s_j + lag) + (C_EXP + 1) u R_j``
+(a merge of partials adds section 14's terms).
 As the same factor multiplies key ``j`` in ``acc`` and in ``l``, the output sees normalised weights
 ``P^_j = P_j e^{phi_j} / Z``, ``Z = sum_k P_k e^{phi_k}``, ``|phi_j| <= Phi_j``, and since
 ``sum_j P^_j = sum_j P_j = 1``, exactly (not only to first order)::
@@ -255,20 +259,39 @@ the cast to the input dtype: the cast is of ``dS_raw`` (``r_in(|dS_raw^|)``), wh
 (probabilities near the subnormal range) the chain's factor does not shrink.
 ALiBi's bias is a constant: no change in the backward.
 
-14. Split-KV
-------------
-With ``S`` splits (the spec's ``num_splits``) the forward keeps one running state per split of the keys,
-stores each split's normalised output ``o_t = acc_t / l_t`` and ``lse_t = m_t + log(l_t)`` in the
-accumulator dtype, and merges them: ``lse = top + log(sum_t exp(lse_t - top))``, ``out = sum_t exp(lse_t -
-lse) o_t``. The product ``exp(lse_t) o_t`` cancels ``l_t``'s own error (it is section 3's), so what the
-split adds to key ``j``'s weight (``j`` in split ``t``) is the rounding of ``lse_t`` (a log, an addition, a
-store: ``C_LOG u log(n + 1) + LOG_ABS u + 2 u |lse_t|``, with ``|lse_t| <= max(|s_j|, |m| + log n)``) and of
-the merge's weight ``exp(fl(lse_t - lse))`` (``u (lse - s_j) + C_EXP u``): added to ``Phi_j``, where (A)
-centres them. The merged ``lse``'s own rounding, ``delta = u (|lse| + C_EXP + S + C_LOG log S + LOG_ABS)``,
-is common to every weight, so the weights no longer sum to 1: ``delta (|o| + ...)`` joins the output bound
-and ``delta`` the LSE bound. Each term also passes the partial store, the merge's multiply and its ``S``-term
-sum: ``2 S + 2`` more accumulations in (C). The backward does not split; it reads the merged LSE, whose
-bound carries all this.
+14. Partials merged through stored LSEs (split-KV, ring attention), in every kernel
+-----------------------------------------------------------------------------------
+Any kernel may cut the keys into runs, keep each run's normalised partial ``o_t = acc_t / l_t`` and
+``lse_t = m_t + log(l_t)`` in the accumulator dtype, and merge them, whether or not the caller asked for
+splits (the spec's ``num_splits``): FlashAttention-2's split-KV forward picks its own split count (up to 128),
+FlashDecoding and flashinfer's ``merge_state`` merge partials, ring attention folds one device's chunk of
+keys in at a time. The suite cannot see the partition, so every kernel bound carries these terms
+(``Model.merges``; the float64 reference does not split). Two merges are covered:
+
+* one pass over the ``S`` partials: ``lse = top + log(sum_t exp(lse_t - top))``, ``out = sum_t exp(lse_t -
+  lse) o_t`` (empty runs have ``lse_t = -inf`` and add exact zeros);
+* up to ``MERGE_STEPS`` folds, one run at a time: ``new = lse ⊕ lse_t`` (a log of a sum of two
+  exponentials), ``out = exp(lse - new) out + exp(lse_t - new) o_t``.
+
+What a merge adds to key ``j``'s weight (``j`` in run ``t``), added to ``Phi_j`` where (A) centres it:
+
+* the stored ``lse_t`` is not compensated by ``o_t`` (normalised by ``l_t``, not by ``exp(lse_t - m_t)``):
+  a log, an addition and a store, ``C_LOG u log(n + 1) + LOG_ABS u + 2 u |lse_t|`` with
+  ``|lse_t| <= max(|s_j|, |m| + log n)`` (``s_j <= lse_t <= lse``);
+* each merge's weight ``exp(fl(lse_t - new))`` and its multiply: ``u (lse - s_j) + (C_EXP + 1) u``, since
+  ``|lse_t - new| <= lse - s_j``, once per merge the key's weight passes, at most ``min(n, MERGE_STEPS)``
+  times. A fold's rounded running LSE ``new`` needs no term: the running output is normalised by that same
+  rounded value, and the next fold's weight ``exp(new - new')`` undoes it.
+
+Weighted by ``P_j`` these per-merge terms sum to ``u sum_j P_j (lse - s_j) <= u log n`` per merge (the
+entropy of the row), however large the logits. The merged ``lse``'s own rounding, ``delta = u (|lse| +
+C_EXP + S + C_LOG log S + LOG_ABS)`` with ``S <= n`` non-empty terms (the sum of ``S`` exponentials, a
+log, the addition of ``top``), is common to every weight, so the weights no longer sum to 1:
+``delta (|o| + ...)`` joins the output bound and ``delta`` the LSE bound. With large logits this is the
+term that matters: ``|lse|`` in the hundreds costs ``u |lse| |o|``, uncentred. A term of the output passes
+its run's ``3 n_t + 1`` roundings, the division by ``l_t``, then two roundings per merge (the weight's
+multiply and the addition); as ``n_t <= n - S + 1``, ``3 n + 3 + 2 min(n, MERGE_STEPS)`` roundings cover
+every partition in (C). The backward does not split; it reads the merged LSE, whose bound carries all this.
 
 15. Sinks
 ---------
@@ -280,6 +303,25 @@ sections 3-7 then hold as written (the centred term (A) sees ``|0 - o|``, the ca
 column, ``P_sink (0 - Delta)``, is the sink's gradient: ``dt_h = sum_{b, i} dS_sink`` gets the sum of its
 errors plus ``gamma`` of its ``B Nq`` additions and the rounding of the float32 result, and leaves the
 ``dK``, ``dV`` sums.
+
+16. Which term covers which family of algorithm
+-----------------------------------------------
+``tests/zoo`` holds a correct kernel of each family and ``tests/test_zoo.py`` runs them all through
+``pytest verify``; docs/soundness.md has their margins. What each family's arithmetic costs, and where:
+
+* one pass, ``P`` rounded to the input dtype before ``P @ V`` (FlashAttention-2, Triton kernels): section 3
+  (rescalings, at most ``R_j``), 4 (the cast, term (B)), 5 (``3n + 2`` roundings in (C));
+* FA1's output renormalised every step: section 3 (``alpha l_old``) and 5 (three roundings a step);
+* the softmax materialised (eager, SDPA's math backend): section 4 (the cast of the normalised ``P``) and,
+  for autograd's backward, section 11;
+* key tiles in any order (last-first), two passes (a max pass, then no rescaling): section 3 holds for any
+  order and blocking, and (C) for any summation order;
+* a lagging running max (FlashAttention-4's conditional rescaling): section 3's ``lag``;
+* base 2 (``log2(e)`` folded into the scale, ``exp2`` of one FMA, the LSE in base 2): section 2 (the
+  rounding of ``sigma log2(e)``), 3 (the multiply by ``log2(e)`` in ``C_ARG``), 6 (the conversion of the
+  LSE, one of its three ``u |lse|``), 7 (the backward's conversion of the stored LSE, ``u |lse|``);
+* partials merged through stored LSEs (split-KV chosen by the kernel, ring attention): section 14;
+* gradients summed in any order (atomics): section 1 (M4) and 7 (``gamma`` of the count, any order).
 """
 
 from __future__ import annotations
@@ -300,6 +342,8 @@ LOG_ABS = 4.0  # absolute allowance of an approximate log2, in u
 C_TANH = 4.0  # tanh within 4 ulps (libm and CUDA's tanhf are within 2; not the approximate tanh.approx.f32)
 C_ARG = 4.0  # roundings that land in an exponent argument, per unit of |argument| (section 3)
 SAFETY = 1.0625  # dropped second-order terms (section 10)
+MAX_LAG = math.log(256.0)  # how far a kernel's running max may trail its scores (lazy rescaling; section 3)
+MERGE_STEPS = 8  # folds of partials a key's weight may pass through (ring attention over 9 devices; section 14)
 # The centred term (A) is computed exactly, in row chunks, when B * Hq * Nq * Nk * D is at most this;
 # above it, a matmul bound centred at a column mean of V (never smaller) is used.
 EXACT_CENTRED_LIMIT = 2 ** 25
@@ -315,8 +359,8 @@ class Model:
     ``D - 1`` additions; ``u_cast``/``eta_cast``: the cast of ``p`` and ``dS`` (0 without a cast);
     ``u_out``/``eta_out``: the final rounding to the input dtype (0 when it is the accumulator);
     ``autograd_eager``: the backward is PyTorch autograd through the eager forward (section 11);
-    ``splits``: the forward splits the keys and merges the splits (split-KV, section 14), set from the
-    spec by :func:`forward_bounds` and :func:`backward_bounds`.
+    ``merges``: the computation may merge partials through stored LSEs (section 14); ``lag``: how far its
+    running max may trail the scores seen (section 3). Every kernel may do both, the float64 reference neither.
     """
 
     name: str
@@ -329,7 +373,8 @@ class Model:
     u_out: float = 0.0
     eta_out: float = 0.0
     autograd_eager: bool = False
-    splits: int = 1
+    merges: bool = True
+    lag: float = MAX_LAG
 
 
 def kernel_model(dtype: torch.dtype, *, truncating_dots: bool = False, autograd_eager: bool = False) -> Model:
@@ -350,7 +395,8 @@ def kernel_model(dtype: torch.dtype, *, truncating_dots: bool = False, autograd_
 
 
 # The float64 reference: products rounded, sigma exact, no casts (section 8).
-REFERENCE_MODEL = Model("float64 reference", unit_roundoff(F64), torch.finfo(F64).tiny, unit_roundoff(F64), 2)
+REFERENCE_MODEL = Model("float64 reference", unit_roundoff(F64), torch.finfo(F64).tiny, unit_roundoff(F64), 2,
+                        merges=False, lag=0.0)
 
 
 def gamma(n, u: float):
@@ -548,31 +594,39 @@ def _ranks_for(c: _Case, model: Model) -> torch.Tensor:
 
 
 def _phi(c: _Case, model: Model, ranks: torch.Tensor) -> torch.Tensor:
-    """Phi_ij (section 3, and section 14's split-KV terms), 0 where hidden."""
+    """Phi_ij (section 3, and section 14's merge terms for a kernel), 0 where hidden."""
     u = model.u_acc
-    phi = _score_error(c, model) + C_ARG * u * (c.m[..., None] - c.s) + (C_EXP + 1) * u * ranks
-    if model.splits > 1:
-        phi = phi + _split_phi(c, u)
+    phi = _score_error(c, model) + C_ARG * u * (c.m[..., None] - c.s + model.lag) + (C_EXP + 1) * u * ranks
+    if model.merges:
+        phi = phi + _merge_phi(c, u)
     return torch.where(c.vis, phi, 0.0)
 
 
-def _split_phi(c: _Case, u: float) -> torch.Tensor:
-    """Section 14: key j's split stores ``lse_t = m_t + log(l_t)`` (a log, an addition, a float32 store:
-    ``C_LOG u log(n + 1) + LOG_ABS u + 2 u |lse_t|``, ``|lse_t| <= max(|s_j|, |m| + log n)``) and the merge
-    weighs it by ``exp(fl(lse_t - lse))`` (``u (lse - s_j) + C_EXP u``)."""
+def _merges(c: _Case) -> torch.Tensor:
+    """The most merges a key's weight passes (section 14), per row ``[rows]``: ``min(n, MERGE_STEPS)``."""
+    return c.n_rows.clamp(max=MERGE_STEPS)
+
+
+def _merge_phi(c: _Case, u: float) -> torch.Tensor:
+    """Section 14: key j's run stores ``lse_t = m_t + log(l_t)`` (a log, an addition, a float32 store:
+    ``C_LOG u log(n + 1) + LOG_ABS u + 2 u |lse_t|``, ``|lse_t| <= max(|s_j|, |m| + log n)``), and each merge
+    weighs it by ``exp(fl(lse_t - new))`` and multiplies (``u (lse - s_j) + (C_EXP + 1) u`` a merge)."""
     log_n = torch.log(c.n_rows.clamp(min=1))[:, None]
     lse_t = torch.maximum(c.s.abs(), c.m.abs()[..., None] + log_n)
-    return u * (C_LOG * torch.log1p(c.n_rows)[:, None] + LOG_ABS + 2 * lse_t
-                + (c.lse[..., None] - c.s).abs() + C_EXP)
+    per_merge = (c.lse[..., None] - c.s).abs() + C_EXP + 1
+    return u * (C_LOG * torch.log1p(c.n_rows)[:, None] + LOG_ABS + 2 * lse_t + _merges(c)[:, None] * per_merge)
 
 
 def _merge_error(c: _Case, model: Model) -> torch.Tensor:
-    """Section 14: the relative error ``delta`` of the merged ``lse = top + log(sum_t exp(lse_t - top))``,
-    common to every split's weight: ``u (|lse| + C_EXP + S + C_LOG log S + LOG_ABS)`` (0 without splits)."""
-    s = model.splits
-    if s == 1:
+    """Section 14: the relative error ``delta`` of the merged LSE, common to every run's weight: the one-pass
+    merge's sum of ``n`` exponentials and its log, ``u (n + C_LOG log n)``, and each of the
+    ``min(n, MERGE_STEPS)`` merges' log, exponential and addition, ``u (L + C_EXP + C_LOG + LOG_ABS + 1)``
+    with ``L = max(|lse|, max_j |s_j|)`` bounding every partial LSE (0 for a computation that does not merge)."""
+    if not model.merges:
         return torch.zeros_like(c.lse)
-    return model.u_acc * (c.lse.abs() + C_EXP + s + C_LOG * math.log(s) + LOG_ABS)
+    n = c.n_rows.clamp(min=1)
+    top = torch.maximum(c.lse.abs(), torch.where(c.vis, c.s.abs(), 0.0).amax(dim=-1) if c.s.shape[-1] else 0.0)
+    return model.u_acc * (n + C_LOG * torch.log(n) + _merges(c) * (top + C_EXP + C_LOG + LOG_ABS + 1))
 
 
 def _p_times(c: _Case, fn, x: torch.Tensor) -> torch.Tensor:
@@ -611,9 +665,9 @@ def _out_kernel(c: _Case, model: Model, phi: torch.Tensor) -> torch.Tensor:
     # the accumulator (products, additions, rescaling multiplies, FA1's steps).
     term_u = model.eta_acc * (vis @ c.av + c.n_rows[:, None] * c.o.abs() + (3 * c.n_rows + 4)[:, None])
     pre = term_a + term_b + term_u
-    # With split-KV each term also passes the float32 partial output, the merge's multiply and its S-term
-    # sum (section 14).
-    steps = 3 * c.n_rows + 2 + (2 * model.splits + 2 if model.splits > 1 else 0)
+    # A kernel may merge partials (section 14): each term also passes its run's division and two roundings
+    # a merge.
+    steps = 3 * c.n_rows + 2 + (1 + 2 * _merges(c) if model.merges else 0)
     pre = pre + gamma(steps, model.u_dot)[:, None] * (p_hat @ c.av + c.o.abs() + pre)
     merge = _merge_error(c, model)[..., None]  # a common factor on every weight: the output is off by it
     pre = pre + merge * (c.o.abs() + pre)
@@ -643,7 +697,7 @@ def forward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, model: Model 
     if k.shape[2] == 0 and ref.sink is None:  # no keys: every row is fully masked, out = 0, lse = -inf exactly
         return torch.zeros(q.shape, dtype=F64, device=q.device), torch.zeros(q.shape[:3], dtype=F64, device=q.device)
     kk = _keys(ref, q, k, v)
-    model = dataclasses.replace(kernel_model(dtype) if model is None else model, splits=ref.spec.num_splits)
+    model = kernel_model(dtype) if model is None else model
     out_b = torch.zeros(q.shape, dtype=F64, device=q.device)
     lse_b = torch.zeros(q.shape[:3], dtype=F64, device=q.device)
     for chunk in ref.chunks():  # every term is row-wise: one chunk of rows at a time
@@ -751,7 +805,7 @@ def backward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, out: torch.T
         empty = torch.zeros(k.shape, dtype=F64, device=q.device)
         return zeros, empty, empty.clone(), torch.zeros(q.shape[:3], dtype=F64, device=q.device)
     kk = _keys(ref, q, k, v)
-    model = dataclasses.replace(kernel_model(dtype) if model is None else model, splits=ref.spec.num_splits)
+    model = kernel_model(dtype) if model is None else model
     ref_model = REFERENCE_MODEL
     sinks = ref.sink is not None
     sink_k = sink_r = (0.0, 0.0)  # with sinks: [Hq] sums over batch and rows of the sink's dS error and size
