@@ -15,6 +15,7 @@ Files of a report directory:
 ``measurements-<worker>.jsonl`` one JSON object per measurement, in the order they were taken
 ``coverage-<worker>.jsonl``    one JSON object per test: the boundary classes its examples reached
 ``memory-<worker>.jsonl``      one JSON object per test on a GPU: its peak device memory and the budget
+``margins-<worker>.jsonl``     one JSON object per metamorphic comparison: its difference over its tolerance
 ``failures/*.json``            one per failing test: the shrunk case and the command that replays it
 ``summary.json``, ``report.md``, ``report.html``  written at the end, or by ``python -m reports summarise``
 """
@@ -79,7 +80,7 @@ def dumps(value: Any, **kwargs) -> str:
     return json.dumps(_jsonable(value), allow_nan=False, default=str, **kwargs)
 
 
-REPORT_FILES = ("measurements-*.jsonl", "coverage-*.jsonl", "memory-*.jsonl", "run-*.json", "failures/*.json", "summary.json", "report.md",
+REPORT_FILES = ("measurements-*.jsonl", "coverage-*.jsonl", "memory-*.jsonl", "margins-*.jsonl", "run-*.json", "failures/*.json", "summary.json", "report.md",
                 "report.html", ".*.tmp", "failures/.*.tmp")
 
 
@@ -178,7 +179,14 @@ class ReportSession:
 
     def memory(self, entry: dict[str, Any]) -> None:
         """Append one test's peak device memory record to ``memory-<worker>.jsonl``."""
-        with open(self.dir / f"memory-{self.worker}.jsonl", "a", encoding="utf-8") as fh:
+        self._append("memory", entry)
+
+    def margin(self, entry: dict[str, Any]) -> None:
+        """Append one metamorphic comparison (its difference over its tolerance) to ``margins-<worker>.jsonl``."""
+        self._append("margins", entry)
+
+    def _append(self, stream: str, entry: dict[str, Any]) -> None:
+        with open(self.dir / f"{stream}-{self.worker}.jsonl", "a", encoding="utf-8") as fh:
             fh.write(dumps(entry) + "\n")
 
     def failure(self, *, test: str, message: str, replay: str | None, case: dict | None,

@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from reports import coverage, memory
+from reports import coverage, margins, memory
 from reports.session import dumps, read_stream, replay_command, write_atomic
 
 # How many of the worst measurements the summary lists (with their replay commands).
@@ -248,6 +248,7 @@ def summarise(report_dir: str | Path, *, outcomes: dict | None = None, rows: lis
         "failures": failures,
         "outcomes": outcomes,
         "coverage": coverage.summary(report_dir),
+        "metamorphic": margins.summary(report_dir),
         "peak_memory": memory.summary(report_dir),
     }
 
@@ -354,6 +355,7 @@ def markdown(summary: dict) -> str:
                   "| " + " | ".join(h for _, h in WORST_COLUMNS) + " |", "|" + "---|" * len(WORST_COLUMNS)]
         for w in worst:
             lines.append("| " + " | ".join(_md(w.get(k)) for k, _ in WORST_COLUMNS) + " |")
+    lines += margins.markdown(summary.get("metamorphic") or [])
     lines += coverage.markdown(summary.get("coverage") or {}, partial=summary.get("status") != "complete")
     lines += memory.markdown(summary.get("peak_memory") or {})
     failures = summary.get("failures") or []

@@ -121,3 +121,19 @@ def test_assert_close_exact_and_tolerance():
     with pytest.raises(PropertyFailure, match="exceeds the tolerance"):
         assert_close(ctx, what="x", actual=torch.tensor([1.0, math.nan]), expected=torch.tensor([1.0, 2.0]),
                      tolerance=1e9)
+
+
+def test_assert_close_records_each_comparisons_margin_and_aims_at_it():
+    margins = []
+    ctx = Context(impl=_ctx().impl, prop="key_permutation_invariance", case=CASE, margin=margins.append)
+    assert_close(ctx, what="out after permuting keys", actual=torch.tensor([1.0, 2.0]),
+                 expected=torch.tensor([1.0, 2.01]), tolerance=0.02)
+    with pytest.raises(PropertyFailure):
+        assert_close(ctx, what="lse after permuting keys", actual=torch.tensor([1.0]), expected=torch.tensor([1.5]),
+                     tolerance=0.25)
+    assert [(m["check"], m["pass"]) for m in margins] == [("out after permuting keys", True),
+                                                           ("lse after permuting keys", False)]
+    assert margins[0]["difference_over_tolerance"] == pytest.approx(0.5, rel=1e-5)
+    assert margins[1]["difference_over_tolerance"] == pytest.approx(2.0)
+    assert margins[0]["dtype"] == "float16" and margins[0]["case"]["len_k"] == 7
+    assert ctx.observations["difference/tolerance"] == pytest.approx(2.0)

@@ -358,3 +358,21 @@ def test_the_implementations_table_says_how_each_gives_gradients(tmp_path):
     assert "<td>autograd and its backward function (dQ, dK, dV, Delta)</td>" in cells["triton"]
     assert "<td>none</td>" in cells["fwd_only"]
     assert "<td>no backward function</td>" in cells["old_record"]
+
+
+def test_metamorphic_margins_are_streamed_and_folded_per_property(tmp_path):
+    session = ReportSession(tmp_path, worker="gw0")
+    for ratio, passed in ((0.1, True), (0.3, True), (1.5, False)):
+        session.margin({"implementation": "k", "property": "score_shift_invariance", "check": "out after shifting",
+                        "dtype": "float16", "difference_over_tolerance": ratio, "pass": passed})
+    session.margin({"implementation": "k", "property": "value_linearity", "check": "out(v A + b)",
+                    "dtype": "float32", "difference_over_tolerance": math.inf, "pass": False})
+    session.close()
+    result = summary.write_summary(tmp_path, html=False)
+    rows = {r["property"]: r for r in result["metamorphic"]}
+    shift = rows["score_shift_invariance"]
+    assert (shift["comparisons"], shift["failed"], shift["median_difference_over_tolerance"],
+            shift["max_difference_over_tolerance"]) == (3, 1, 0.3, 1.5)
+    assert rows["value_linearity"]["max_difference_over_tolerance"] == math.inf
+    text = (tmp_path / "report.md").read_text()
+    assert "## Metamorphic checks" in text and "| k | score_shift_invariance | float16 | 3 | 1 | 0.3 | 1.5 |" in text

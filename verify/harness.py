@@ -337,6 +337,8 @@ class Context:
     device: str = "cpu"
     record: Recorder = _no_record
     case: Any = None
+    # Receives one record per metamorphic comparison (:func:`assert_close`): its difference over its tolerance.
+    margin: Recorder = _no_record
     # The worst value of each ratio the example measured ("dq error/bound", ...): the runner hands them
     # to Hypothesis's target(), so the search climbs toward the inputs closest to failing.
     observations: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -544,6 +546,10 @@ def assert_close(ctx: Context, *, what: str, actual: torch.Tensor, expected: tor
         return
     tol = tolerance if isinstance(tolerance, torch.Tensor) else torch.full_like(err, float(tolerance))
     ratio, at = max_ratio(err, tol.expand_as(err))
+    ctx.observe("difference/tolerance", ratio)
+    ctx.margin({"implementation": ctx.impl.name, "property": ctx.prop, "check": what,
+                "dtype": getattr(ctx.case, "dtype", None), "case": ctx.case.to_dict() if ctx.case is not None else None,
+                "difference_over_tolerance": ratio, "pass": ratio <= 1.0})
     if ratio > 1.0:
         limit = float(tol.expand_as(err)[at])
         a, b = _digits(float(actual[at]), float(expected[at]))

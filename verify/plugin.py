@@ -353,7 +353,8 @@ def env(request):
     return Env(device=_device(config), profile=_profile(config), limits=_limits(config),
                record=report.record if report is not None else (lambda _m: None),
                seed=config.getoption("hypothesis_seed", default=None),
-               coverage=report.coverage if report is not None else (lambda _m: None))
+               coverage=report.coverage if report is not None else (lambda _m: None),
+               margin=report.margin if report is not None else (lambda _m: None))
 
 
 _FAILURES = pytest.StashKey[list]()

@@ -55,6 +55,11 @@ class Env:
     record: Recorder
     seed: int | str | None = None  # --hypothesis-seed: mixed into every derandomized test's seed
     coverage: Recorder = _ignore  # receives one record per test: the boundary classes its examples reached
+    margin: Recorder = _ignore  # receives one record per metamorphic comparison (verify.harness.assert_close)
+
+    def context(self, impl: Implementation, prop: str, case) -> Context:
+        """The :class:`Context` of one example of ``prop`` on ``impl``, recording into this run's report."""
+        return Context(impl=impl, prop=prop, device=self.device, record=self.record, case=case, margin=self.margin)
 
 
 def seed_for(*parts: Any) -> int:
@@ -233,7 +238,7 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
     def run(data):
         case = data.draw(strategy, label="case")
         coverage.add(case)
-        ctx = Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case)
+        ctx = env.context(impl, prop, case)
         try:
             run_example(fn, ctx, case, env)
         except NotForThisKernel as exc:
@@ -318,7 +323,7 @@ def check_longest(prop: str, impl: Implementation, dtype: str, env: Env, *, caus
     __tracebackhide__ = True
     _skip_unless_runnable(impl, dtype, env, requires, causal=causal)
     case = longest_case(impl, dtype, env.limits, causal=causal)
-    ctx = Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case)
+    ctx = env.context(impl, prop, case)
     try:
         run_example(properties.PROPERTIES[prop], ctx, case, env)
     except (NotForThisKernel, NotForThisCase) as exc:
@@ -338,7 +343,7 @@ def check_softmax(prop: str, impl: Implementation, dtype: str, env: Env) -> None
     @given(data=st.data())
     def run(data):
         case = data.draw(strategy, label="case")
-        run_example(fn, Context(impl=impl, prop=prop, device=env.device, record=env.record, case=case), case, env)
+        run_example(fn, env.context(impl, prop, case), case, env)
 
     _own_seed(run, "softmax", prop, dtype, env.seed)()
 
