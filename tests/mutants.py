@@ -97,6 +97,10 @@ MUTATIONS = (
              "kv_end = _kv_end(m1, len_q, len_k, causal)\n        parts = []",
              "kv_end = _kv_end(m1, len_q, len_k, causal)\n        if kv_end == 0:\n            continue\n"
              "        parts = []"),
+    Mutation("scale_rounded_to_float16", "the softmax scale rounded to float16 before use (a bug found in a public "
+             "Triton kernel): every score is off by up to 2^-11 of itself",
+             "return _default_scale(q.shape[-1]) if scale is None else float(scale)",
+             "return float(torch.tensor(_default_scale(q.shape[-1]) if scale is None else float(scale)).half())"),
     Mutation("negative_scale_as_positive", "the softmax scale's sign is dropped",
              "return _default_scale(q.shape[-1]) if scale is None else float(scale)",
              "return _default_scale(q.shape[-1]) if scale is None else abs(float(scale))"),

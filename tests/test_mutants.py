@@ -91,3 +91,17 @@ def test_mutant_fails_the_suite(name, tmp_path):
             assert _small(case) and holds(case, case.get("spec") or {}), (
                 f"mutant {name}: {path.name} holds a case that is not minimal (expected {what}, and every length, "
                 f"the batch, the head count and the head dim at most 3): {json.dumps(case)}")
+
+
+# The impl's name holds "float16": select the dtype by excluding the others.
+_ONLY = {"float16": "not bfloat16 and not float32 and not float64", "bfloat16": "bfloat16"}
+
+
+@pytest.mark.slow(seconds=15)
+@pytest.mark.parametrize("dtype", sorted(_ONLY))
+def test_scale_rounded_to_float16_fails_in_half_precision(dtype, tmp_path):
+    """A kernel that rounds the scale to float16 first is wrong by up to 2^-11 of every score: the bounds
+    stay tight enough to fail it in the half-precision dtypes too, where the inputs' own rounding is as large."""
+    out = mutants.run_variant("scale_rounded_to_float16", report_dir=tmp_path, extra=("-k", _ONLY[dtype]))
+    assert out.returncode == 1, f"expected a failure in {dtype}, got exit {out.returncode}:\n{out.output[-4000:]}"
+    assert f"-{dtype}]" in out.output
