@@ -213,6 +213,8 @@ class Reference:
     dk: torch.Tensor | None = None
     dv: torch.Tensor | None = None
     dsinks: torch.Tensor | None = None  # [Hq], with sinks
+    # The largest |dS| the contract's backward casts to the input dtype (dS of the raw scores with a softcap).
+    ds_max: float | None = None
     _single: Chunk | None = dataclasses.field(default=None, repr=False)  # the only chunk, when it is one
 
     @property
@@ -316,6 +318,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
         ref.delta = torch.zeros(q.shape[:3], dtype=F64, device=q.device)
         ref.dq = torch.zeros(q.shape, dtype=F64, device=q.device)
         dk_heads = dv_heads = torch.zeros(ke.shape, dtype=F64, device=q.device)  # replaced by the first chunk
+        ds_max = torch.zeros((), dtype=F64, device=q.device)
     spans = ref.row_chunks()
     for n, (r0, r1) in enumerate(spans):
         rows = slice(r0, r1)
@@ -336,6 +339,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
             c.dp, c.ds = _dp_and_ds(ref.dout[:, :, rows], ve, seen[:, 0], p, ref.delta[:, :, rows])
             chain = spec.modify_grad(raw)  # dS is the gradient of the modified scores; dQ, dK need the raw ones
             ds_raw = c.ds if chain is None else torch.where(visible, c.ds * chain, 0.0)
+            if ds_raw.numel():
+                ds_max = torch.maximum(ds_max, ds_raw.abs().amax())
             ref.dq[:, :, rows] = scale * (ds_raw @ torch.where(seen, ke, 0.0))
             if n == 0:
                 dk_heads = scale * (ds_raw.transpose(-1, -2) @ q64[:, :, rows])
@@ -349,6 +354,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
         ref.p_sink = torch.exp(sink[:, None] - lse)
     if dout is not None:
         ref.dk, ref.dv = reduce_group(dk_heads, hkv), reduce_group(dv_heads, hkv)
+        ref.ds_max = float(ds_max)
         if sink is not None:  # dS of the sink: P_sink (dP_sink - Delta), and its value is 0
             ref.dsinks = -(ref.p_sink * ref.delta).sum(dim=(0, 2))
     return ref

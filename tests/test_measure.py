@@ -129,3 +129,19 @@ def test_check_names_the_ops_it_measures():
     truth = measure.Truth(case, t.q, t.k, t.v)
     with pytest.raises(ValueError, match=r"op='delta', but should be one of .*check_delta"):
         measure.check(Context(impl=None, prop="p", case=case), truth, "delta", t.q, truth.forward_bounds)
+
+
+def test_a_case_whose_ds_overflows_float16_is_not_for_the_backward_properties():
+    """dS = P (dP - Delta) past float16's range (wide-range V, D = 188) while the exact gradients are in it:
+    a correct kernel that casts dS to float16 for dQ and dK (FlashAttention-2 and 3 do) gets NaN, so the
+    gradient properties reject the case instead of failing the kernel (found on an H200 by
+    gqa_gradients_sum_over_group)."""
+    from strategies.cases import AttentionCase
+
+    case = AttentionCase(batch=2, heads_q=6, heads_kv=2, len_q=33, len_k=3, head_dim=188, dtype="float16",
+                         magnitude="v_wide_range", seed=696, block_m=2, block_n=1)
+    t = case.build()
+    truth = measure.Truth(case, t.q, t.k, t.v, dout=t.dout)
+    with pytest.raises(measure.NotForThisCase, match=r"dS = P \(dP - Delta\) reaches 9.463e\+04"):
+        truth.ref
+    assert measure.Truth(case, t.q, t.k, t.v).ref.ds_max is None  # the forward alone is not concerned

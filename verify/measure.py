@@ -48,18 +48,27 @@ class NotForThisCase(Exception):
 
 def representable_gradients(ref: reference.Reference, dtype: torch.dtype) -> None:
     """Raise :class:`NotForThisCase` when an exact gradient of ``ref`` lies past the largest finite value
-    of the inputs' ``dtype``: every kernel that rounds it to ``dtype`` correctly returns inf there, and
-    no bound or identity (``sum_j dK_j = 0``) can be checked on it. (Inputs with row-scaled values, like
+    of the inputs' ``dtype``, or ``dS`` comes within a factor 2 of it: every kernel that rounds it to
+    ``dtype`` correctly returns inf (or NaN) there, and no bound or identity (``sum_j dK_j = 0``) can be
+    checked on it. (Inputs with row-scaled values, like
     ``v_wide_range`` in float16, reach it: dK = scale dS^T Q grows with |V| |dO| |Q|.) Outputs cannot:
     O is a convex combination of the rows of V."""
     if dtype == torch.float64 or not dtype.is_floating_point:
         return
     top = torch.finfo(dtype).max
+    name = str(dtype).removeprefix('torch.')
     for op in ("dq", "dk", "dv", "dsinks"):
         x = getattr(ref, op)
         if x is not None and x.numel() and (biggest := x.abs().max().item()) > top:
-            raise NotForThisCase(f"the exact {op} reaches {biggest:.4g}, past {str(dtype).removeprefix('torch.')}'s "
+            raise NotForThisCase(f"the exact {op} reaches {biggest:.4g}, past {name}'s "
                                  f"largest finite value {top:.6g}: rounded to the dtype it is inf")
+    # The contract's backward casts dS to the input dtype for the dQ and dK products (FlashAttention-2 and 3
+    # feed it to the tensor cores so): within a factor 2 of the largest finite value, its own rounding error
+    # may carry it past, and a correct kernel's dQ and dK are inf or NaN whatever the exact gradients are.
+    if ref.ds_max is not None and ref.ds_max > top / 2:
+        raise NotForThisCase(f"the exact dS = P (dP - Delta) reaches {ref.ds_max:.4g}, within a factor 2 of "
+                             f"{name}'s largest finite value {top:.6g}: a backward that casts dS to {name} "
+                             "before dQ and dK overflows there")
 
 
 class Truth:
