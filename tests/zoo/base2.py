@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from tests.zoo.common import NEG_INF, acc_dtype, expand, softmax_scale, tiles, visible
+from tests.zoo.common import NEG_INF, any_visible, acc_dtype, expand, softmax_scale, tiles, visible
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -50,9 +50,9 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=16, block_n=16):
         l = torch.zeros(shape, dtype=acc, device=q.device)
         o = torch.zeros(shape + (q.shape[3],), dtype=acc, device=q.device)
         for n0, n1 in tiles(len_k, block_n):
-            vis = visible(m0, m1, n0, n1, len_q, len_k, causal, q.device)
-            if not bool(vis.any()):
+            if not any_visible(m1, n0, len_q, len_k, causal):
                 continue
+            vis = visible(m0, m1, n0, n1, len_q, len_k, causal, q.device)
             qk = torch.where(vis, _qk(q[:, :, m0:m1], ke[:, :, n0:n1], acc), 0.0)
             t = torch.where(vis, qk * c, NEG_INF)
             m_new = torch.maximum(m2, t.amax(dim=-1))

@@ -51,6 +51,12 @@ def visible(m0: int, m1: int, n0: int, n1: int, len_q: int, len_k: int, causal: 
     return (cols <= rows + (len_k - len_q)) | (not causal)
 
 
+def any_visible(m1: int, n0: int, len_q: int, len_k: int, causal: bool) -> bool:
+    """Whether some query of rows ``< m1`` sees key ``n0`` (the tile's first key): decided without looking at
+    the mask, so a GPU run does not wait for the device once a tile."""
+    return not causal or n0 <= m1 - 1 + len_k - len_q
+
+
 def masked_scores(q_tile, k_tile, scale, acc, vis) -> torch.Tensor:
     """``scale * q k^T`` in the accumulator, ``-inf`` where hidden (selected, so NaN in a hidden key stays out)."""
     s = (q_tile.to(acc) @ k_tile.to(acc).transpose(-1, -2)) * scale
@@ -82,9 +88,9 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
         k_tile, v_tile = ke[:, :, n0:n1], ve[:, :, n0:n1].to(acc)
         parts_dk, parts_dv = [], []
         for m0, m1 in tiles(len_q, block_m):
-            vis = visible(m0, m1, n0, n1, len_q, len_k, causal, q.device)
-            if not bool(vis.any()):
+            if not any_visible(m1, n0, len_q, len_k, causal):
                 continue
+            vis = visible(m0, m1, n0, n1, len_q, len_k, causal, q.device)
             q_tile = q[:, :, m0:m1]
             if probabilities is None:
                 p = natural_exp(masked_scores(q_tile, k_tile, scale, acc, vis), lse[:, :, m0:m1].to(acc))
@@ -151,10 +157,3 @@ def with_autograd(raw_forward: Callable, raw_backward: Callable = fa2_backward) 
 
     attention.__name__ = attention.__qualname__ = getattr(raw_forward, "__name__", "attention")
     return attention
-
-
-def finish(q: torch.Tensor, acc: torch.Tensor, l: torch.Tensor, lse: torch.Tensor):
-    """``(out, lse)`` from an unnormalised accumulator: one division, 0 and -inf on rows that saw no key."""
-    empty = l == 0
-    out = acc / torch.where(empty, 1.0, l)[..., None]
-    return out.to(q.dtype), torch.where(empty, NEG_INF, lse)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.zoo.common import NEG_INF, acc_dtype, expand, masked_scores, softmax_scale, tiles, visible
+from tests.zoo.common import NEG_INF, any_visible, acc_dtype, expand, masked_scores, softmax_scale, tiles, visible
 
 
 def partial(q, ke, ve, *, m0, m1, k0, k1, causal, scale, block_n, reverse=False, threshold=0.0):
@@ -30,9 +30,9 @@ def partial(q, ke, ve, *, m0, m1, k0, k1, causal, scale, block_n, reverse=False,
     o = torch.zeros(shape + (q.shape[3],), dtype=acc, device=q.device)
     runs = [(k0 + a, k0 + b) for a, b in tiles(k1 - k0, block_n)]
     for n0, n1 in (reversed(runs) if reverse else runs):
-        vis = visible(m0, m1, n0, n1, len_q, len_k, causal, q.device)
-        if not bool(vis.any()):
+        if not any_visible(m1, n0, len_q, len_k, causal):
             continue
+        vis = visible(m0, m1, n0, n1, len_q, len_k, causal, q.device)
         s = masked_scores(q[:, :, m0:m1], ke[:, :, n0:n1], scale, acc, vis)
         top = torch.maximum(m, s.amax(dim=-1))
         # Lazy rescaling: keep the old max unless the new one is more than `threshold` above it.

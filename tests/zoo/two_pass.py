@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.zoo.common import NEG_INF, acc_dtype, expand, masked_scores, softmax_scale, tiles, visible
+from tests.zoo.common import NEG_INF, any_visible, acc_dtype, expand, masked_scores, softmax_scale, tiles, visible
 
 
 def forward(q, k, v, *, causal=False, scale=None, block_m=16, block_n=16):
@@ -18,8 +18,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=16, block_n=16):
     lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
     for m0, m1 in tiles(len_q, block_m):
         key_tiles = [(n0, n1, visible(m0, m1, n0, n1, len_q, len_k, causal, q.device))
-                     for n0, n1 in tiles(len_k, block_n)]
-        key_tiles = [(n0, n1, vis) for n0, n1, vis in key_tiles if bool(vis.any())]
+                     for n0, n1 in tiles(len_k, block_n) if any_visible(m1, n0, len_q, len_k, causal)]
         shape = (q.shape[0], hq, m1 - m0)
         m = torch.full(shape, NEG_INF, dtype=acc, device=q.device)
         for n0, n1, vis in key_tiles:  # pass 1: the row max
