@@ -126,3 +126,50 @@ def test_a_zero_tolerance_in_a_masked_row_names_the_row():
         assert_close(ctx, what="out after a shift", actual=a, expected=torch.zeros(1, 1, 5, 2),
                      tolerance=torch.zeros(1, 1, 5, 2))
     assert "row 1 sees no key: causal masks are aligned bottom-right" in str(info.value)
+
+
+class _ZeroDk(torch.autograd.Function):
+    """The correct forward and backward, but dK of one key zeroed."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, key):
+        ctx.save_for_backward(q, k, v)
+        ctx.causal, ctx.scale, ctx.key = causal, scale, key
+        with torch.no_grad():
+            return attention(q, k, v, causal=causal, scale=scale)[0]
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = attention(q, k, v, causal=ctx.causal, scale=ctx.scale)[0]
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        dk = dk.clone()
+        dk[:, :, ctx.key] = 0
+        return dq, dk, dv, None, None, None
+
+
+@pytest.mark.parametrize(("len_q", "key"), [(1, -1), (3, 0)], ids=["last key, one row", "first key, rows without keys"])
+def test_a_dk_error_is_not_read_as_a_query_row(len_q, key):
+    """dK is indexed by key, not by query row: the message neither crashes on a key index past the rows nor
+    blames the causal alignment of a row for a dK error."""
+    case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=len_q, len_k=2, head_dim=4, dtype="float32",
+                         spec=AttentionSpec(causal=True), magnitude="normal", seed=0, layout="contiguous")
+
+    def zero_dk(q, k, v, *, causal=False, scale=None):
+        return _ZeroDk.apply(q, k, v, causal, scale, key)
+
+    with pytest.raises(PropertyFailure, match=r"dk differs from the float64 reference") as failed:
+        properties.gradients_match_reference(_ctx(zero_dk, "gradients_match_reference", case), case)
+    assert "sees no key" not in str(failed.value) and "causal_alignment" not in str(failed.value)
+
+
+def test_a_key_no_row_sees_is_named_for_dk_and_dv_only():
+    from verify.harness import masked_row_note
+
+    case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=1, len_k=3, head_dim=4, dtype="float32",
+                         spec=AttentionSpec(window_left=0, window_right=0))  # row 0 sees key 2 alone
+    ctx = _ctx(attention, "gradients_match_reference", case)
+    assert "key 0 is seen by no query row, so dK should be exactly 0" in masked_row_note(ctx, (0, 0, 0, 1), "dk")
+    assert masked_row_note(ctx, (0, 0, 2, 1), "dv") is None  # key 2 is seen
+    assert masked_row_note(ctx, (0, 0, 0, 1), None) is None  # not a result indexed by row or key

@@ -457,7 +457,7 @@ def assert_accurate(ctx: Context, *, op: str, actual: torch.Tensor, expected: to
         return stats
     lines = [f"{op} differs from the float64 reference"]
     lines += _non_finite_lines(op, actual, expected, dtype=stored)
-    masked = masked_row_note(ctx, stats.worst_index)
+    masked = masked_row_note(ctx, stats.worst_index, op)
     if masked:
         lines.append(masked)
     at = _fmt_index(stats.worst_index)
@@ -502,14 +502,35 @@ def _non_finite_lines(op: str, actual: torch.Tensor, expected: torch.Tensor, *, 
     return lines
 
 
-def masked_row_note(ctx: Context, index: tuple[int, ...]) -> str | None:
-    """If ``index`` (``[b, h, i, ...]``) lies in a row that sees no key under the case's bottom-right
-    causal mask, say so and what the contract expects there; else None."""
+# Results indexed by query row ([b, h, i, ...]) and by key ([b, h_kv, j, ...]); anything else names no row.
+ROW_RESULTS = ("out", "lse", "dq", "delta")
+KEY_RESULTS = ("dk", "dv")
+
+
+def result_of(what: str) -> str | None:
+    """The result a metamorphic comparison is about, from the first word of its words ("out after ...",
+    "dK with GQA ..."): ``out``, ``lse``, ``dq``, ``dk``, ``dv``, ``delta``, or None."""
+    first = (what.split() or [""])[0].lower()
+    return first if first in ROW_RESULTS + KEY_RESULTS else None
+
+
+def masked_row_note(ctx: Context, index: tuple[int, ...], op: str | None) -> str | None:
+    """A note on where ``index`` lies when it explains the failure, else None: a query row that sees no key
+    under the case's bottom-right causal mask (``op`` indexed by row: out, lse, dq, Delta), or a key that no
+    query row sees (``op`` indexed by key: dk, dv). Any other ``op`` (None included) gets no note."""
     spec = getattr(ctx.case, "spec", None)
-    if len(index) < 3 or spec is None or not spec.causal or spec.alignment != "bottom_right":
+    if len(index) < 3 or spec is None or op not in ROW_RESULTS + KEY_RESULTS:
         return None
-    nq, nk, row = ctx.case.len_q, ctx.case.len_k, index[2]
-    if int(spec.counts(nq, nk)[0][row]) > 0:
+    nq, nk = ctx.case.len_q, ctx.case.len_k
+    rows_seen, keys_seen = spec.counts(nq, nk)
+    if op in KEY_RESULTS:
+        key = index[2]
+        if key >= len(keys_seen) or int(keys_seen[key]) > 0:
+            return None
+        return (f"key {key} is seen by no query row, so d{op[1].upper()} should be exactly 0 there: its gradient "
+                "comes only from the rows that see it")
+    row = index[2]
+    if not spec.causal or spec.alignment != "bottom_right" or row >= len(rows_seen) or int(rows_seen[row]) > 0:
         return None
     return (f"row {row} sees no key: causal masks are aligned bottom-right (key j visible to query i iff "
             f"j <= i + Nk - Nq; Nq={nq} > Nk={nk} leaves rows 0..{nq - nk - 1} without keys), so out "
@@ -555,7 +576,7 @@ def assert_close(ctx: Context, *, what: str, actual: torch.Tensor, expected: tor
         a, b = _digits(float(actual[at]), float(expected[at]))
         lines = [f"{what}: |difference| {float(err[at]):.3e} at {_fmt_index(at)} ({a} vs {b}) exceeds the "
                  f"tolerance {limit:.3e}" + (f" by {ratio:.3g}x" if limit > 0 else "")]
-        masked = masked_row_note(ctx, at)
+        masked = masked_row_note(ctx, at, result_of(what))
         if masked:
             lines.append(masked)
         elif limit == 0:
