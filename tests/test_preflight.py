@@ -1,9 +1,11 @@
 """The pre-flight call (verify/preflight.py) and the first run of a kernel author from their own directory.
 
-A kernel that cannot be called as the contract says (it raises, returns the wrong shape, dtype or
-device, mishandles ``scale=None``, its file does not import) stops the run with one usage error
-naming the problem, exit status 4, before any property runs. ``pytest --pyargs verify`` works from any
-directory, with the kernel file given by a path relative to it and its own folder importable.
+A kernel that cannot be called as the contract says (a signature that does not take its arguments, the
+wrong result structure, shape, dtype or device, inputs modified in place, ``scale=None`` mishandled, a
+file that does not import) stops the run with one usage error naming the problem, exit status 4, before
+any property runs. A kernel that raises on the tiny case gets a note and the run goes on: every other case
+is verified. ``pytest --pyargs verify`` works from any directory, with the kernel file given by a path
+relative to it and its own folder importable.
 """
 
 from __future__ import annotations
@@ -77,20 +79,55 @@ def _returns_three(q, k, v, *, causal, scale):
     return out, lse, lse
 
 
+def _bnhd_out(q, k, v, *, causal, scale):
+    """The most common layout mistake: out returned as [B, Nq, H, D], the LSE as [B, Nq, H]."""
+    out, lse = _attention(q, k, v, causal=causal, scale=scale)
+    return out.transpose(1, 2).contiguous(), lse.transpose(1, 2).contiguous()
+
+
+def _centres_k_in_place(q, k, v, *, causal, scale):
+    """A correct (out, lse), then the key mean subtracted from the caller's k (what one public kernel does)."""
+    result = _attention(q, k, v, causal=causal, scale=scale)
+    k.sub_(k.mean(dim=2, keepdim=True))
+    return result
+
+
+def _takes_no_scale(q, k, v, *, causal):
+    return _attention(q, k, v, causal=causal)
+
+
 @pytest.mark.parametrize("fn, words", [
     (_scale_required, "raised TypeError: unsupported operand type(s) for *: 'float' and 'NoneType'"),
     (_none_means_one, "gives different results for scale=None and scale=1/sqrt(D)=0.353553"),
-    (_drops_a_row, "returned out.shape=(1, 2, 1, 8), but should be (1, 2, 2, 8)"),
+    (_drops_a_row, "returned out.shape=(2, 3, 4, 8), but should be (2, 3, 5, 8)"),
+    (_bnhd_out, "returned out.shape=(2, 5, 3, 8), but should be (2, 3, 5, 8)"),
     (_float64_out, "returned out.dtype=float64, but should be float32"),
     (_lse_in_input_dtype, "returned lse.dtype=float16, but should be float32"),
-    (_raises, "raised NotImplementedError: head_dim 8 is not supported (at "),
-    (_raises_when_causal, "causal=True, scale=None) on the tiny case B=1 Hq=2 Hkv=2 Nq=2 Nk=3 D=8 float32 "
-                          "on cpu raised ValueError: causal masks are not implemented"),
     (_returns_three, "returned tuple of length 3, but should return out or (out, lse)"),
+    (_centres_k_in_place, "modified its input k in place"),
+    (_takes_no_scale, "the forward cannot be called so: got an unexpected keyword argument 'scale'"),
 ])
 def test_a_kernel_that_cannot_be_called_is_named(fn, words):
     with pytest.raises(PreflightError, match=re.escape(words)):
         preflight(_plain(fn), device="cpu")
+
+
+@pytest.mark.parametrize("fn, words", [
+    (_raises, "raised NotImplementedError: head_dim 8 is not supported (at "),
+    (_raises_when_causal, "causal=True, scale=None) on the tiny case B=2 Hq=3 Hkv=3 Nq=5 Nk=7 D=8 float32 "
+                          "on cpu raised ValueError: causal masks are not implemented"),
+])
+def test_a_kernel_that_raises_on_the_tiny_case_gets_a_note_and_the_run_goes_on(fn, words):
+    (note,) = preflight(_plain(fn), device="cpu")
+    assert words in note and "the run goes on" in note and "declare its limits" in note
+
+
+def test_the_tiny_case_sizes_all_differ():
+    from verify.preflight import tiny_case
+
+    q, k, _ = tiny_case(_plain(_attention), "cpu")
+    sizes = (q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3])
+    assert len(set(sizes)) == 5, sizes
 
 
 def test_a_scale_none_type_error_says_what_none_means():
@@ -165,3 +202,36 @@ def test_own_directory_broken_kernel_is_one_usage_error(tmp_path, source, words)
     assert proc.returncode == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert words in proc.stderr, proc.stderr[-3000:]
     assert "INTERNALERROR" not in proc.stdout + proc.stderr
+
+
+_WRAPPERS = {
+    "bnhd": ("def wrapped(q, k, v, *, causal=False, scale=None):\n"
+             "    out, lse = attention(q, k, v, causal=causal, scale=scale)\n"
+             "    return out.transpose(1, 2).contiguous(), lse.transpose(1, 2).contiguous()\n"),
+    "centres_k": ("def wrapped(q, k, v, *, causal=False, scale=None):\n"
+                  "    result = attention(q, k, v, causal=causal, scale=scale)\n"
+                  "    k.sub_(k.mean(dim=2, keepdim=True))\n"
+                  "    return result\n"),
+    "no_float32": ("def wrapped(q, k, v, *, causal=False, scale=None):\n"
+                   "    if q.dtype == torch.float32:\n"
+                   "        raise NotImplementedError('float32 is not supported')\n"
+                   "    return attention(q, k, v, causal=causal, scale=scale)\n"),
+}
+
+
+@pytest.mark.slow(seconds=10)
+@pytest.mark.parametrize("kind, status, words", [
+    ("bnhd", 4, "returned out.shape=(2, 5, 3, 8), but should be (2, 3, 5, 8)"),
+    ("centres_k", 4, "modified its input k in place"),
+    ("no_float32", 1, "raised NotImplementedError: float32 is not supported"),
+])
+def test_only_a_broken_calling_convention_stops_the_run(tmp_path, kind, status, words):
+    """Out laid out [B, Nq, H, D] and an input modified in place are one usage error each (exit 4); a kernel
+    that raises on the tiny case gets a note, and its other cases are verified: float32 fails, the rest pass."""
+    (tmp_path / "my_kernel.py").write_text(EXAMPLE.read_text() + "\n\n" + _WRAPPERS[kind])
+    proc = _run(tmp_path, "--impl", "my_kernel.py:wrapped", "-k", "test_out_matches_reference")
+    assert proc.returncode == status, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert words in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if status == 1:
+        assert "the run goes on" in proc.stdout and "declare its limits" in proc.stdout
+        assert "1 failed, 3 passed" in proc.stdout and "[my_kernel.py:wrapped-float32]" in proc.stdout

@@ -231,7 +231,7 @@ def test_a_kernel_that_raises_for_another_reason_still_raises_its_own_error():
 
 
 def test_a_sticky_cuda_error_keeps_its_own_path():
-    case = _case(8, None, None, "float32", len_k=7)
+    case = _case(8, None, None, "float32", len_k=8)
     t = case.build()
     ctx = Context(impl=load("tests/fixtures/sticky_kernels.py:illegal_address_on_long_keys", device="cpu"),
                   prop="out_matches_reference", case=case)

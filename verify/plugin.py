@@ -330,18 +330,23 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_sessionstart(session):
     """Call each selected attention implementation once on a tiny case (verify/preflight.py) before any
     property runs: a kernel that cannot be called as the contract says is one usage error, not dozens
-    of identical failures. Runs once, in the controller (not in pytest-xdist workers)."""
+    of identical failures; one that raises on the tiny case gets a line saying so, and the run goes on.
+    Runs once, in the controller (not in pytest-xdist workers)."""
     config = session.config
     if _xdist_worker(config) or not _collects_verify(config):
         return
     from verify.preflight import PreflightError, preflight
 
     device = _device(config)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
     for impl in _selection(config):
         try:
-            preflight(impl, device=device)
+            notes = preflight(impl, device=device)
         except PreflightError as exc:
             raise pytest.UsageError(f"{exc}\n  (--impl {impl.cli_name}; no property was run)") from None
+        for note in notes:
+            if reporter is not None:
+                reporter.write_line(f"flashverify: {note}")
 
 
 @pytest.fixture(scope="session")
@@ -558,7 +563,21 @@ def pytest_sessionfinish(session, exitstatus):
         session.config._flashverify_summary = {"error": f"{type(exc).__name__}: {exc}"}
 
 
+# Failures the end of a run's output shows in full (the rest are counted, and all are in the report).
+BRIEF_FAILURES = 3
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """After pytest's own summary (its failures and its short test summary, skips included): the tally, the
+    report's place and the failing cases in brief, so that the last lines of a run hold each failure's reason,
+    its case in one line and its replay command."""
+    result = yield
+    _summary_lines(terminalreporter, config)
+    return result
+
+
+def _summary_lines(terminalreporter, config) -> None:
     tally = getattr(config, "_flashverify_tally", None)
     for line in tally.lines() if tally is not None else ():
         terminalreporter.write_line(line)
@@ -577,8 +596,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                     "listed in report.md", red=True)
     failing = summary.get("failures") or []
     if failing:
+        from reports.summary import brief
+
         terminalreporter.write_line(f"flashverify report: {len(failing)} failing case(s) in {report.dir / 'failures'}"
-                                    f", each with its replay command")
+                                    f", each with its replay command:")
+        # Forward properties first (the simplest verdict), as the run orders them.
+        failing = sorted(failing, key=lambda f: ("test_backward" in str(f.get("test")), str(f.get("test"))))
+        for failure in failing[:BRIEF_FAILURES]:
+            for line in brief(failure):
+                terminalreporter.write_line(line, red=line.endswith(":") and not line.startswith(" "))
+        if len(failing) > BRIEF_FAILURES:
+            terminalreporter.write_line(f"... and {len(failing) - BRIEF_FAILURES} more: report.md lists them all")
     for key in ("error", "html_error"):
         if summary.get(key):
             terminalreporter.write_line(f"flashverify report: writing the report failed: {summary[key]}", red=True)
