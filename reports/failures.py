@@ -9,6 +9,9 @@ from __future__ import annotations
 import traceback
 from pathlib import Path
 
+# The words that open the failure message of a kernel that raised in a property example (its failure class).
+KERNEL_RAISED = "the kernel raised (not a wrong answer)"
+
 
 def exception_text(exc: BaseException) -> str:
     """``Type: message`` followed by the exception's notes (Hypothesis puts the failing draws there)."""

@@ -95,6 +95,7 @@ FAILURE_KINDS = (
     ("ran out of device memory", "out of memory"),
     ("sticky CUDA error", "sticky CUDA error"),
     ("differs from the float64 reference", "wrong answer"),
+    ("the kernel raised (not a wrong answer)", "kernel raised"),
 )
 
 
@@ -109,6 +110,22 @@ def failure_counts(failures: list[dict]) -> str:
     """``3: 2 wrong answer, 1 resource limit (not a wrong answer)``, the heading of a report's failures."""
     kinds = collections.Counter(failure_kind(f) for f in failures)
     return f"{len(failures)}" + (": " + ", ".join(f"{n} {k}" for k, n in kinds.most_common()) if failures else "")
+
+
+def brief(failure: dict) -> list[str]:
+    """A failure in at most four lines for the end of a run's output: the test, the reason (its first line and
+    the criteria that failed, or the exception), the case in one line and the command that replays it."""
+    lines = [line.strip() for line in str(failure.get("message", "")).splitlines() if line.strip()]
+    own = [line for line in lines if line.startswith(("property:", "case:", "replay:"))]
+    body = [line for line in lines if line not in own]
+    reason = body[:1] + [line for line in body[1:] if "FAILED]" in line]
+    if failure_kind(failure) == "kernel raised" and len(body) > 1:
+        reason = [body[0].split(" on a case its declaration allows")[0], body[-1]]
+    out = [f"{failure.get('test')}:", *(f"  {line}" for line in reason[:3])]
+    if failure.get("case"):
+        out.append(f"  case: {describe_case(failure['case'])}")
+    out.append(f"  replay: {failure['replay']}" if failure.get("replay") else f"  no replay: {failure.get('note')}")
+    return out
 
 
 def describe_case(case: Any) -> str:

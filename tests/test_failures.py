@@ -68,8 +68,11 @@ def test_a_kernel_exception_takes_the_case_of_the_example_it_left(context):
     except RuntimeError as exc:
         error = exc
     fields = failures.other_failure(_item(), error)
-    assert fields == {"message": "RuntimeError: kernel gave up", "replay": context.replay_command(),
-                      "case": CASE.to_dict(), "prop": PROP, "implementation": "fa2_blocked", "note": None}
+    message = fields.pop("message")
+    assert fields == {"replay": context.replay_command(), "case": CASE.to_dict(), "prop": PROP,
+                      "implementation": "fa2_blocked", "note": None}
+    assert message.startswith("fa2_blocked: the kernel raised (not a wrong answer) at tests/test_failures.py:")
+    assert message.endswith("\nRuntimeError: kernel gave up") and "declare its limits" in message
 
 
 def test_an_exception_no_example_marked_names_where_it_was_raised_and_no_case(context):

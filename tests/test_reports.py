@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -309,7 +310,11 @@ def test_kernel_that_raises_gets_its_drawn_case_and_a_replay_that_raises_again(t
     assert proc.returncode == 1, proc.stdout[-3000:]
     (path,) = (report / "failures").glob("*.json")
     failure = json.loads(path.read_text())
-    assert failure["message"].startswith("RuntimeError: kernel gave up on Nk=6")
+    assert failure["message"].startswith(
+        "tests/fixtures/raising_kernels.py:attention_raises_on_long_keys: the kernel raised (not a wrong answer) at ")
+    assert "declare its limits" in failure["message"] and "RuntimeError: kernel gave up on Nk=6" in failure["message"]
+    assert summary.failure_kind(failure) == "kernel raised"
+    assert "if the kernel does not support float32 inputs, head_dim" in proc.stdout  # the hint, on the terminal
     assert failure["case"]["len_k"] == 6 and failure["property"] == "out_matches_reference"
     assert f"  replay: {failure['replay']}" in proc.stdout  # the terminal says how to replay it too
     replay = subprocess.run(failure["replay"], shell=True, cwd=ROOT, capture_output=True, text=True, env=_env())
@@ -376,3 +381,21 @@ def test_metamorphic_margins_are_streamed_and_folded_per_property(tmp_path):
     assert rows["value_linearity"]["max_difference_over_tolerance"] == math.inf
     text = (tmp_path / "report.md").read_text()
     assert "## Metamorphic checks" in text and "| k | score_shift_invariance | float16 | 3 | 1 | 0.3 | 1.5 |" in text
+
+
+@pytest.mark.slow(seconds=20)
+def test_the_last_lines_of_a_failing_run_hold_the_reason_the_case_and_the_replay(tmp_path):
+    """A failing run's output ends with each failure's reason, its case in one line and its replay command,
+    after pytest's own summary (its skip reasons included), without Hypothesis's draws or target scores."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "verify/test_forward.py", "-k",
+                           "(out_matches_reference or lse_matches_reference or layouts_agree) and float32",
+                           "--impl", "tests/mutants.py:causal_off_by_one", "--hypothesis-profile=ci", "-p",
+                           "no:cacheprovider", "-q", "-rs", "--report-dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, env=_env())
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    tail = "\n".join(proc.stdout.splitlines()[-15:])
+    assert "differs from the float64 reference" in tail and "[criterion" in tail, tail
+    assert re.search(r"^  case: B=\d+ Hq=\d+ .* seed=\d+$", tail, flags=re.MULTILINE), tail
+    assert "  replay: python -m verify.replay --impl tests/mutants.py:causal_off_by_one" in tail, tail
+    assert "Highest target score" not in proc.stdout and "Draw 1 (case)" not in proc.stdout
+    assert "AttentionCase(batch=" not in tail

@@ -67,12 +67,17 @@ def release_after_report(exc, oom) -> None:
 # What Hypothesis adds to a failure that is about the suite, not the kernel: its reproduction blob (the
 # failure file's replay command replays the case) and its explain phase's lines of the suite's own files.
 _HYPOTHESIS_NOISE = ("@reproduce_failure(", "Explanation:")
+# And what it adds that the suite says better once the failure has its case: the failing call and its draws
+# (a 25-line AttentionCase dump; the case is one line and the replay command replays it) and the best
+# target() scores, which are the passing examples' and read as if they were the failure's.
+_HYPOTHESIS_CASE = ("Failing test case", "Falsifying example", "Draw ", "Highest target score")
 
 
-def _drop_hypothesis_noise(exc) -> None:
+def _drop_hypothesis_noise(exc, *, has_case: bool = False) -> None:
     notes = getattr(exc, "__notes__", None)
     if isinstance(notes, list):
-        notes[:] = [n for n in notes if not any(mark in str(n) for mark in _HYPOTHESIS_NOISE)]
+        notes[:] = [n for n in notes if not any(mark in str(n) for mark in _HYPOTHESIS_NOISE)
+                    and not (has_case and (str(n).lstrip().startswith(_HYPOTHESIS_CASE) or "(label='" in str(n)))]
 
 
 def _add_note(exc, text: str) -> None:
@@ -161,12 +166,14 @@ def other_failure(item, exc) -> dict:
     is the one the property example was running when the exception was raised (the example marks its
     exceptions: :func:`verify.harness.attach_context`), with its replay command; without one, a note
     saying where the exception was raised, outside any example."""
-    from reports.failures import exception_text, raised_at
-    from verify.harness import failing_context
+    from reports.failures import KERNEL_RAISED, exception_text, raised_at
+    from verify.harness import declare_hint, failing_context
 
     ctx = failing_context(exc)
     if ctx is not None and hasattr(ctx.case, "to_dict"):
-        return {"message": exception_text(exc), "replay": ctx.replay_command(), "case": ctx.case.to_dict(),
+        message = (f"{ctx.impl.name}: {KERNEL_RAISED} {raised_at(exc, root=ROOT)} on a case its declaration allows"
+                   f"{declare_hint(exc, case=ctx.case)}\n{exception_text(exc)}")
+        return {"message": message, "replay": ctx.replay_command(), "case": ctx.case.to_dict(),
                 "prop": ctx.prop, "implementation": ctx.impl.name, "note": None}
     params = getattr(getattr(item, "callspec", None), "params", {})
     impl = params.get("impl") or params.get("softmax_impl")
@@ -198,15 +205,19 @@ def explain_failure(item, exc, *, worker: str | None) -> list[dict]:
     a replay line added to every exception that has none, Hypothesis's reproduction blob and
     explanation dropped, a sticky CUDA error named (and the process marked poisoned). ``worker`` is
     this process's pytest-xdist worker id, None without one."""
-    from verify.harness import PropertyFailure, StickyDeviceError, TimeoutFailure, exception_line
+    from verify.harness import PropertyFailure, StickyDeviceError, TimeoutFailure, declare_hint, exception_line
+    from verify.harness import failing_context
 
     leaves = list(_leaves(exc))
     _drop_hypothesis_noise(exc)
     budget = getattr(item.config, "_flashverify_budget", None)
     out = []
     for i, leaf in enumerate(leaves):
-        _drop_hypothesis_noise(leaf)
         own = isinstance(leaf, (PropertyFailure, StickyDeviceError, TimeoutFailure))
+        has_case = (own and getattr(leaf, "replay", None) is not None) or failing_context(leaf) is not None
+        _drop_hypothesis_noise(leaf, has_case=has_case)
+        if len(leaves) == 1 and leaf is not exc:
+            _drop_hypothesis_noise(exc, has_case=has_case)
         fields = failure_fields(leaf) if own else other_failure(item, leaf)
         if own and not fields.get("replay"):
             fields["note"] = "no property example was running (the failure happened drawing or shrinking cases)"
@@ -239,6 +250,9 @@ def explain_failure(item, exc, *, worker: str | None) -> list[dict]:
                      if fields.get("case") else "flashverify: no property example was running"]
             where.append(f"  replay: {fields['replay']}" if fields.get("replay")
                          else f"  no replay command: {fields.get('note')}")
+            ctx = failing_context(leaf)
+            if ctx is not None and oom is None and hasattr(ctx.case, "head_dim"):
+                where.append(declare_hint(leaf, case=ctx.case).strip())
             if oom is not None:
                 where.insert(0, fields["message"])
             _add_note(leaf, "\n".join(where + [f"  {e}" for e in extra]))

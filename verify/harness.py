@@ -146,6 +146,17 @@ def timeout_message(ctx: Context | None, *, seconds: float, native: bool = False
     return "\n  ".join(lines)
 
 
+def declare_hint(error: BaseException | None = None, *, case: Any = None, joiner: str = "\n  ") -> str:
+    """The hint for a kernel that raised on a case its declaration allows: declare the limits it has, so
+    that the suite draws only what it supports (as ``scale=None`` gets its own hint)."""
+    what = "this dtype, head dim or length"
+    if case is not None and getattr(case, "head_dim", None) is not None:
+        what = f"{case.dtype} inputs, head_dim {case.head_dim} or Nq={case.len_q}, Nk={case.len_k}"
+    return (f"{joiner}if the kernel does not support {what}, declare its limits (dtypes=, head_dims=, "
+            "max_head_dim=, len_k_multiple=, ...: README.md, \"Declaring a kernel's limits\") and the suite draws "
+            "only cases within them; otherwise the replay command reproduces the error")
+
+
 def free_device_memory() -> None:
     """Release what dead tensors hold: collect reference cycles (tracebacks make them), then return
     the CUDA caching allocator's free blocks to the device."""
