@@ -173,3 +173,19 @@ def test_a_key_no_row_sees_is_named_for_dk_and_dv_only():
     assert "key 0 is seen by no query row, so dK should be exactly 0" in masked_row_note(ctx, (0, 0, 0, 1), "dk")
     assert masked_row_note(ctx, (0, 0, 2, 1), "dv") is None  # key 2 is seen
     assert masked_row_note(ctx, (0, 0, 0, 1), None) is None  # not a result indexed by row or key
+
+
+def _returns_early_without_keys(q, k, v, *, causal=False, scale=None):
+    """Correct, and with no keys returns out = 0, lse = -inf without touching k and v (their .grad stays None)."""
+    if k.shape[2] == 0:
+        return (q * 0).to(q.dtype), torch.full(q.shape[:3], -math.inf, dtype=torch.float32 if q.dtype != torch.float64
+                                               else torch.float64)
+    return attention(q, k, v, causal=causal, scale=scale)
+
+
+@pytest.mark.parametrize("prop", ["inputs_untouched", "gradients_match_reference"])
+def test_a_kernel_that_returns_early_without_keys_passes(prop):
+    """An empty k or v that the kernel never read has no gradient: that is the empty gradient, not a failure."""
+    case = AttentionCase(batch=1, heads_q=2, heads_kv=2, len_q=3, len_k=0, head_dim=4, dtype="float32",
+                         spec=AttentionSpec(causal=False), magnitude="normal", seed=0, layout="contiguous")
+    properties.PROPERTIES[prop](_ctx(_returns_early_without_keys, prop, case), case)
