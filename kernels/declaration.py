@@ -396,7 +396,8 @@ class Implementation:
 
     def call(self, q, k, v, *, spec: AttentionSpec, scale: float | None = None,
              block_m: int | None = None, block_n: int | None = None,
-             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
+             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+             handed: Callable[[dict[str, Any]], None] | None = None):
         """Run the forward on the attention ``spec`` describes and normalise the result to
         ``(out, lse_or_None)``. ``q, k, v`` are in the references' frame (``[B, H, N, D]``; variable-length
         sequences packed into one batch) and so are the results: the spec's convention
@@ -404,7 +405,9 @@ class Implementation:
         becomes the kernel's own keywords (``causal``, ...); a spec the declaration does not support is
         refused. ``out``/``lse`` are passed on as the forward's ``out=``/``lse=`` buffers; only for a
         declaration with ``out_buffers`` and a dense batch. ``sinks``: the sinks tensor to pass (a leaf
-        whose gradient the caller reads), instead of one made from the spec's values."""
+        whose gradient the caller reads), instead of one made from the spec's values. ``handed``: called with
+        what the kernel is handed, just before the call (``q``, ``k``, ``v`` in its convention and the
+        convention's keywords: ``cu_seqlens_q``, ``block_table``, ...)."""
         kwargs = self.kernel_keywords(spec, scale, block_m, block_n, device=q.device, dtype=q.dtype)
         if sinks is not None:
             kwargs["sinks"] = sinks
@@ -420,6 +423,8 @@ class Implementation:
                 kwargs["lse"] = lse
         lay = conventions.layout(spec)
         qk, kk, vk, sequences = lay.inputs(q, k, v)
+        if handed is not None:
+            handed({"q": qk, "k": kk, "v": vk, **sequences})
         result = self.forward(qk, kk, vk, **kwargs, **sequences)
         if isinstance(result, torch.Tensor):
             out_k, lse_k = result, None

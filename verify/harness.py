@@ -391,17 +391,17 @@ def check_tensor(ctx: Context, *, label: str, actual: Any, shape: tuple[int, ...
             ctx.fail(f"{label} is (a view of) one of the input tensors, not a newly computed result")
 
 
-def run_forward(ctx: Context, case, q, k, v, *, sinks: torch.Tensor | None = None):
+def run_forward(ctx: Context, case, q, k, v, *, sinks: torch.Tensor | None = None, handed=None):
     """Call the implementation's forward and check the output contract; returns ``(out, lse|None)`` in the
     references' frame (``Implementation.call``). ``sinks``: the sinks tensor to pass (a leaf whose gradient
-    the caller reads), instead of one made from the spec."""
+    the caller reads), instead of one made from the spec; ``handed``: ``Implementation.call``'s."""
     __tracebackhide__ = True
     out_of_memory = None
     contract = None
     try:
         with resource_failures_fail(ctx, case, device=q.device, where="forward"):
             out, lse = ctx.impl.call(q, k, v, spec=case.spec, scale=case.scale,
-                                     block_m=case.block_m, block_n=case.block_n, sinks=sinks)
+                                     block_m=case.block_m, block_n=case.block_n, sinks=sinks, handed=handed)
     except ContractError as exc:
         contract = str(exc)
     except OutOfMemoryError as exc:

@@ -206,11 +206,11 @@ def run_direct_backward(ctx: Context, case, q, k, v, out, lse, dout):
     ctx.fail(contract)
 
 
-def run_backward(ctx: Context, case, q, k, v, dout) -> dict[str, torch.Tensor]:
+def run_backward(ctx: Context, case, q, k, v, dout, *, handed=None) -> dict[str, torch.Tensor]:
     """The forward on fresh leaves of ``q, k, v`` (and of the sinks, with sinks), then
     ``out.backward(dout)``: ``out`` (detached), ``lse`` (when returned), ``dq``, ``dk``, ``dv`` (and
     ``dsinks``). A broken contract fails ``ctx``, and so does a backward that cannot run the case for a
-    resource reason (:func:`verify.harness.resource_failure`)."""
+    resource reason (:func:`verify.harness.resource_failure`). ``handed``: ``Implementation.call``'s."""
     __tracebackhide__ = True
     if not ctx.impl.autograd:
         raise NotForThisKernel(f"{ctx.impl.name} declares no autograd backward")
@@ -218,7 +218,7 @@ def run_backward(ctx: Context, case, q, k, v, dout) -> dict[str, torch.Tensor]:
     sinks = None
     if case.spec.sinks is not None:
         sinks = sinks_tensor(ctx.impl.name, case.spec, device=q.device, dtype=q.dtype).requires_grad_(True)
-    out, lse = run_forward(ctx, case, q, k, v, sinks=sinks)
+    out, lse = run_forward(ctx, case, q, k, v, sinks=sinks, handed=handed)
     if not out.requires_grad:
         ctx.fail("out does not require grad although q, k, v do: no gradient flows through out")
     with harness.resource_failures_fail(ctx, case, device=q.device, where="backward"):

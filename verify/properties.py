@@ -1002,11 +1002,10 @@ def _layout(x: torch.Tensor) -> tuple:
     return tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.untyped_storage().data_ptr()
 
 
-def _hold(t) -> list[_Held]:
-    """A bitwise copy of each distinct storage behind ``t.q, t.k, t.v, t.dout`` (one for a packed buffer)."""
+def _hold(named: dict[str, torch.Tensor]) -> list[_Held]:
+    """A bitwise copy of each distinct storage behind the ``named`` tensors (one for a packed buffer)."""
     held: dict[int, _Held] = {}
-    for name in _INPUTS:
-        x = getattr(t, name)
+    for name, x in named.items():
         storage = x.untyped_storage()
         if storage.nbytes() == 0:
             continue
@@ -1092,34 +1091,56 @@ def _changes(held: list[_Held]) -> list[str]:
     return lines
 
 
-def _check_untouched(ctx: Context, t, held: list[_Held], layouts: dict[str, tuple], when: str) -> None:
-    __tracebackhide__ = True
-    lines = _changes(held)
-    for name in _INPUTS:
-        x = getattr(t, name)
-        if _layout(x) != layouts[name]:
-            lines.append(f"{name} itself was changed: shape, strides, storage offset, dtype and storage were "
-                         f"{layouts[name]}, are {_layout(x)}")
-    if lines:
-        ctx.fail(f"the kernel modified its inputs {when}; it may read q, k, v and dout but never write them "
-                 "or the memory around their views:\n  " + "\n  ".join(lines))
+class _Watch:
+    """What the kernel is given, held bitwise before it runs: the case's ``q, k, v, dout`` and, in a
+    variable-length convention, the tensors laid out for the kernel (with their NaN padding, unused page
+    slots and pages) and the convention's index tensors (``cu_seqlens_q``, ``seqlens_k``, ``block_table``)."""
+
+    def __init__(self, t):
+        self.named = {name: getattr(t, name) for name in _INPUTS}
+        self.held = _hold(self.named)
+        self.layouts = {name: _layout(x) for name, x in self.named.items()}
+        self.handed: dict[str, torch.Tensor] = {}
+        self.handed_held: list[_Held] = []
+
+    def hand(self, given: dict) -> None:
+        """``Implementation.call``'s ``handed``: hold the tensors of a variable-length convention (a dense
+        call is handed the case's own tensors, held already)."""
+        held = {h.storage.data_ptr() for h in self.held}
+        self.handed = {f"{name} as the kernel takes it" if name in "qkv" else name: x for name, x in given.items()
+                       if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in held}
+        self.handed_held = _hold(self.handed)
+
+    def check(self, ctx: Context, when: str) -> None:
+        __tracebackhide__ = True
+        lines = _changes(self.held) + _changes(self.handed_held)
+        for name, x in self.named.items():
+            if _layout(x) != self.layouts[name]:
+                lines.append(f"{name} itself was changed: shape, strides, storage offset, dtype and storage were "
+                             f"{self.layouts[name]}, are {_layout(x)}")
+        if lines:
+            given = ", ".join(self.handed) or "q, k, v and dout"
+            ctx.fail(f"the kernel modified what it was given {when}; it may read {given} but never write them or "
+                     "the memory around their views:\n  " + "\n  ".join(lines))
 
 
 @prop
 def inputs_untouched(ctx: Context, case: AttentionCase) -> None:
     """The forward on the caller's ``q, k, v``, and with autograd the forward and ``out.backward(dout)``
-    on leaves that share their memory, leave every byte of the inputs' storages as it was: the views
-    (q, k, v, dout), the NaN padding around them and the gaps of a packed buffer, compared bitwise (NaN
-    equals itself), and the inputs' shapes, strides and offsets."""
+    on leaves that share their memory, leave every byte of what the kernel is given as it was: the views
+    (q, k, v, dout), the NaN padding around them and the gaps of a packed buffer, and in a variable-length
+    convention the tensors laid out for it (a paged cache's unused slots and pages included) and its
+    ``cu_seqlens``, ``seqlens`` and ``block_table``, compared bitwise (NaN equals itself), and the inputs'
+    shapes, strides and offsets."""
     t = case.build(ctx.device)
-    held = _hold(t)
-    layouts = {name: _layout(getattr(t, name)) for name in _INPUTS}
-    run_forward(ctx, case, t.q, t.k, t.v)
-    _check_untouched(ctx, t, held, layouts, "in its forward")
+    watch = _Watch(t)
+    run_forward(ctx, case, t.q, t.k, t.v, handed=watch.hand)
+    watch.check(ctx, "in its forward")
     if ctx.impl.autograd:
-        run_backward(ctx, case, t.q, t.k, t.v, t.dout)  # fresh leaves: x.detach() shares x's storage
-        _check_untouched(ctx, t, held, layouts, "in its forward and backward through autograd "
-                                                "(out.backward(dout) on leaves sharing the inputs' memory)")
+        # Fresh leaves: x.detach() shares x's storage.
+        run_backward(ctx, case, t.q, t.k, t.v, t.dout, handed=watch.hand)
+        watch.check(ctx, "in its forward and backward through autograd (out.backward(dout) on leaves sharing "
+                         "the inputs' memory)")
 
 
 # ------------------------------------------------------------------------------------ softmax

@@ -29,11 +29,12 @@ def test_out_within_visible_values(impl, dtype, env):
 
 def test_inputs_untouched(impl, dtype, env):
     """The forward, and the backward through autograd, leave q, k, v, dout and the memory around them as
-    they were (bitwise). Before the metamorphic properties: a kernel that writes into its inputs (one that
-    centres K in place gets the right out) fails those, which call it again on the tensors it changed,
-    with messages about shifts and permutations; this one names the cause, and runs first under -x.
-    Dense batches: variable-length calls get tensors laid out for them (kernels/conventions.py)."""
-    check_attention("inputs_untouched", impl, dtype, env, sequences=["dense"])
+    they were (bitwise), and in a variable-length convention the tensors laid out for the kernel (a paged
+    cache whole) and its index tensors. Before the metamorphic properties: a kernel that writes into its
+    inputs (one that centres K in place gets the right out) fails those, which call it again on the tensors
+    it changed, with messages about shifts and permutations; this one names the cause, and runs first
+    under -x."""
+    check_attention("inputs_untouched", impl, dtype, env)
 
 
 def test_block_size_invariance(impl, dtype, env):
