@@ -83,19 +83,25 @@ class ErrorStats:
 def error_stats(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype | None = None) -> ErrorStats:
     """Max abs, max rel, RMSE and max ULP (in ``dtype``, default ``actual.dtype``) of ``actual``.
 
-    Max ULP is taken over the elements whose reference is a finite normal number of ``dtype`` (0 when
-    there is none): where the reference is zero or subnormal, ULPs measure nothing useful."""
+    Max ULP is in units in the last place of each row's scale: the largest finite reference magnitude of
+    the row (the last dimension of a ``[B, H, N, D]`` result; the whole tensor for ``[B, H, N]`` ones, the
+    LSE and Delta). An element near zero in a row of ones is rounded in the units of the ones, so its ULP
+    figure says how many of those units it is off (measured in its own, a cancelled gradient's 1e-9 reads
+    as 1e7 ULP). Rows whose scale is zero or subnormal are left out (0 when every row is)."""
     dtype = actual.dtype if dtype is None else dtype
     err = abs_error(actual, expected, dtype=dtype)
     e = expected.detach().to(F64)
     finite_e = torch.where(torch.isfinite(e), e.abs(), 0.0)
     tiny = torch.finfo(dtype).tiny
     rel = err / torch.clamp(finite_e, min=tiny)
-    # ULPs where the reference is a finite normal number of the dtype; where it is zero or subnormal
-    # (a fully masked row, an exactly cancelling gradient) one ULP is 1e-45 in float32 and any
-    # rounding reads as 1e39 ULP: those elements are left out (their error is in max abs and RMSE).
-    normal = torch.isfinite(e) & (e.abs() >= tiny)
-    ulps = torch.where(normal, err / ulp(torch.where(normal, e, 1.0), dtype), 0.0)
+    # ULPs of the row's scale (its largest finite reference magnitude): a row that is all zero or subnormal
+    # (a fully masked row) has no meaningful unit and is left out (its error is in max abs and RMSE).
+    if e.dim() >= 4:
+        scale = finite_e.amax(dim=-1, keepdim=True).expand_as(finite_e) if e.shape[-1] else finite_e
+    else:
+        scale = torch.full_like(finite_e, float(finite_e.max()) if finite_e.numel() else 0.0)
+    normal = scale >= tiny
+    ulps = torch.where(normal, err / ulp(torch.where(normal, scale, 1.0), dtype), 0.0)
     n = err.numel()
     if n == 0:
         return ErrorStats(0.0, 0.0, 0.0, 0.0, (), 0.0, 0.0, 0, 0)

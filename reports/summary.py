@@ -330,10 +330,10 @@ LEGEND = (
     ("max abs err", "largest |kernel - float64 reference|, in the stored dtype's values (NaN and disagreeing "
                     "infinities count as inf)"),
     ("max RMSE", "largest root-mean-square error over one measurement's elements"),
-    ("max ULP", "largest error in units in the last place of the stored dtype at the reference value, over the "
-                "elements whose reference is a normal number; elements whose reference is 0 or subnormal (a "
-                "fully masked row, an exact cancellation) are left out of it (their error is in max abs err); "
-                "0 when no element qualifies"),
+    ("max ULP", "largest error in units in the last place of the stored dtype at the row's scale (the largest "
+                "reference magnitude of the element's row of D values; of the whole tensor for lse and delta), so "
+                "an element near zero in a row of ones counts in the ones' units; rows that are all 0 or "
+                "subnormal (fully masked) are left out (their error is in max abs err)"),
     ("median / max err/bound", "error divided by the componentwise rounding-error bound, "
                                "references/bounds.py (criterion 2: at most 1)"),
     ("max err/eager", "max abs error divided by that of the same-precision eager attention, or by criterion 1's "
