@@ -118,6 +118,8 @@ class Implementation:
     max_len_q: int | None = None  # Nq at most this (a decoding kernel's few queries)
     # Part of the default selection (shipped kernels); adapters to peers run when named.
     in_default: bool = True
+    # A plain callable given to --impl with no declaration: what it leaves out was assumed, not declared.
+    plain: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -226,7 +228,8 @@ class Implementation:
         """What the declaration leaves out of the suite's cases, in words (the report lists these, so a
         narrow declaration is visible rather than a silent pass)."""
         out = []
-        why = "not covered, declared unsupported"
+        why = ("not covered, a plain callable is assumed not to support it (declare it to have it drawn)"
+               if self.plain else "not covered, declared unsupported")
         if self.kind != "attention":
             return out
         left = [d for d in ALL_DTYPES if d not in self.dtypes]

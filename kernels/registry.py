@@ -284,8 +284,9 @@ def from_callable(fn: Callable[..., Any], name: str, *, device: str) -> Implemen
     float32 and float64 on the suite's device, bottom-right causal, autograd, any head dim, no GQA,
     fixed tiles, unless the callable carries other fields from :func:`kernels.declaration.declare`.
     Whether it returns the LSE is found out when it is called."""
-    fields = {"devices": (torch.device(device).type,), "description": f"plain callable {name}",
-              **getattr(fn, DECLARED, {})}
+    declared = getattr(fn, DECLARED, {})
+    fields = {"devices": (torch.device(device).type,), "description": f"plain callable {name}", "plain": not declared,
+              **declared}
     return Implementation(name=name, forward=fn, selector=name, **fields)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 from pathlib import Path
 
-from reports.session import read_stream
+from reports.session import read_runs, read_stream
 from strategies.attention import BOUNDARY_CLASSES
 
 # Classes a `ci` run on the shipped kernels must reach (tests/test_coverage.py): each is allowed by the
@@ -81,16 +81,22 @@ def by_property(records: list[dict]) -> list[dict]:
             for _, row in sorted(rows.items())]
 
 
-def missing(records: list[dict], required: dict[str, str | None] | None = None) -> list[str]:
-    """The required classes the run never reached, each worded as what is missing."""
+def missing(records: list[dict], required: dict[str, str | None] | None = None,
+            allowed: set[str] | None = None) -> list[str]:
+    """The required classes the run never reached, each worded as what is missing. Only classes some
+    implementation of the run allows (``allowed``: their declarations' classes; None: every class) and, for a
+    class owed by one property, only where that property ran are owed."""
     required = REQUIRED if required is None else required
     reached: dict[str, set[str]] = collections.defaultdict(set)
+    ran = {str(r.get("property")) for r in records}
     for r in records:
         for name, count in r["classes"].items():
             if count:
                 reached[name].add(str(r.get("property")))
     out = []
     for name, prop in required.items():
+        if (allowed is not None and name not in allowed) or (prop is not None and prop not in ran):
+            continue
         if prop is None and not reached[name]:
             out.append(f"{name}: reached by no property")
         elif prop is not None and prop not in reached[name]:
@@ -102,7 +108,16 @@ def summary(report_dir: str | Path) -> dict:
     """The coverage part of ``summary.json``: per-property rows and the required classes not reached
     (only judged when the run wrote coverage records at all)."""
     records = read_coverage(report_dir)
-    return {"by_property": by_property(records), "required_missing": missing(records) if records else []}
+    return {"by_property": by_property(records),
+            "required_missing": missing(records, allowed=_allowed(report_dir)) if records else []}
+
+
+def _allowed(report_dir: str | Path) -> set[str] | None:
+    """The classes some implementation of the run allows, from the run headers (None when no header says)."""
+    impls = [i for run in read_runs(report_dir) for i in run.get("implementations") or [] if isinstance(i, dict)]
+    if not impls or any("allowed_classes" not in i for i in impls):
+        return None
+    return {name for i in impls for name in i["allowed_classes"]}
 
 
 PARTIAL_NOTE = "The run is PARTIAL: the tests it did not run reached nothing."

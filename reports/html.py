@@ -37,6 +37,8 @@ figure { margin: 12px 0 24px; } figure img { max-width: 100%; border: 1px solid 
 figcaption { color: #555; font-size: 13px; max-width: 1000px; }
 .muted { color: #666; }
 details > summary { cursor: pointer; }
+table.fit { table-layout: fixed; width: 100%; } table.fit td { overflow-wrap: anywhere; }
+table.fit ul { margin: 2px 0; padding-left: 16px; }
 """
 
 
@@ -63,14 +65,16 @@ def cell(value: Any) -> str:
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, failed: Iterable[bool] | None = None,
-          below: Iterable[Any] | None = None) -> str:
+          below: Iterable[Any] | None = None, widths: Sequence[str] | None = None) -> str:
     """An HTML table; every cell is escaped unless it is :class:`Raw`. ``failed`` marks rows red;
     ``below`` gives each row a full-width second line (a replay command), or None for none. Headers that
-    are all empty (a key-value table) leave the header row out."""
+    are all empty (a key-value table) leave the header row out. ``widths`` (CSS widths, one per column)
+    fit the table to the page, wrapping long cells."""
     marks = list(failed) if failed is not None else None
     extra = list(below) if below is not None else None
     head = ("<thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in headers) + "</tr></thead>") if any(headers) else ""
-    out = ["<table>" + head + "<tbody>"]
+    cols = ("<colgroup>" + "".join(f'<col style="width:{esc(w)}">' for w in widths) + "</colgroup>") if widths else ""
+    out = [('<table class="fit">' if widths else "<table>") + cols + head + "<tbody>"]
     for i, row in enumerate(rows):
         cls = ' class="fail"' if marks is not None and i < len(marks) and marks[i] else ""
         out.append(f"<tr{cls}>" + "".join(cell(v) for v in row) + "</tr>")
@@ -119,7 +123,7 @@ def _points_error_vs_len(rows: list[dict]):
         if not isinstance(case, dict) or "len_k" not in case or "max_abs" not in r:
             continue
         points[(str(case.get("dtype")), str(r.get("op")))][str(r.get("implementation"))].append(
-            (num(case.get("len_k")), num(r.get("max_abs"))))
+            (num(case.get("len_k")), num(r.get("max_abs")), r.get("pass") is False))
     return points
 
 
@@ -148,7 +152,8 @@ def run_plots(rows: list[dict], names: Sequence[str] = ()) -> list[str]:
                        alt="Error against Nk",
                        caption="Each point is one measurement (one drawn case, one op). Each row of panels has its "
                                "own scale; open circles on the bottom edge are errors below it (exact results, "
-                               "near-subnormal inputs); crosses on the top edge are NaN or infinite errors."),
+                               "near-subnormal inputs); crosses on the top edge are NaN or infinite errors; a red "
+                               "ring marks a measurement that failed a criterion."),
         "<h2>Error / bound</h2>",
         plot_or_reason(lambda: plots.ratio_histograms(ratios, panels=panels, names=names,
                                                       title="Distribution of error / rounding-error bound"),
@@ -174,13 +179,33 @@ def _run_section(summary: dict) -> list[str]:
     impls = [i for i in run.get("implementations") or [] if isinstance(i, dict)]
     if impls:
         out += ["<h3>Implementations under test</h3>", table(
-            ("name", "--impl", "kind", "dtypes", "causal alignment", "gqa", "gradients", "description",
-             "not covered (declared unsupported)"),
-            ([i.get("name"), code(i.get("spec"), name=True), i.get("kind"), ", ".join(map(str, i.get("dtypes") or [])),
-              i.get("causal_alignment"), i.get("gqa"), _gradients(i), i.get("description"),
-              "; ".join(w.removesuffix(": not covered, declared unsupported") for w in i.get("not_covered") or [])
-              or "-"] for i in impls))]
+            ("implementation (--impl)", "kind", "dtypes", "causal alignment", "gqa", "gradients", "description",
+             "not covered"),
+            ([_impl_name(i), i.get("kind"), ", ".join(map(str, i.get("dtypes") or [])), i.get("causal_alignment"),
+              i.get("gqa"), _gradients(i), i.get("description"), _left_out(i)] for i in impls),
+            widths=("20%", "6%", "8%", "8%", "4%", "12%", "20%", "22%"))]
     return out
+
+
+def _impl_name(impl: dict) -> Raw:
+    """The name, and the --impl that selects it when that differs."""
+    name, spec = str(impl.get("name")), str(impl.get("spec") or impl.get("name"))
+    return Raw(esc(name) + ("" if spec == name else f"<br>{code(spec)}"))
+
+
+_WHY = (": not covered, declared unsupported",
+        ": not covered, a plain callable is assumed not to support it (declare it to have it drawn)")
+
+
+def _left_out(impl: dict) -> Raw | str:
+    """What the declaration leaves out, folded under a count (the words say whether it was declared or is
+    the plain callable's default)."""
+    words = [str(w) for w in impl.get("not_covered") or []]
+    if not words:
+        return "-"
+    how = "assumed (plain callable)" if any(w.endswith(_WHY[1]) for w in words) else "declared"
+    items = "".join(f"<li>{esc(w.removesuffix(_WHY[0]).removesuffix(_WHY[1]))}</li>" for w in words)
+    return Raw(f"<details><summary>{len(words)} left out ({how})</summary><ul>{items}</ul></details>")
 
 
 def _gradients(impl: dict) -> str:
@@ -206,6 +231,7 @@ def report_html(summary: dict, rows: list[dict]) -> str:
             f'<div class="banner {banner_cls}">{esc(status_line(summary))}<br>{esc(counts)}'
             + (f"<br>Tests: {esc(', '.join(f'{v} {k}' for k, v in sorted(outcomes.items())))}" if outcomes else "")
             + "</div>"]
+    body += _failures_section(summary)
     body += _run_section(summary)
     names = [str(i.get("name")) for i in (summary.get("run") or {}).get("implementations") or []
              if isinstance(i, dict)]
@@ -223,15 +249,7 @@ def report_html(summary: dict, rows: list[dict]) -> str:
              table([h for _, h in WORST_COLUMNS], ([w.get(k) for k, _ in WORST_COLUMNS] for w in worst),
                    failed=[w.get("pass") is False for w in worst],
                    below=[Raw("replay: " + code(w["replay"])) if w.get("replay") else None for w in worst])]
-    body.append(f"<h2>Failures ({esc(failure_counts(failures))})</h2>")
-    if not failures:
-        body.append('<p class="muted">No test failed.</p>')
-    for f in failures:
-        body.append(f"<details open><summary><code>{esc(f.get('test'))}</code> ({esc(failure_kind(f))})</summary>"
-                    f"<pre>{esc(str(f.get('message', '')).strip())}</pre>"
-                    + (f"<p>Replay:</p><pre>{esc(f['replay'])}</pre>" if f.get("replay") else
-                       f"<p class=\"muted\">No replay command{': ' + esc(f['note']) if f.get('note') else ''}</p>")
-                    + f"<p class=\"muted\">File: <code>{esc(f.get('file', ''))}</code></p></details>")
+    body += _metamorphic_section(summary.get("metamorphic") or [])
     not_run = tests_not_run(summary)
     if not_run:
         body += [f"<h2>Tests not run ({len(not_run)})</h2>",
@@ -239,6 +257,42 @@ def report_html(summary: dict, rows: list[dict]) -> str:
                  "<ul>" + "".join(f"<li><code>{esc(t)}</code></li>" for t in not_run) + "</ul></details>"]
     body += _coverage_section(summary.get("coverage") or {}, partial=partial)
     return page("flashverify report", body)
+
+
+# Failures shown open at the top of the page; the rest are folded (each still one click away).
+OPEN_FAILURES = 5
+
+
+def _failures_section(summary: dict) -> list[str]:
+    """The failures first, each with its replay command: what a kernel author came for."""
+    failures = summary.get("failures") or []
+    out = [f"<h2>Failures ({esc(failure_counts(failures))})</h2>"]
+    if not failures:
+        return out + ['<p class="muted">No test failed.</p>']
+    out.append('<p class="muted">Each replays on its own with the command shown (run it from the directory the '
+               "run was started in); report.md holds the same.</p>")
+    for n, f in enumerate(failures):
+        out.append(f"<details{' open' if n < OPEN_FAILURES else ''}><summary><code>{esc(f.get('test'))}</code> "
+                   f"({esc(failure_kind(f))})</summary>"
+                   + (f"<p>Replay:</p><pre>{esc(f['replay'])}</pre>" if f.get("replay") else
+                      f"<p class=\"muted\">No replay command{': ' + esc(f['note']) if f.get('note') else ''}</p>")
+                   + f"<pre>{esc(str(f.get('message', '')).strip())}</pre>"
+                   + f"<p class=\"muted\">File: <code>{esc(f.get('file', ''))}</code></p></details>")
+    return out
+
+
+def _metamorphic_section(rows: list[dict]) -> list[str]:
+    """The metamorphic checks' margins (``reports/margins.py``)."""
+    if not rows:
+        return []
+    return ["<h2>Metamorphic checks</h2>",
+            '<p class="muted">Two results of the kernel that should agree (another tiling, permuted keys, shifted '
+            "scores, ...), compared within a tolerance made of both results' rounding bounds: the median and "
+            "largest difference/tolerance (at most 1 to pass).</p>",
+            table(("implementation", "property", "dtype", "n", "failed", "median diff/tol", "max diff/tol"),
+                  ([r["implementation"], r["property"], r["dtype"], r["comparisons"], r["failed"],
+                    r["median_difference_over_tolerance"], r["max_difference_over_tolerance"]] for r in rows),
+                  failed=[bool(r["failed"]) for r in rows])]
 
 
 def _coverage_section(cov: dict, *, partial: bool) -> list[str]:

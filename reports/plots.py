@@ -97,24 +97,28 @@ def _robust_range(values: list[float]) -> tuple[float, float]:
     return max(values[0] / 2, values[len(values) // 2] * 1e-6), values[-1] * 3
 
 
-def scatter_panels(points: dict[tuple[str, str], dict[str, list[tuple[float, float]]]], *, rows: Sequence[str],
+FAILED = "failed a criterion"  # the legend's words for the ring drawn round a failing point
+
+
+def scatter_panels(points: dict[tuple[str, str], dict[str, list[tuple]]], *, rows: Sequence[str],
                    cols: Sequence[str], xlabel: str, ylabel: str, title: str, names: Sequence[str] = ()) -> str | None:
-    """Small multiples: panel ``(row, col)`` holds one series ``(x, y)`` per name, log y; each row of
-    panels has its own y range (:func:`_robust_range`).
+    """Small multiples: panel ``(row, col)`` holds one series ``(x, y)`` or ``(x, y, failed)`` per name, log y;
+    each row of panels has its own y range (:func:`_robust_range`).
 
     Values below the range (exact zeros included) are drawn on the bottom edge with an open marker;
-    infinite or NaN values on the top edge with an ``x``.
+    infinite or NaN values on the top edge with an ``x``; a point whose measurement failed gets a thick red
+    ring, drawn over everything, so that failures stand out among thousands of passing points.
     """
     if not points:
         return None
     names, colour = _palette({n for series in points.values() for n in series}, names)
-    xs = [x for series in points.values() for pts in series.values() for x, _ in pts]
+    xs = [p[0] for series in points.values() for pts in series.values() for p in pts]
     log_x = bool(xs) and min(xs) > 0 and max(xs) / min(xs) > 32
     fig, axes = _figure(len(rows), len(cols), width=3.0, height=2.4)
     handles = {}
     for i, r in enumerate(rows):
         lo, hi = _robust_range(_finite_positive(y for c in cols for pts in (points.get((r, c)) or {}).values()
-                                                for _, y in pts))
+                                                for *_, y in (p[:2] for p in pts)))
         for j, c in enumerate(cols):
             ax = axes[i][j]
             ax.set_title(label(f"{r} / {c}"), fontsize="small")
@@ -123,9 +127,14 @@ def scatter_panels(points: dict[tuple[str, str], dict[str, list[tuple[float, flo
                 ax.set_xscale("log", base=2)
             ax.set_ylim(lo / 1.5, hi * 1.5)
             for name, pts in (points.get((r, c)) or {}).items():
-                normal = [(x, y) for x, y in pts if lo <= y < math.inf]
-                below = [(x, lo) for x, y in pts if y < lo]
-                bad = [(x, hi) for x, y in pts if not (y < math.inf)]
+                normal = [(p[0], p[1]) for p in pts if lo <= p[1] < math.inf]
+                below = [(p[0], lo) for p in pts if p[1] < lo]
+                bad = [(p[0], hi) for p in pts if not (p[1] < math.inf)]
+                failed = [(p[0], min(max(p[1], lo), hi) if p[1] == p[1] else hi) for p in pts if len(p) > 2 and p[2]]
+                if failed:
+                    h = ax.scatter([p[0] for p in failed], [p[1] for p in failed], s=70, facecolors="none",
+                                   edgecolors="crimson", linewidths=1.6, zorder=5)
+                    handles.setdefault(FAILED, h)
                 if normal:
                     h = ax.scatter([p[0] for p in normal], [p[1] for p in normal], s=14, alpha=0.65,
                                    color=colour[name], linewidths=0)
@@ -149,8 +158,16 @@ def _label_panel(ax, *, bottom: bool, left: bool, xlabel: str, ylabel: str) -> N
     ax.grid(True, which="major", alpha=0.3)
 
 
+def _suptitle(fig, title: str) -> None:
+    """The figure's title, wrapped to the figure's width (about 11 characters an inch at this size), so that a
+    narrow figure (one panel) does not clip it."""
+    import textwrap
+
+    fig.suptitle(textwrap.fill(label(title, limit=160), max(24, int(fig.get_figwidth() * 11))), fontsize="medium")
+
+
 def _finish(fig, title: str, handles: dict, names) -> str:
-    fig.suptitle(label(title, limit=120), fontsize="medium")
+    _suptitle(fig, title)
     _legend(fig, handles, title="implementation", names=names)
     return _png(fig)
 
@@ -196,14 +213,16 @@ def ratio_histograms(values: dict[str, dict[str, list[float]]], *, panels: Seque
         ax.axvline(1.0, color="crimson", linestyle="--", linewidth=1)
         ax.text(1.0, 0.97, " bound", color="crimson", fontsize="x-small", transform=ax.get_xaxis_transform(),
                 va="top")
-        extra = ", ".join(f"{k}: {n}" for k, n in counts.items() if n)
-        ax.set_title(label(panel) + (f"\n({extra})" if extra else ""), fontsize="small")
+        extra = [f"{k}: {n}" for k, n in counts.items() if n]
+        # Two counts a line: one line of all four is wider than a panel and was clipped at the figure's edge.
+        lines = [", ".join(extra[i:i + 2]) for i in range(0, len(extra), 2)]
+        ax.set_title("\n".join([label(panel), *lines]), fontsize="small")
         ax.set_xlabel(xlabel, fontsize="small")
         ax.set_ylabel("measurements", fontsize="small")
         ax.tick_params(labelsize="x-small")
     for idx in range(len(panels), nrows * ncols):
         axes[idx // ncols][idx % ncols].set_visible(False)
-    fig.suptitle(label(title, limit=120), fontsize="medium")
+    _suptitle(fig, title)
     _legend(fig, handles, title="implementation", names=names)
     return _png(fig)
 
@@ -246,7 +265,7 @@ def grouped_bars(values: dict[tuple[str, str], dict[str, dict[str, float]]], *, 
                 ax.set_ylabel(label(ylabel), fontsize="small")
             ax.tick_params(axis="y", labelsize="x-small")
             ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(label(title, limit=120), fontsize="medium")
+    _suptitle(fig, title)
     _legend(fig, handles, title="implementation", names=names)
     return _png(fig)
 

@@ -139,6 +139,21 @@ def read_stream(report_dir: str | os.PathLike, name: str) -> tuple[list[dict[str
     return rows, bad
 
 
+def read_runs(report_dir: str | Path) -> list[dict]:
+    """The ``run-<worker>.json`` headers, one per worker (the xdist controller's is ``main``)."""
+    runs = []
+    for path in sorted(Path(report_dir).glob("run-*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            data = {"unreadable": True}
+        if not isinstance(data, dict):
+            data = {"unreadable": True}
+        data.setdefault("worker", path.stem.removeprefix("run-"))
+        runs.append(data)
+    return runs
+
+
 class ReportSession:
     """Writes the report of one run into ``report_dir`` (one stream per worker)."""
 

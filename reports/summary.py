@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from reports import coverage, margins, memory
-from reports.session import dumps, read_stream, replay_command, write_atomic
+from reports.session import dumps, read_runs, read_stream, replay_command, write_atomic
 
 # How many of the worst measurements the summary lists (with their replay commands).
 WORST_CASES = 25
@@ -58,21 +58,6 @@ def read_measurements(report_dir: str | Path) -> tuple[list[dict], int]:
     return read_stream(report_dir, "measurements")
 
 
-def read_runs(report_dir: str | Path) -> list[dict]:
-    """The ``run-<worker>.json`` headers, one per worker (the xdist controller's is ``main``)."""
-    runs = []
-    for path in sorted(Path(report_dir).glob("run-*.json")):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-            data = {"unreadable": True}
-        if not isinstance(data, dict):
-            data = {"unreadable": True}
-        data.setdefault("worker", path.stem.removeprefix("run-"))
-        runs.append(data)
-    return runs
-
-
 def read_failures(report_dir: str | Path) -> list[dict]:
     out = []
     for path in sorted((Path(report_dir) / "failures").glob("*.json")):
@@ -95,6 +80,7 @@ FAILURE_KINDS = (
     ("ran out of device memory", "out of memory"),
     ("sticky CUDA error", "sticky CUDA error"),
     ("differs from the float64 reference", "wrong answer"),
+    ("exceeds the tolerance", "results disagree"),
     ("the kernel raised (not a wrong answer)", "kernel raised"),
 )
 
@@ -252,7 +238,10 @@ def summarise(report_dir: str | Path, *, outcomes: dict | None = None, rows: lis
         main = next((r for r in runs if r.get("worker") == "main"), {})
         outcomes = main.get("outcomes") or {}
     device_of = {str(r.get("worker")): str(r.get("device")) for r in runs if r.get("device")}
-    failures = read_failures(report_dir)
+    # Forward properties first (the simplest verdict), as the run orders them; then by test.
+    rank = {"test_forward.py": 0, "test_backward.py": 1, "test_longest.py": 2}
+    failures = sorted(read_failures(report_dir), key=lambda f: (
+        rank.get(str(f.get("test")).split("::")[0].rsplit("/", 1)[-1], 3), str(f.get("test"))))
     return {
         "status": "partial" if (unfinished or stopped or not runs) else "complete",
         "unfinished_workers": unfinished,
@@ -359,6 +348,7 @@ def markdown(summary: dict) -> str:
     outcomes = summary.get("outcomes") or {}
     if outcomes:
         lines += ["Tests: " + ", ".join(f"{v} {k}" for k, v in sorted(outcomes.items())), ""]
+    lines += _failures_markdown(summary.get("failures") or [])
     lines += [f"Measurements: {summary['measurements']} ({summary.get('failed_measurements', 0)} failed)"
               + (f"; {summary['unreadable_lines']} unreadable lines skipped" if summary["unreadable_lines"] else ""),
               "", "| " + " | ".join(h for _, h in TABLE_COLUMNS) + " |",
@@ -375,18 +365,23 @@ def markdown(summary: dict) -> str:
     lines += margins.markdown(summary.get("metamorphic") or [])
     lines += coverage.markdown(summary.get("coverage") or {}, partial=summary.get("status") != "complete")
     lines += memory.markdown(summary.get("peak_memory") or {})
-    failures = summary.get("failures") or []
-    lines += ["", f"## Failures ({failure_counts(failures)})", ""]
-    for f in failures:
-        lines += [f"### {f.get('test')} ({failure_kind(f)})", "", "```", str(f.get("message", "")).strip().replace("```", "'''"), "```", ""]
-        if f.get("replay"):
-            lines += ["Replay:", "", "```", f["replay"], "```", ""]
-        elif f.get("note"):
-            lines += [f"No replay command: {f['note']}", ""]
     not_run = tests_not_run(summary)
     if not_run:
         lines += ["", f"## Tests not run ({len(not_run)})", ""] + [f"- `{t}`" for t in not_run]
     return "\n".join(lines) + "\n"
+
+
+def _failures_markdown(failures: list[dict]) -> list[str]:
+    """The failures, first in the report (what a kernel author came for): each with its replay command."""
+    lines = [f"## Failures ({failure_counts(failures)})", ""]
+    for f in failures:
+        lines += [f"### {f.get('test')} ({failure_kind(f)})", ""]
+        if f.get("replay"):
+            lines += ["Replay:", "", "```", f["replay"], "```", ""]
+        elif f.get("note"):
+            lines += [f"No replay command: {f['note']}", ""]
+        lines += ["```", str(f.get("message", "")).strip().replace("```", "'''"), "```", ""]
+    return lines
 
 
 def write_summary(report_dir: str | Path, *, outcomes: dict | None = None, html: bool = True) -> dict:

@@ -517,6 +517,68 @@ def _variant_classes(case: AttentionCase) -> dict[str, bool]:
     }
 
 
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def allowed_classes(limits: Limits, *, head_dims: Sequence[int] | None = None, gqa: bool = False,
+                    causal: bool | None = None, alignment: str = "bottom_right", layouts: Sequence[str] = LAYOUTS,
+                    min_len_k: int = 0, min_len_q: int = 1, equal_lengths: bool = False, len_q_multiple: int = 1,
+                    len_k_multiple: int = 1, scale_choices: Sequence[float | None] | None = None,
+                    windows: bool = False, softcap: bool = False, alibi: bool = False, chunks: bool = False,
+                    sinks: bool = False, splits: bool = False, sequences: Sequence[str] = ("dense",),
+                    page_sizes: Sequence[int] | None = None, max_len_q: int | None = None,
+                    **_other) -> list[str]:
+    """The boundary classes :func:`attention_cases` can draw with these arguments (a declaration's draws:
+    ``verify.runner.declared_draws``): a class a declaration rules out (GQA without ``gqa``, a window without
+    ``windows``, a head dim above 128 past its limit) is not owed by a run of that kernel."""
+    can_causal = causal is not False
+    top_d = max(head_dims) if head_dims else limits.max_head_dim
+    varlen = bool(set(sequences) - {"dense"})
+    paged = "paged" in sequences
+    scales = [x for x in (scale_choices or ()) if x is not None]
+    any_scale = scale_choices is None
+    decode = min_len_q <= 1 and len_q_multiple == 1 and (not equal_lengths or len_k_multiple == 1)
+    unequal = not equal_lengths
+    facts = {
+        "decode": decode,
+        "decode_causal_gqa": decode and can_causal and gqa,
+        "no_keys": min_len_k == 0 and unequal,
+        "gqa": gqa,
+        "len_over_64": limits.max_len > 64,
+        "len_over_128": limits.max_len > 128,
+        "len_at_power_of_two_edge": limits.max_len >= 15,
+        "head_dim_over_64": top_d > 64,
+        "head_dim_over_128": top_d > 128,
+        "head_dim_not_power_of_two": head_dims is None or any(not _power_of_two(d) for d in head_dims),
+        "kv_tiles_wider": can_causal,
+        "k_aligned_q_ragged": can_causal,
+        "masked_q_tiles": can_causal and unequal and alignment == "bottom_right",
+        "fully_masked_rows": (can_causal and unequal and alignment == "bottom_right") or windows or chunks or varlen,
+        "storage_offset": "packed" in layouts,
+        "scale_zero": any_scale or 0 in scales,
+        "scale_negative": any_scale or any(x < 0 for x in scales),
+        "scale_above_one": any_scale or any(x > 1 for x in scales),
+        "scale_tiny": any_scale or any(0 < abs(x) < 1e-4 for x in scales),
+        "scale_not_float16": any_scale or any(_not_float16(x) for x in scales),
+        "window_zero": windows, "window_narrow": windows, "window_at_least_n": windows,
+        "softcap": softcap, "softcap_below_one": softcap,
+        "alibi": alibi, "alibi_causal_gqa": alibi and can_causal and gqa,
+        "chunks": chunks, "chunks_narrower_than_n": chunks,
+        "sinks": sinks, "sinks_on_rows_without_keys": sinks and (can_causal or windows or chunks or varlen),
+        "split_kv": splits, "split_kv_more_splits_than_keys": splits,
+        "varlen_packed": "packed" in sequences, "varlen_padded": "padded" in sequences,
+        "varlen_empty_sequence": varlen, "varlen_length_one": varlen,
+        "varlen_nq_differs_from_nk": varlen and unequal, "varlen_total_below_sequences_gqa": varlen and gqa,
+        "paged": paged,
+        "paged_page_size_1": paged and (page_sizes is None or 1 in page_sizes),
+        "paged_page_not_power_of_two": paged and (page_sizes is None or any(not _power_of_two(p) for p in page_sizes)),
+        "paged_pages_permuted": paged, "paged_decode": paged and decode,
+        "paged_speculative": paged and (max_len_q is None or max_len_q >= 2),
+    }
+    return [name for name in BOUNDARY_CLASSES if facts.get(name, True)]
+
+
 def _not_float16(x: float) -> bool:
     return float(torch.tensor(x, dtype=torch.float16)) != x
 

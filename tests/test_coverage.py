@@ -33,6 +33,27 @@ def test_missing_names_what_was_not_reached():
     assert coverage.missing(records, required) == []
 
 
+def test_only_classes_a_declaration_allows_and_properties_that_ran_are_owed():
+    """A plain callable (no GQA, no windows, no variants) owes none of their classes, and a class owed by a
+    property that never ran (its kernel declares no out= buffers) is not listed either."""
+    from kernels.registry import from_callable
+    from strategies.attention import Limits, allowed_classes
+    from verify.runner import declared_draws, limits_of
+
+    from examples.reference_attention import attention
+
+    plain = from_callable(attention, "kernel.py:attention", device="cpu")
+    allowed = set(allowed_classes(limits_of(plain, Limits(max_len=136, max_head_dim=136)),
+                                  **declared_draws(plain, None, {})))
+    assert {"gqa", "decode_causal_gqa", "window_zero", "softcap", "paged", "varlen_packed", "split_kv"}.isdisjoint(allowed)
+    assert {"decode", "no_keys", "len_over_128", "head_dim_over_128", "scale_negative", "storage_offset"} <= allowed
+    records = [{"property": "out_matches_reference", "examples": 3, "classes": {"decode": 1}}]
+    required = {"decode": None, "gqa": None, "masked_q_tiles": "outputs_stay_in_bounds", "no_keys": None}
+    assert coverage.missing(records, required, allowed=allowed) == ["no_keys: reached by no property"]
+    # Without the declarations every class is owed, but still only by properties that ran.
+    assert coverage.missing(records, required) == ["gqa: reached by no property", "no_keys: reached by no property"]
+
+
 def test_seeds_differ_between_properties_and_dtypes_and_are_stable():
     a = seed_for("attention", "out_matches_reference", "float16", None)
     assert a == seed_for("attention", "out_matches_reference", "float16", None)

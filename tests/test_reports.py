@@ -399,3 +399,29 @@ def test_the_last_lines_of_a_failing_run_hold_the_reason_the_case_and_the_replay
     assert "  replay: python -m verify.replay --impl tests/mutants.py:causal_off_by_one" in tail, tail
     assert "Highest target score" not in proc.stdout and "Draw 1 (case)" not in proc.stdout
     assert "AttentionCase(batch=" not in tail
+
+
+def test_the_html_report_shows_the_failures_first_and_fits_the_implementations():
+    data = {"status": "complete", "measurements": 1, "failed_measurements": 1, "unreadable_lines": 0,
+            "by_implementation_op_dtype": [], "worst_cases": [], "outcomes": {"failed": 1},
+            "failures": [{"test": "verify/test_forward.py::test_x[k-float16]", "message": "k: out differs from the "
+                          "float64 reference", "replay": "python -m verify.replay --impl k", "file": "f.json"}],
+            "run": {"implementations": [{"name": "k", "spec": "my.py:k", "kind": "attention", "dtypes": ["float16"],
+                                         "not_covered": ["ALiBi: not covered, a plain callable is assumed not to "
+                                                         "support it (declare it to have it drawn)"]}]}}
+    page = html.report_html(data, [])
+    assert page.index("<h2>Failures (1: 1 wrong answer)</h2>") < page.index("<h2>Run</h2>")
+    assert page.index("python -m verify.replay --impl k") < page.index("<h2>Run</h2>")
+    assert '<table class="fit">' in page and "1 left out (assumed (plain callable))" in page
+    md = summary.markdown(data)
+    assert md.index("## Failures (1") < md.index("| implementation |")
+
+
+def test_failing_points_are_ringed_in_the_error_plot():
+    if plots.unavailable():
+        pytest.skip(plots.unavailable())
+    points = {("float16", "out"): {"k": [(4.0, 1e-3, False), (8.0, 2.0, True), (16.0, math.inf, True)]}}
+    png = plots.scatter_panels(points, rows=["float16"], cols=["out"], xlabel="Nk", ylabel="err", title="t" * 150)
+    assert png and len(png) > 1000
+    rows = [{"case": {**CASE, "len_k": 8}, "op": "out", "max_abs": 2.0, "implementation": "k", "pass": False}]
+    assert html._points_error_vs_len(rows)[("float16", "out")]["k"] == [(8.0, 2.0, True)]

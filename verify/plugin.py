@@ -260,7 +260,8 @@ def _header_data(config) -> dict:
                              "causal_alignment": i.causal_alignment, "gqa": i.gqa, "tunable": i.tunable,
                              "autograd": i.autograd, "backward": i.backward is not None,
                              "deterministic": i.deterministic,
-                             "not_covered": i.not_covered()}
+                             "not_covered": i.not_covered(),
+                             "allowed_classes": _allowed_classes(i, config)}
                             for i in impls],
         "device": device,
         "device_name": device_name(device),
@@ -271,6 +272,16 @@ def _header_data(config) -> dict:
         "memory_budget": (budget.to_dict() if _collects_verify(config) and (budget := gpu_budget(config))
                           else None),
     }
+
+
+def _allowed_classes(impl, config) -> list[str]:
+    """The boundary classes the declaration lets the suite draw (strategies.attention.allowed_classes)."""
+    from strategies.attention import allowed_classes
+    from verify.runner import declared_draws, limits_of
+
+    if impl.kind != "attention":
+        return []
+    return allowed_classes(limits_of(impl, _limits(config)), **declared_draws(impl, None, {}))
 
 
 def _limits(config) -> Limits:
@@ -600,8 +611,6 @@ def _summary_lines(terminalreporter, config) -> None:
 
         terminalreporter.write_line(f"flashverify report: {len(failing)} failing case(s) in {report.dir / 'failures'}"
                                     f", each with its replay command:")
-        # Forward properties first (the simplest verdict), as the run orders them.
-        failing = sorted(failing, key=lambda f: ("test_backward" in str(f.get("test")), str(f.get("test"))))
         for failure in failing[:BRIEF_FAILURES]:
             for line in brief(failure):
                 terminalreporter.write_line(line, red=line.endswith(":") and not line.startswith(" "))
