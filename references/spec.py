@@ -29,7 +29,7 @@ queries one after another (``Nq = sum seqlens_q``), their keys likewise (``Nk = 
 block-diagonal mask: query ``i`` of sequence ``s`` sees only keys of sequence ``s``, with the causal
 diagonal, the window and the chunks placed per sequence. Every row still sees one range of keys, and the
 ranges only move forward, so the references, bounds and properties need nothing else; how the tensors
-reach a kernel (packed, padded, paged) is :mod:`kernels.conventions`' business.
+reach a kernel (packed, padded, paged) is :mod:`flashverify_kernels.conventions`' business.
 
 ``bottom_right`` (FlashAttention's convention) puts query ``i``'s diagonal at key ``i + Nk - Nq`` (per
 sequence), so the last query sees every key and, when ``Nq > Nk``, the first ``Nq - Nk`` queries see none

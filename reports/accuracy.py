@@ -76,9 +76,9 @@ FA3_PAPER_SETUP = ("The paper states the input distribution (every entry of Q, K
                    "shapes here are a choice: the configuration of the paper's speed benchmarks (section 4.1: "
                    "hidden dimension 2048, i.e. 16 heads of dim 128, and 16k tokens per batch), without a "
                    "causal mask.")
-# The implementations of the protocol's table: the paper's baseline (kernels/standard.py), criterion 1's
+# The implementations of the protocol's table: the paper's baseline (flashverify_kernels/pytorch/standard.py), criterion 1's
 # eager attention, the suite's FlashAttention-2 and, where they run, the Triton FA2 and the peers.
-FA3_IMPLEMENTATIONS = ("kernels.standard:STANDARD", "eager", "fa2_blocked")
+FA3_IMPLEMENTATIONS = ("flashverify_kernels.pytorch.standard:STANDARD", "eager", "fa2_blocked")
 FA3_IMPLEMENTATIONS_CUDA = (*FA3_IMPLEMENTATIONS, "triton_fa2", *PEERS)
 
 # ------------------------------------------------------------------ variants
@@ -195,7 +195,7 @@ def select_implementations(specs: list[str], *, device: str, defaults: tuple[str
     ``defaults`` (``--impl`` values, a preset's) that exist and run on ``device`` (with ``list_all``: also
     those that do not run there, which the report lists as not measured, with the reason), or else every
     shipped attention kernel that runs on ``device``, ``eager`` and the peers of :data:`PEERS` that run there."""
-    from kernels import registry
+    from flashverify_kernels import registry
 
     shipped = registry.registry()
     dev = torch_device_type(device)
@@ -942,7 +942,7 @@ def fa3_words(protocol: dict) -> list[str]:
         "RMSE / fa2_blocked's divides each RMSE by that of fa2_blocked (the suite's FlashAttention-2) on the "
         "same dtype, against the rounded inputs and against the unrounded ones. The paper attributes the gap to "
         "where the intermediates live: the standard implementation "
-        "holds the softmax in FP16, FlashAttention in FP32. `standard` (kernels/standard.py) holds the scores "
+        "holds the softmax in FP16, FlashAttention in FP32. `standard` (flashverify_kernels/pytorch/standard.py) holds the scores "
         "and the softmax in the input dtype; `eager` (criterion 1's baseline) holds both in float32 and rounds "
         "only P, as FlashAttention rounds P before P V. (PyTorch's softmax of a float16 tensor computes in "
         "float32 and rounds its result once, so what `standard` adds to eager's error is the rounding of the "

@@ -24,7 +24,7 @@ presets (the options given override them):
          N(0, 1) + N(0, 100) x Bernoulli(0.001) (magnitude class fa3_outliers), no causal mask, float16
          and bfloat16, forward only, seeds 0 1 2, 16 heads of dim 128; B=4, N=4096 on a GPU, B=1,
          N=1024 on a CPU (about a minute on 2 cores). Measures standard attention with float16
-         intermediates (kernels/standard.py), eager and fa2_blocked, on a GPU also triton_fa2 and the
+         intermediates (flashverify_kernels/pytorch/standard.py), eager and fa2_blocked, on a GPU also triton_fa2 and the
          SDPA/FlexAttention adapters; accuracy.md gets a "FlashAttention-3 accuracy protocol" table with the
          paper's figures. The paper does not state its shapes: these are a choice, said in the report.
   variants  the variants real kernels compute, each against the dense case: packed variable-length
@@ -91,7 +91,7 @@ def _positive_ints(text: str) -> int:
 def _accuracy(args, parser) -> int:
     import torch
 
-    from kernels.registry import ImplementationError
+    from flashverify_kernels.registry import ImplementationError
     from strategies.cases import DTYPES, MAGNITUDES
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

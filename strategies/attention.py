@@ -176,7 +176,7 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
 
     These constraints are part of the draw: the case a property runs is the case Hypothesis drew.
 
-    A kernel's declared limits (``kernels.declaration.Implementation``) are constraints of the same kind:
+    A kernel's declared limits (``flashverify_kernels.declaration.Implementation``) are constraints of the same kind:
     equal_lengths     Nq == Nk (Nk is the drawn Nq)
     len_q/k_multiple  Nq (Nk) a multiple of this: the drawn length rounded up to one (a monotone map, so
                       failures shrink to the smallest conforming length), at least one multiple

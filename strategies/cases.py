@@ -4,7 +4,7 @@ A case holds shapes, dtype, the attention spec (:class:`references.spec.Attentio
 modifications, sinks, sequences, splits), block sizes, a magnitude class, a memory layout and a seed,
 nothing else. A case of variable-length sequences is the references' packed problem: ``batch = 1``,
 ``len_q`` and ``len_k`` the sums of the spec's ``seqlens_q`` and ``seqlens_k``; its tensors are built as
-one ``[1, H, N, D]`` batch, and :mod:`kernels.conventions` lays them out as the kernel takes them. Tensors are generated from the seed by :meth:`AttentionCase.build`, so a case is small,
+one ``[1, H, N, D]`` batch, and :mod:`flashverify_kernels.conventions` lays them out as the kernel takes them. Tensors are generated from the seed by :meth:`AttentionCase.build`, so a case is small,
 JSON-serialisable, replayable with one command, and shrinks the way Hypothesis shrinks its parts:
 to small shapes, seed 0, the ``normal`` magnitude class and the contiguous layout.
 

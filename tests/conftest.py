@@ -59,11 +59,11 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.fixture(autouse=True)
 def _fresh_launch_plans(request):
-    """Every test starts and ends with no launch plan (kernels/replay.py), so that none recorded in one
+    """Every test starts and ends with no launch plan (flashverify_kernels/triton/replay.py), so that none recorded in one
     test replays in another. A test that patches with ``monkeypatch`` runs with plans off: a plan replays
     the launches a signature's first call made and skips the functions that decided them, so a patched
     function would run once and then be skipped (tests/test_replay.py turns plans back on where it means to)."""
-    from kernels import replay
+    from flashverify_kernels.triton import replay
 
     replay.clear()
     before = os.environ.get(replay.ENV_OFF)

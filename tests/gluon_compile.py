@@ -1,4 +1,4 @@
-"""Compiling a Gluon kernel of kernels/ for sm_90 without a GPU, for tests/test_gluon_forward.py and
+"""Compiling a Gluon kernel of flashverify_kernels/hopper/ for sm_90 without a GPU, for tests/test_gluon_forward.py and
 tests/test_gluon_backward.py.
 
 :func:`results` runs a test's loop over kernel configurations in a fresh Python process (Triton's

@@ -1,6 +1,6 @@
 """Deliberately broken variants of the blocked FA2 kernel, for the mutation self-check.
 
-Each variant is the source of ``kernels/blocked.py`` with one small textual change (the kind of bug
+Each variant is the source of ``flashverify_kernels/pytorch/blocked.py`` with one small textual change (the kind of bug
 people really write), loaded as its own module. Every variant is an attribute of this module, so the
 suite can be pointed at it like at any outside kernel::
 
@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kernels import blocked  # noqa: E402
-from kernels.registry import Implementation, registry  # noqa: E402
+from flashverify_kernels.pytorch import blocked  # noqa: E402
+from flashverify_kernels.registry import Implementation, registry  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +154,7 @@ def _mutated_source(m: Mutation) -> str:
     source = Path(blocked.__file__).read_text(encoding="utf-8")
     count = source.count(m.old)
     if m.occurrence is None and count != 1:
-        raise RuntimeError(f"mutation {m.name}: expected the text once in kernels/blocked.py, found it {count} times")
+        raise RuntimeError(f"mutation {m.name}: expected the text once in flashverify_kernels/pytorch/blocked.py, found it {count} times")
     if m.occurrence is not None and count <= m.occurrence:
         raise RuntimeError(f"mutation {m.name}: occurrence {m.occurrence} requested, text found {count} times")
     start = -1
@@ -166,7 +166,7 @@ def _mutated_source(m: Mutation) -> str:
 def _load(name: str, source: str):
     spec = importlib.util.spec_from_loader(f"flashverify_mutant_{name}", loader=None)
     module = importlib.util.module_from_spec(spec)
-    module.__file__ = f"<mutant {name} of kernels/blocked.py>"
+    module.__file__ = f"<mutant {name} of flashverify_kernels/pytorch/blocked.py>"
     sys.modules[spec.name] = module  # dataclasses look their module up there
     exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102 - our own kernel source
     return module

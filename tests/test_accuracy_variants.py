@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kernels.registry import registry
+from flashverify_kernels.registry import registry
 from references.spec import AttentionSpec
 from reports import accuracy, cli
 from strategies.cases import AttentionCase

@@ -1,4 +1,4 @@
-"""kernels.bench's arithmetic and tables on made-up timings (the timing itself needs a GPU: its figures
+"""flashverify_kernels.triton.bench's arithmetic and tables on made-up timings (the timing itself needs a GPU: its figures
 are in docs/benchmarks.md, with the card named)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import collections
 
 import pytest
 
-from kernels import bench
+from flashverify_kernels.triton import bench
 
 
 def _row(**ms):
@@ -88,13 +88,13 @@ def test_a_row_whose_backward_ran_gluon_dkdv_says_so():
     r = _row(triton=(1.0, 3.0), flex=(0.8, 4.0))
     r["fwd_kernel"] = "gluon"
     text = bench.markdown([r], "header")
-    assert "kernels/gluon_backward.py" not in text
+    assert "flashverify_kernels/hopper/backward.py" not in text
     r["bwd_kernel"] = "gluon"
     text = bench.markdown([r], "header")
     line = next(l for l in text.splitlines() if l.startswith("| 128 | 4096 | 4 x 16 |"))
     assert f"| {r['triton_bwd_tflops']:.0f} (gluon) | " in line
     assert line.count("|") == text.splitlines()[3].count("|")
-    assert "dK/dV kernel was the Gluon one of kernels/gluon_backward.py" in text
+    assert "dK/dV kernel was the Gluon one of flashverify_kernels/hopper/backward.py" in text
 
 
 def test_each_pass_has_its_own_order_so_a_call_follows_every_call_about_as_often():

@@ -19,7 +19,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kernels.blocked import fa1_forward_raw, fa2_backward, fa2_forward_raw
+from flashverify_kernels.pytorch.blocked import fa1_forward_raw, fa2_backward, fa2_forward_raw
 from references import attention as ref_attention
 from references import baseline, bounds
 from references.metrics import abs_error, max_ratio

@@ -1,4 +1,4 @@
-"""The calling-convention adapters (kernels/calling_conventions.py): a function written like flash_attn_func,
+"""The calling-convention adapters (flashverify_kernels/calling_conventions.py): a function written like flash_attn_func,
 flash_attn_varlen_func, flash_attn_with_kvcache or xformers' memory_efficient_attention, adapted, gives the
 float64 reference's out, LSE and gradients (the stand-ins in tests/fixtures/convention_standins.py);
 `pytest verify --impl ... --convention ...` runs green on them; stand-ins with a convention's typical mistakes
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import calling_conventions as cc
-from kernels import registry
-from kernels.conventions import ContractError
-from kernels.declaration import ImplementationError, declare
+from flashverify_kernels import calling_conventions as cc
+from flashverify_kernels import registry
+from flashverify_kernels.conventions import ContractError
+from flashverify_kernels.declaration import ImplementationError, declare
 from references import attention as reference
 from references.spec import AttentionSpec
 from strategies.cases import AttentionCase

@@ -1,4 +1,4 @@
-"""kernels/conventions.py: a case's packed problem laid out as a kernel takes it (packed, padded, paged) and
+"""flashverify_kernels/conventions.py: a case's packed problem laid out as a kernel takes it (packed, padded, paged) and
 back, canaries where a kernel must not read, and results of the wrong shape refused in words."""
 
 import dataclasses
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from kernels import conventions
-from kernels.declaration import Implementation
-from kernels.registry import registry
+from flashverify_kernels import conventions
+from flashverify_kernels.declaration import Implementation
+from flashverify_kernels.registry import registry
 from references.spec import AttentionSpec
 
 LENS_Q, LENS_K = (2, 0, 3), (1, 4, 2)

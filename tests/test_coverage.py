@@ -36,7 +36,7 @@ def test_missing_names_what_was_not_reached():
 def test_only_classes_a_declaration_allows_and_properties_that_ran_are_owed():
     """A plain callable (no GQA, no windows, no variants) owes none of their classes, and a class owed by a
     property that never ran (its kernel declares no out= buffers) is not listed either."""
-    from kernels.registry import from_callable
+    from flashverify_kernels.registry import from_callable
     from strategies.attention import Limits, allowed_classes
     from verify.runner import declared_draws, limits_of
 

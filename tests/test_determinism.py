@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import blocked
-from kernels.registry import Implementation, registry
+from flashverify_kernels.pytorch import blocked
+from flashverify_kernels.registry import Implementation, registry
 from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from verify.harness import Context, PropertyFailure

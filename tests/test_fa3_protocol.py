@@ -1,5 +1,5 @@
 """The FlashAttention-3 paper's accuracy protocol in the accuracy report: the standard attention with its
-intermediates in the input dtype (kernels/standard.py), the ``fa3`` preset, and the "FlashAttention-3
+intermediates in the input dtype (flashverify_kernels/pytorch/standard.py), the ``fa3`` preset, and the "FlashAttention-3
 accuracy protocol" section, written from the records the sweep streams."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from kernels.standard import STANDARD, standard_forward
+from flashverify_kernels.pytorch.standard import STANDARD, standard_forward
 from references import attention as reference
 from references.spec import AttentionSpec
 from reports import accuracy, cli
@@ -73,11 +73,11 @@ def test_bad_input_is_refused_in_words(call, error, words):
 
 
 def test_the_declaration_loads_by_path_and_by_module():
-    by_path = accuracy.select_implementations(["kernels/standard.py:STANDARD"], device="cpu")
+    by_path = accuracy.select_implementations(["flashverify_kernels/pytorch/standard.py:STANDARD"], device="cpu")
     assert [i.name for i in by_path] == ["standard", "eager"]
-    assert by_path[0].cli_name == "kernels/standard.py:STANDARD"
+    assert by_path[0].cli_name == "flashverify_kernels/pytorch/standard.py:STANDARD"
     assert by_path[0].forward.__qualname__ == "standard_forward"  # the file's own copy of the module
-    assert STANDARD.cli_name == "kernels.standard:STANDARD" and not STANDARD.returns_lse and STANDARD.gqa
+    assert STANDARD.cli_name == "flashverify_kernels.pytorch.standard:STANDARD" and not STANDARD.returns_lse and STANDARD.gqa
 
 
 # ------------------------------------------------------------------------------------ the preset

@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from kernels import registry
+from flashverify_kernels import registry
 from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from verify import failures, replay

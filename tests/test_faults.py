@@ -179,7 +179,7 @@ def _simulate_out_of_memory_in_logsumexp(monkeypatch):
 def test_out_of_memory_in_the_float64_reference_skips_the_case(monkeypatch):
     import pytest
 
-    from kernels import registry
+    from flashverify_kernels import registry
     from strategies.cases import AttentionCase
     from verify import properties
     from verify.harness import Context
@@ -402,7 +402,7 @@ def test_a_sticky_cuda_error_after_the_forward_ends_the_test_with_the_case_that_
     # turns it into StickyDeviceError (not shrunk) naming this example's case; on CPU it is left alone.
     import pytest
 
-    from kernels import registry
+    from flashverify_kernels import registry
     from strategies.attention import Limits
     from strategies.cases import AttentionCase
     from verify.harness import Context, StickyDeviceError

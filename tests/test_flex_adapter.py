@@ -1,4 +1,4 @@
-"""The FlexAttention adapter (kernels/adapters.py) on CPU, through uncompiled flex_attention: every variant it
+"""The FlexAttention adapter (flashverify_kernels/pytorch/adapters.py) on CPU, through uncompiled flex_attention: every variant it
 declares (bottom-right and top-left causal, windows, chunks, softcap, ALiBi, sinks, packed sequences) gives the
 float64 reference's out, natural-log LSE and gradients (the sinks' too); rows that see no key give 0 and -inf;
 bad input is refused with the field's name; the declarations say what the adapter takes. The compiled kernel
@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from kernels import adapters
-from kernels.declaration import sinks_tensor
-from kernels.registry import FLEX_ATTENTION, FLEX_ATTENTION_UNCOMPILED, default_selection, registry
+from flashverify_kernels.pytorch import adapters
+from flashverify_kernels.declaration import sinks_tensor
+from flashverify_kernels.registry import FLEX_ATTENTION, FLEX_ATTENTION_UNCOMPILED, default_selection, registry
 from references import attention as reference
 from references.spec import AttentionSpec
 

@@ -1,4 +1,4 @@
-"""The Gluon dK/dV kernel of Hopper (kernels/gluon_backward.py): when it runs, that it compiles without
+"""The Gluon dK/dV kernel of Hopper (flashverify_kernels/hopper/backward.py): when it runs, that it compiles without
 serialized products, and (on an H100/H200) that its gradients are right.
 
 * Dispatch rules, without a GPU: :func:`gluon_backward.unsupported` are the forward's, for the deterministic
@@ -19,10 +19,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import gluon_backward as gb  # noqa: E402
-from kernels import gluon_forward as gf  # noqa: E402
-from kernels import replay  # noqa: E402
-from kernels import triton_attention as ta  # noqa: E402
+from flashverify_kernels.hopper import backward as gb  # noqa: E402
+from flashverify_kernels.hopper import forward as gf  # noqa: E402
+from flashverify_kernels.triton import replay  # noqa: E402
+from flashverify_kernels.triton import attention as ta  # noqa: E402
 from references import attention as ref_attention  # noqa: E402
 from references import bounds  # noqa: E402
 from references.spec import AttentionSpec  # noqa: E402
@@ -238,7 +238,7 @@ def test_deterministic_backward_adds_dq_in_order_where_allowed(d, ordered, deter
 
 
 _COMPILE = r"""
-from kernels import gluon_backward as gb
+from flashverify_kernels.hopper import backward as gb
 
 for d in gb.HEAD_DIMS:
     for dt, gdt in (("fp16", gl.float16), ("bf16", gl.bfloat16)):

@@ -1,4 +1,4 @@
-"""The Gluon forward of Hopper (kernels/gluon_forward.py): when it runs, that it compiles without
+"""The Gluon forward of Hopper (flashverify_kernels/hopper/forward.py): when it runs, that it compiles without
 serialized products, and (on an H100/H200) that it computes attention.
 
 * Dispatch rules, without a GPU: :func:`gluon_forward.unsupported` names what rules a call out.
@@ -20,8 +20,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import gluon_forward as gf  # noqa: E402
-from kernels import triton_attention as ta  # noqa: E402
+from flashverify_kernels.hopper import forward as gf  # noqa: E402
+from flashverify_kernels.triton import attention as ta  # noqa: E402
 from tests import gluon_compile  # noqa: E402
 
 needs_gluon = pytest.mark.skipif(not gf.AVAILABLE, reason=f"Gluon not importable: {gf.UNAVAILABLE_REASON}")
@@ -122,7 +122,7 @@ def test_descriptors_equal_checked_ones():
 # (head dim, consumer warpgroups) pairs that gf.warpgroups chooses
 WARPGROUP_CONFIGS = [(64, 2), (64, 3), (128, 2)]
 _COMPILE = f"WARPGROUP_CONFIGS = {WARPGROUP_CONFIGS!r}\n" + r"""
-from kernels import gluon_forward as gf
+from flashverify_kernels.hopper import forward as gf
 
 def build_forward(key, d, groups, dt, gdt, causal, timeline):
     signature = {"q_desc": desc(dt, gdt, gf.BLOCK_M, d), "k_desc": desc(dt, gdt, gf.BLOCK_N, d),

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kernels.registry import Implementation
+from flashverify_kernels.registry import Implementation
 from references import attention as reference
 from references import baseline, bounds, criteria
 from references.spec import AttentionSpec

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import registry
+from flashverify_kernels import registry
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = "tests/fixtures/outside_kernels.py"
@@ -25,8 +25,8 @@ def _pytest_verify(impl, tmp_path, *extra):
 
 def test_load_registry_name_module_attr_and_file_attr():
     assert registry.load("fa2_blocked", device="cpu").name == "fa2_blocked"
-    by_module = registry.load("kernels.registry:FA1_BLOCKED", device="cpu")
-    assert by_module.name == "fa1_blocked" and by_module.cli_name == "kernels.registry:FA1_BLOCKED"
+    by_module = registry.load("flashverify_kernels.registry:FA1_BLOCKED", device="cpu")
+    assert by_module.name == "fa1_blocked" and by_module.cli_name == "flashverify_kernels.registry:FA1_BLOCKED"
     plain = registry.load(f"{FIXTURE}:attention", device="cpu")
     assert plain.name == f"{FIXTURE}:attention"
     assert plain.gqa is False and plain.causal_alignment == "bottom_right" and plain.devices == ("cpu",)
@@ -38,7 +38,7 @@ def test_load_registry_name_module_attr_and_file_attr():
     ("tests/fixtures/missing.py:fn", "does not exist"),
     (f"{FIXTURE}:nope", "has no attribute 'nope'"),
     ("no.such.module:fn", "cannot import module"),
-    ("kernels.blocked:NEG_INF", "should name an Implementation or a callable"),
+    ("flashverify_kernels.pytorch.blocked:NEG_INF", "should name an Implementation or a callable"),
 ])
 def test_bad_impl_specs_raise_clear_errors(spec, words):
     with pytest.raises(registry.ImplementationError, match=re.escape(words)):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.registry import Implementation
+from flashverify_kernels.registry import Implementation
 from references.spec import AttentionSpec
 from strategies.cases import LAYOUTS, AttentionCase
 from tests.fixtures import inplace_kernels
@@ -232,6 +232,6 @@ def test_a_kernel_that_writes_into_cu_seqlens_fails():
 
 
 def attention_paged(q, k, v, *, causal=False, scale=None, **keywords):
-    from kernels import blocked
+    from flashverify_kernels.pytorch import blocked
 
     return blocked.fa2_forward(q, k, v, causal=causal, scale=scale, **keywords)

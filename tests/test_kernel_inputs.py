@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import adapters, blocked, online_softmax
+from flashverify_kernels.pytorch import adapters, blocked, online_softmax
 
 F = torch.float32
 

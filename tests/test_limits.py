@@ -17,8 +17,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, find, given, settings
 
-from kernels.declaration import Implementation, ImplementationError, declare
-from kernels.registry import load
+from flashverify_kernels.declaration import Implementation, ImplementationError, declare
+from flashverify_kernels.registry import load
 from strategies.attention import Limits, attention_cases
 from verify.runner import declared_draws, longest_case
 

@@ -37,7 +37,7 @@ def test_a_wrong_lse_is_not_given_a_convention(name):
 
 def _sink_left_out(q, k, v, *, sinks=None, **kw):
     """fa2_blocked, its LSE returned without the sink: log(exp(lse) - exp(t_h)), the keys' LSE alone."""
-    from kernels.blocked import fa2_forward
+    from flashverify_kernels.pytorch.blocked import fa2_forward
     import torch
 
     out, lse = fa2_forward(q, k, v, sinks=sinks, **kw)
@@ -47,7 +47,7 @@ def _sink_left_out(q, k, v, *, sinks=None, **kw):
 def test_an_lse_without_the_sink_is_named():
     import dataclasses
 
-    from kernels.registry import registry
+    from flashverify_kernels.registry import registry
 
     impl = dataclasses.replace(registry()["fa2_blocked"], name="sink_left_out", forward=_sink_left_out)
     case = CASE.replace(magnitude="normal", spec=AttentionSpec(False, sinks=(1.0, -0.5)))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.registry import registry
+from flashverify_kernels.registry import registry
 from verify import outcomes
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 
-from kernels import blocked
-from kernels.registry import Implementation, ImplementationError, registry
+from flashverify_kernels.pytorch import blocked
+from flashverify_kernels.registry import Implementation, ImplementationError, registry
 from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from verify.harness import Context, PropertyFailure
@@ -195,7 +195,7 @@ def _forwards():
     forwards = {"fa2_blocked": blocked.fa2_forward, "fa1_blocked": blocked.fa1_forward,
                 "fa2_blocked raw": blocked.fa2_forward_raw}
     try:
-        from kernels import triton_attention as ta
+        from flashverify_kernels.triton import attention as ta
     except ImportError:
         return forwards
     if "cpu" in ta.DEVICES:  # the interpreter (TRITON_INTERPRET=1 set before triton was imported)

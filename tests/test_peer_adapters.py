@@ -5,7 +5,7 @@ bottom-right with its LSE, has its own tests (tests/test_flex_adapter.py)."""
 import pytest
 import torch
 
-from kernels.registry import registry
+from flashverify_kernels.registry import registry
 
 SDPA_PEERS = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 

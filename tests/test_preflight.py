@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.registry import Implementation, from_callable
+from flashverify_kernels.registry import Implementation, from_callable
 from verify.preflight import PreflightError, preflight
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from kernels.registry import Implementation
+from flashverify_kernels.registry import Implementation
 from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from verify import properties

@@ -1,4 +1,4 @@
-"""Launch plans (kernels/replay.py): a signature's first call records its launches, later calls replay them.
+"""Launch plans (flashverify_kernels/triton/replay.py): a signature's first call records its launches, later calls replay them.
 
 On CPU the plans replay through ``kernel[grid](...)`` under Triton's interpreter: what these tests hold is
 that a replayed call computes what the full path computes, with the new call's tensors, and that a call
@@ -9,8 +9,8 @@ Hopper).
 import pytest
 import torch
 
-from kernels import replay
-from kernels import triton_attention as ta
+from flashverify_kernels.triton import replay
+from flashverify_kernels.triton import attention as ta
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

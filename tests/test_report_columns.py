@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kernels.registry import Implementation
+from flashverify_kernels.registry import Implementation
 from references import criteria
 from references.metrics import error_stats
 from references.spec import AttentionSpec

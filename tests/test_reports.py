@@ -271,7 +271,7 @@ def test_accuracy_exit_status_says_failed_or_nothing_measured(tmp_path, capsys, 
 
 
 def test_accuracy_reports_unrunnable_implementations_instead_of_crashing(tmp_path):
-    from kernels.registry import registry
+    from flashverify_kernels.registry import registry
 
     impls = accuracy.select_implementations([f"{BROKEN.rsplit(':', 1)[0]}:attention_out_only", "sdpa_flash"],
                                             device="cpu")
@@ -286,7 +286,7 @@ def test_accuracy_reports_unrunnable_implementations_instead_of_crashing(tmp_pat
 
 
 def test_accuracy_records_a_kernel_that_raises_as_not_measured(tmp_path):
-    from kernels.registry import Implementation
+    from flashverify_kernels.registry import Implementation
 
     def explode(q, k, v, *, causal=False, scale=None):
         raise RuntimeError("No available kernel. Aborting execution.")

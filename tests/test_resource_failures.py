@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.registry import Implementation, load
+from flashverify_kernels.registry import Implementation, load
 from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from verify.harness import Context, PropertyFailure, StickyDeviceError, resource_failure, run_forward

@@ -47,7 +47,7 @@ def test_failures_shrink_to_no_modification_and_reach_the_modified_classes():
 
 
 def test_softcap_backward_keeps_a_hidden_nan_key_out_of_the_gradients():
-    from kernels import blocked
+    from flashverify_kernels.pytorch import blocked
 
     g = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(1, 1, 2, 4, generator=g) for _ in range(2))

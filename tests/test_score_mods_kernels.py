@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from kernels import adapters, blocked
-from kernels.declaration import Implementation, ImplementationError
-from kernels.registry import load
+from flashverify_kernels.pytorch import adapters, blocked
+from flashverify_kernels.declaration import Implementation, ImplementationError
+from flashverify_kernels.registry import load
 from references.attention import attention
 from references.spec import AttentionSpec
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.registry import Implementation, ImplementationError, registry
+from flashverify_kernels.registry import Implementation, ImplementationError, registry
 from strategies.attention import attention_cases
 from verify import properties
 from verify.profiles import limits_for

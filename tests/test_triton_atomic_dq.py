@@ -16,7 +16,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernels import triton_attention as ta  # noqa: E402
+from flashverify_kernels.triton import attention as ta  # noqa: E402
 from references import attention as ref_attention  # noqa: E402
 from references import bounds  # noqa: E402
 from references.spec import AttentionSpec  # noqa: E402

@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton")
 
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-from kernels import triton_attention as ta  # noqa: E402
+from flashverify_kernels.triton import attention as ta  # noqa: E402
 
 NAMES = ["Q", "DescK", "seq_bucket", "len_q"]
 

@@ -16,8 +16,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernels import triton_attention as ta  # noqa: E402
-from kernels import triton_softmax as tsm  # noqa: E402
+from flashverify_kernels.triton import attention as ta  # noqa: E402
+from flashverify_kernels.triton import softmax as tsm  # noqa: E402
 from references import attention as ref  # noqa: E402
 from references import baseline  # noqa: E402
 from references.spec import AttentionSpec  # noqa: E402
@@ -150,7 +150,7 @@ def test_bad_input_raises_before_launch(kwargs, error, match):
 
 
 def test_declarations():
-    from kernels.registry import registry
+    from flashverify_kernels.registry import registry
 
     impls = registry()
     for name in ("triton_softmax", "triton_fa1", "triton_fa2"):

@@ -14,7 +14,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernels import triton_attention as ta  # noqa: E402
+from flashverify_kernels.triton import attention as ta  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ta.INTERPRET, reason="checks the descriptor path under Triton's interpreter "
                                                          "(TRITON_INTERPRET=1, set by tests/conftest.py)")

@@ -11,8 +11,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernels import triton_attention as ta  # noqa: E402
-from kernels.declaration import Implementation, sinks_tensor  # noqa: E402
+from flashverify_kernels.triton import attention as ta  # noqa: E402
+from flashverify_kernels.declaration import Implementation, sinks_tensor  # noqa: E402
 from references import attention as reference  # noqa: E402
 from references.spec import AttentionSpec  # noqa: E402
 
@@ -117,7 +117,7 @@ DECODE_SPECS = [
 
 @pytest.mark.parametrize("spec", DECODE_SPECS, ids=[s.describe() for s in DECODE_SPECS])
 def test_split_kv_decoding_from_pages_equals_the_float64_reference(spec):
-    from kernels.registry import registry
+    from flashverify_kernels.registry import registry
 
     impl = registry()["triton_decode"]
     g = torch.Generator().manual_seed(1)
@@ -133,7 +133,7 @@ def test_split_kv_decoding_from_pages_equals_the_float64_reference(spec):
 
 
 def test_decoding_refuses_more_queries_than_it_takes_and_bad_tables():
-    from kernels.triton_decode import decode_forward
+    from flashverify_kernels.triton.decode import decode_forward
 
     if DEVICE != "cpu":
         pytest.skip("the messages name the CPU device")

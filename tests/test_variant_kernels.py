@@ -5,10 +5,10 @@ declared backward, and bad input refused with the field's name and what is allow
 import pytest
 import torch
 
-from kernels import blocked
-from kernels.adapters import eager_forward
-from kernels.declaration import sinks_tensor
-from kernels.registry import registry
+from flashverify_kernels.pytorch import blocked
+from flashverify_kernels.pytorch.adapters import eager_forward
+from flashverify_kernels.declaration import sinks_tensor
+from flashverify_kernels.registry import registry
 from references import attention as reference
 from references.spec import AttentionSpec
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.registry import load
+from flashverify_kernels.registry import load
 from references.spec import AttentionSpec
 
 ROOT = Path(__file__).resolve().parent.parent

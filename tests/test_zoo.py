@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from kernels.registry import Implementation
+from flashverify_kernels.registry import Implementation
 from references import bounds
 from strategies.cases import DTYPES, AttentionCase
 from tests.zoo import ZOO, merges, run

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from kernels.conventions import ContractError
-from kernels.registry import Implementation
+from flashverify_kernels.conventions import ContractError
+from flashverify_kernels.registry import Implementation
 from strategies.cases import dtype_name
 from references import criteria
 from references.metrics import ErrorStats, abs_error, error_stats, max_ratio

@@ -20,8 +20,8 @@ from references import baseline, bounds
 from references.criteria import magnitudes
 from references.metrics import ErrorStats
 from verify import harness
-from kernels.conventions import ContractError
-from kernels.declaration import sinks_tensor
+from flashverify_kernels.conventions import ContractError
+from flashverify_kernels.declaration import sinks_tensor
 from verify.harness import Context, PropertyFailure, assert_accurate, run_forward
 
 # The ops the accuracy sweep measures, each recorded under the property that checks it (so that the

@@ -28,7 +28,7 @@ def tags(params: dict) -> list[tuple[str, object]]:
     """The user_properties of a test whose parametrization is ``params``: the implementation it calls,
     a law (no implementation parameter), or nothing (an implementation parameter with no value, the
     placeholder pytest puts when no selected implementation is of that kind)."""
-    from kernels.registry import Implementation
+    from flashverify_kernels.registry import Implementation
 
     keys = [k for k in ("impl", "softmax_impl") if k in params]
     if not keys:

@@ -40,7 +40,7 @@ def pytest_addoption(parser):
     group.addoption("--convention", default=None, metavar="NAME",
                     help="the calling convention of every --impl that names a plain function without its own "
                          "@NAME: flash_attn, flash_attn_varlen, flash_attn_kvcache or xformers "
-                         "(kernels/calling_conventions.py; default: the suite's own contract)")
+                         "(flashverify_kernels/calling_conventions.py; default: the suite's own contract)")
     group.addoption("--report-dir", default=DEFAULT_REPORT_DIR, metavar="DIR",
                     help=f"where the error report is written (default: ./{DEFAULT_REPORT_DIR})")
     group.addoption("--device", default=None, metavar="DEVICE",
@@ -184,7 +184,7 @@ def _selection(config):
     # Imported here, not when the plugin loads: the registry imports the Triton kernels, and Triton reads
     # TRITON_INTERPRET when it is imported; tests/conftest.py, loaded after the plugins, sets it on a machine
     # without a GPU.
-    from kernels import registry as kernel_registry
+    from flashverify_kernels import registry as kernel_registry
 
     device = _device(config)
     specs, convention = config.getoption("--impl"), config.getoption("--convention")

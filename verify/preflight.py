@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 from references.spec import AttentionSpec
-from kernels import conventions
-from kernels import registry as registry_module
-from kernels.conventions import ContractError
-from kernels.registry import Implementation, ImplementationError
+from flashverify_kernels import conventions
+from flashverify_kernels import registry as registry_module
+from flashverify_kernels.conventions import ContractError
+from flashverify_kernels.registry import Implementation, ImplementationError
 from strategies.attention import conform_length
 from strategies.cases import dtype_name
 

@@ -16,7 +16,7 @@ import torch
 # The module, not the function that torch.autograd.gradcheck names (the package re-exports it).
 from torch.autograd.gradcheck import GradcheckError
 
-from kernels.registry import registry
+from flashverify_kernels.registry import registry
 from references import attention as reference
 from references import mp
 from references.criteria import ds_magnitude_rowsum

@@ -26,7 +26,7 @@ def _parse(argv):
     parser = argparse.ArgumentParser(prog="python -m verify.replay", description=__doc__.splitlines()[0])
     parser.add_argument("--impl", help="implementation: registry name, package.module:attr or file.py:attr; a function "
                                              "in another API's calling convention as ...:attr@CONVENTION "
-                                             "(kernels/calling_conventions.py)")
+                                             "(flashverify_kernels/calling_conventions.py)")
     parser.add_argument("--property", dest="prop", help="property name (see verify/properties.py)")
     parser.add_argument("--case", help="the case as JSON")
     parser.add_argument("--case-file", help="a failure file from a report's failures/ folder")
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     parser, args = _parse(argv)
     import torch
 
-    from kernels.registry import ImplementationError, load
+    from flashverify_kernels.registry import ImplementationError, load
     from strategies.cases import AttentionCase, CaseError
     from strategies.softmax import SoftmaxCase
     from verify import properties

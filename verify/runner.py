@@ -29,7 +29,7 @@ import pytest
 from hypothesis import event, given, reject, seed, settings, target
 from hypothesis import strategies as st
 
-from kernels.registry import Implementation
+from flashverify_kernels.registry import Implementation
 from references.spec import AttentionSpec
 from strategies.attention import Limits, attention_cases, boundary_classes, conform_length
 from strategies.cases import DTYPES, AttentionCase

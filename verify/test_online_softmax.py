@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import online_softmax as osm
+from flashverify_kernels.pytorch import online_softmax as osm
 from references import attention as reference
 from references.softmax_bounds import softmax_bounds
 from strategies.softmax import SOFTMAX_MAGNITUDES, SoftmaxCase, partitions

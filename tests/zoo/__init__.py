@@ -9,7 +9,7 @@ one with ``--impl tests.zoo:NAME``.
 ========================  =====================================================================================
 name                      what it does, and where real kernels do it
 ========================  =====================================================================================
-``fa2``                   our blocked FA2 (``kernels/blocked.py``): one online-softmax pass, one division at the
+``fa2``                   our blocked FA2 (``flashverify_kernels/pytorch/blocked.py``): one online-softmax pass, one division at the
                           end, ``P`` rounded to the input dtype before ``P @ V`` (FlashAttention-2, every Triton
                           kernel)
 ``fa1``                   our blocked FA1: KV tiles outer, the output renormalised every step (FlashAttention-1)
@@ -39,13 +39,13 @@ import dataclasses
 import functools
 import math
 
-from kernels.registry import Implementation, registry
+from flashverify_kernels.registry import Implementation, registry
 from tests.zoo import base2, merges, online, two_pass
 from tests.zoo.common import BLOCKS, fa2_backward, with_autograd
 
 
 def _zoo(name: str, forward, description: str, backward=fa2_backward, **fields) -> Implementation:
-    # max_tiles: the tile loops run in Python, a few launches a tile (as kernels/blocked.py's).
+    # max_tiles: the tile loops run in Python, a few launches a tile (as flashverify_kernels/pytorch/blocked.py's).
     return Implementation(name=f"zoo_{name}", forward=with_autograd(forward, backward), backward=backward,
                           gqa=True, block_m=BLOCKS, block_n=BLOCKS, selector=f"tests.zoo:{name}", max_tiles=1024,
                           description=description, in_default=False, **fields)

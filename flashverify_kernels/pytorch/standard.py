@@ -22,7 +22,7 @@ softmax's exponential turns into a relative error of ``|s| u`` in each probabili
 roundoff of the dtype), large where the scores are large (outliers).
 
 It is a point of comparison, not a kernel that meets the suite's criteria: ``pytest verify --impl
-kernels/standard.py:STANDARD`` finds its error above criterion 1 and 2 in float16 and bfloat16, and
+flashverify_kernels/pytorch/standard.py:STANDARD`` finds its error above criterion 1 and 2 in float16 and bfloat16, and
 scores beyond the dtype's range (the ``large_logits`` class) overflow to inf and turn their rows to NaN,
 as they do in any framework that runs attention this way.
 
@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import _validate
-from kernels.declaration import ALL_DTYPES, Implementation
+from flashverify_kernels import _validate
+from flashverify_kernels.declaration import ALL_DTYPES, Implementation
 
 NAME = "standard"
 
@@ -68,7 +68,7 @@ def standard_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
 
 
 STANDARD = Implementation(
-    name=NAME, forward=standard_forward, gqa=True, returns_lse=False, selector="kernels.standard:STANDARD",
+    name=NAME, forward=standard_forward, gqa=True, returns_lse=False, selector="flashverify_kernels.pytorch.standard:STANDARD",
     description="standard attention, scores and softmax stored in the input dtype (the FlashAttention-3 "
                 "paper's FP16 baseline)",
 )

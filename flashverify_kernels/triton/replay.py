@@ -1,6 +1,6 @@
 """Launch plans: a call's allocations, kernel launches and copies, recorded once per signature and replayed.
 
-A call of :func:`kernels.triton_attention.fa2_forward` or its backward spends most of its host time
+A call of :func:`flashverify_kernels.triton.attention.fa2_forward` or its backward spends most of its host time
 deciding what to run (validation, the Gluon and descriptor rules, tile choices) and in Triton's launch
 path, which re-specializes every argument of every kernel on every call; at N = 1024 on an H200 that cost
 more host time than the GPU spent on the kernels (docs/benchmarks.md). All of that is a function of the

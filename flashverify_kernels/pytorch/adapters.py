@@ -2,7 +2,7 @@
 
 Each function here has the kernel contract (README.md, "The contract") and wraps something that is
 not a FlashAttention kernel of this suite, so that the suite can check it like one; the declarations
-are in :mod:`kernels.registry`.
+are in :mod:`flashverify_kernels.registry`.
 
 ``eager_forward`` is the baseline of pass criterion 1 run as a kernel (so the suite checks its own
 baseline). ``sdpa_math_forward`` wraps ``torch.nn.functional.scaled_dot_product_attention`` pinned to
@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import _validate
-from kernels.blocked import _Sequences
-from kernels.declaration import ALL_DTYPES
+from flashverify_kernels import _validate
+from flashverify_kernels.pytorch.blocked import _Sequences
+from flashverify_kernels.declaration import ALL_DTYPES
 from references import baseline
 from references.spec import AttentionSpec
 
@@ -55,7 +55,7 @@ def eager_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     one slope per query head) modify the scores as flash_attn's keywords do; ``sinks`` (``[Hq]`` logits,
     float32 or float64 for float64 inputs) join the denominators; ``num_splits`` merges that many
     per-split eager attentions (the baseline applies all of these: references/spec.py). Variable-length
-    sequences take the keywords of :func:`kernels.blocked.fa2_forward` (packed, padded, paged): they are
+    sequences take the keywords of :func:`flashverify_kernels.pytorch.blocked.fa2_forward` (packed, padded, paged): they are
     gathered into the baseline's one packed batch and its results laid back out."""
     sequences = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                      max_seqlen_k=max_seqlen_k, seqlens_q=seqlens_q, seqlens_k=seqlens_k, block_table=block_table)

@@ -1,9 +1,9 @@
 """What a kernel under test declares: :class:`Implementation`, its errors and its allowed values.
 
 Only the declaration type lives here; it imports no kernel module. The declarations of the shipped
-kernels are in :mod:`kernels.registry` (``SHIPPED``), which re-exports everything defined here: users
-write ``from kernels.registry import Implementation``. What each field unlocks is described in
-:mod:`kernels.registry`'s docstring.
+kernels are in :mod:`flashverify_kernels.registry` (``SHIPPED``), which re-exports everything defined here: users
+write ``from flashverify_kernels.registry import Implementation``. What each field unlocks is described in
+:mod:`flashverify_kernels.registry`'s docstring.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from kernels import conventions
-from kernels._validate import dtype_name, dtype_names
+from flashverify_kernels import conventions
+from flashverify_kernels._validate import dtype_name, dtype_names
 from references.spec import ALIGNMENTS, SEQUENCES, AttentionSpec, require_spec
 
 ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -43,7 +43,7 @@ class Implementation:
     ``window_size``, ``attention_chunk``, ``softcap``, ``alibi_slopes``, ``sinks`` and ``num_splits`` are
     passed only when the case has them (and the declaration has ``windows``, ``chunks``, ``softcap``,
     ``alibi``, ``sinks``, ``splits``); the tensors and keywords of variable-length sequences (``packed``,
-    ``padded``, ``paged``: :mod:`kernels.conventions`) only for a convention listed in ``sequences``.
+    ``padded``, ``paged``: :mod:`flashverify_kernels.conventions`) only for a convention listed in ``sequences``.
     Softmax kernels (``kind="softmax"``):
       forward(x[, block_n=...]) -> (y, lse) over the last dimension of a 2-D float tensor.
     """
@@ -71,7 +71,7 @@ class Implementation:
     sinks: bool = False
     # Split-KV: the forward takes num_splits=S > 1 and merges the S splits of the keys by their LSEs.
     splits: bool = False
-    # The conventions of the sequences it takes (kernels/conventions.py): "dense", and variable-length
+    # The conventions of the sequences it takes (flashverify_kernels/conventions.py): "dense", and variable-length
     # "packed", "padded", "paged"; page_sizes: the page sizes of a paged cache it takes (None: any).
     sequences: tuple[str, ...] = ("dense",)
     page_sizes: tuple[int, ...] | None = None
@@ -81,7 +81,7 @@ class Implementation:
     returns_lse: bool = True
     autograd: bool = True
     backward: Callable[..., Any] | None = None
-    # Repeated calls on the same inputs give bitwise identical results (see kernels/registry.py's docstring).
+    # Repeated calls on the same inputs give bitwise identical results (see flashverify_kernels/registry.py's docstring).
     deterministic: bool = True
     # The forward accepts out= and lse= views into caller buffers and writes its results there.
     out_buffers: bool = False
@@ -351,7 +351,7 @@ class Implementation:
         """The kernel's own keywords for ``spec`` (refused when the declaration does not support it);
         ``device``, ``dtype``: where the inputs are and their dtype (the ALiBi slopes and sinks tensors are
         made there; the sinks in float32, float64 for float64 inputs). Not the sequences' keywords: those
-        come with the tensors (:func:`kernels.conventions.layout`)."""
+        come with the tensors (:func:`flashverify_kernels.conventions.layout`)."""
         require_spec(spec)
         why = self.unsupported_spec(spec)
         if why is not None:
@@ -404,7 +404,7 @@ class Implementation:
         """Run the forward on the attention ``spec`` describes and normalise the result to
         ``(out, lse_or_None)``. ``q, k, v`` are in the references' frame (``[B, H, N, D]``; variable-length
         sequences packed into one batch) and so are the results: the spec's convention
-        (:mod:`kernels.conventions`) lays the tensors out for the kernel and its results back. The spec
+        (:mod:`flashverify_kernels.conventions`) lays the tensors out for the kernel and its results back. The spec
         becomes the kernel's own keywords (``causal``, ...); a spec the declaration does not support is
         refused. ``out``/``lse`` are passed on as the forward's ``out=``/``lse=`` buffers; only for a
         declaration with ``out_buffers`` and a dense batch. ``sinks``: the sinks tensor to pass (a leaf

@@ -58,7 +58,7 @@ Key blocks that no query of a Q tile can see are skipped; a row that sees no key
 ``out = 0`` and ``lse = -inf``. Grouped-query attention maps query head ``h`` to key/value head
 ``h // (Hq // Hkv)``; dK and dV sum over the query heads of a group.
 
-Variable-length sequences (:mod:`kernels.conventions` has the layouts) run as one dense problem per
+Variable-length sequences (:mod:`flashverify_kernels.conventions` has the layouts) run as one dense problem per
 sequence, as a kernel's grid runs one program per (sequence, query tile): ``cu_seqlens_q``,
 ``cu_seqlens_k`` (with ``max_seqlen_q``, ``max_seqlen_k``) for packed ``[total, H, D]`` tensors;
 ``seqlens_q``, ``seqlens_k`` for padded ``[S, H, N, D]`` ones; ``block_table`` and ``seqlens_k`` for a
@@ -74,8 +74,8 @@ import math
 
 import torch
 
-from kernels import _autograd, _validate
-from kernels.declaration import ALL_DTYPES
+from flashverify_kernels import _autograd, _validate
+from flashverify_kernels.declaration import ALL_DTYPES
 
 NEG_INF = float("-inf")
 NO_WINDOW = (-1, -1)
@@ -610,7 +610,7 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
 
     ``out=`` (q's shape and dtype) and ``lse=`` (``[B, Hq, Nq]``, float32; float64 for float64 inputs),
     views with any strides, receive the results, and are what is returned (see ``out_buffers`` in
-    :class:`kernels.registry.Implementation`); gradients still flow to q, k, v through the returned out.
+    :class:`flashverify_kernels.registry.Implementation`); gradients still flow to q, k, v through the returned out.
     Variable-length sequences (module docstring): ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``,
     ``max_seqlen_k`` (packed), ``seqlens_q``, ``seqlens_k`` (padded), ``block_table``, ``seqlens_k`` (paged).
     """

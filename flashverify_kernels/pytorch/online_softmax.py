@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.declaration import ALL_DTYPES
+from flashverify_kernels.declaration import ALL_DTYPES
 
 NEG_INF = float("-inf")
 

@@ -1,6 +1,6 @@
 """The FA2 forward on Hopper (compute capability 9.0), written in Gluon, Triton's lower-level language.
 
-:func:`kernels.triton_attention.fa2_forward` runs this kernel instead of its Triton one where
+:func:`flashverify_kernels.triton.attention.fa2_forward` runs this kernel instead of its Triton one where
 :func:`unsupported` has no objection (plain attention: no window, chunk, softcap, ALiBi, sinks or packed sequences;
 float16/bfloat16; head dim 64 or 128; a positive scale; tensors a descriptor can read; the tiles left to the
 launcher). The Triton forward's numerics (running max ``m`` in raw ``q.k`` units, ``p`` rounded to the input
@@ -76,7 +76,7 @@ import os
 
 import torch
 
-from kernels import replay
+from flashverify_kernels.triton import replay
 
 try:
     from triton.experimental import gluon

@@ -1,9 +1,9 @@
 """Calling-convention adapters: a kernel written to flash_attn's or xformers' API, checked without glue.
 
 A kernel whose function already has the signature of a well-known attention API is handed to one of the
-functions below, which returns an :class:`~kernels.declaration.Implementation` speaking the suite's
+functions below, which returns an :class:`~flashverify_kernels.declaration.Implementation` speaking the suite's
 contract (README.md, "The contract"): its forward takes the suite's tensors and keywords (``[B, H, N, D]``
-tensors, or the sequences of :mod:`kernels.conventions`; ``causal``, ``scale``, ``window_size``, ...), moves
+tensors, or the sequences of :mod:`flashverify_kernels.conventions`; ``causal``, ``scale``, ``window_size``, ...), moves
 the tensors into the API's layout, renames the keywords to the API's, calls the function, checks the
 shapes of what it returns and moves the results back. The adapter never changes a value: the LSE comes back
 as the function computed it. flash_attn's ``softmax_lse`` is the natural-log logsumexp in float32, as the
@@ -46,7 +46,7 @@ float32 LSE fails the float64 checks as it should).
 What the suite cannot know about a user's kernel has the contract's plain-callable defaults (README.md):
 float16, bfloat16, float32 and float64, any head dim, on CPU and CUDA (with ``--impl ... --convention``:
 on the suite's device), any page size. Every :class:`Implementation` field can be overridden as a keyword,
-or with :func:`kernels.declaration.declare` on the function; the keyword wins. The real flash_attn takes
+or with :func:`flashverify_kernels.declaration.declare` on the function; the keyword wins. The real flash_attn takes
 float16 and bfloat16 on CUDA, head dims up to 256, and (flash_attn_with_kvcache) pages of a multiple of
 256 keys::
 
@@ -64,7 +64,7 @@ a copy only where the last dimension is strided (as flash_attn's own wrapper doe
 (the sequences, a separate backward, tile sizes, variants the API has no keyword for) are refused.
 
 Named on the command line, ``pytest verify --impl mypkg:flash_attn_varlen_func --convention
-flash_attn_varlen`` (:func:`kernels.registry.load`), or in a file, ``IMPL = flash_attn_convention(fn,
+flash_attn_varlen`` (:func:`flashverify_kernels.registry.load`), or in a file, ``IMPL = flash_attn_convention(fn,
 name="mine")`` and ``--impl path/to/file.py:IMPL``.
 """
 
@@ -77,8 +77,8 @@ from typing import Any
 
 import torch
 
-from kernels.conventions import ContractError
-from kernels.declaration import DECLARED, Implementation, ImplementationError
+from flashverify_kernels.conventions import ContractError
+from flashverify_kernels.declaration import DECLARED, Implementation, ImplementationError
 
 # The fields every convention fixes (the adapter's forward speaks the suite's contract, and nothing here
 # converts a separate backward, tiles or out= buffers).
@@ -315,7 +315,7 @@ def flash_attn_varlen_convention(fn: Callable[..., Any], *, name: str | None = N
                                  **fields: Any) -> Implementation:
     """The declaration of ``fn``, a function written like flash_attn's ``flash_attn_varlen_func`` (module
     docstring): packed sequences, whose layout is the suite's own ``packed`` convention
-    (:mod:`kernels.conventions`), passed on with ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``,
+    (:mod:`flashverify_kernels.conventions`), passed on with ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``,
     ``max_seqlen_k`` as its positional arguments. ``fields``: any other :class:`Implementation` field."""
     fields = _declaration(fn, FLASH_ATTN_VARLEN, name, fields)
 

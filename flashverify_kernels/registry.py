@@ -8,26 +8,27 @@ backward, an exposed Delta, determinism), and the generic properties in ``verify
 declarations. A property that a declaration says is unsupported is skipped with a visible reason.
 
 Where things are: :class:`Implementation` and its allowed values are defined in
-:mod:`kernels.declaration` (re-exported here); the kernels are plain modules (:mod:`kernels.blocked`,
-:mod:`kernels.online_softmax`, :mod:`kernels.adapters`, the Triton ones) that import nothing from here;
-this module imports them and holds the one list of shipped declarations, ``SHIPPED``.
+:mod:`flashverify_kernels.declaration` (re-exported here); the kernels are plain modules by backend
+(``pytorch/``: the blocked FA1/FA2, the online softmax, the adapters to PyTorch's attention; ``triton/``;
+``hopper/``) that import nothing from here; this module imports them and holds the one list of shipped
+declarations, ``SHIPPED``.
 
 What is tested: every ``Implementation`` of kind ``"attention"`` runs the forward and backward
 catalogue; every one of kind ``"softmax"`` runs the online-softmax catalogue.
 
-How to add a kernel: write a function with the contract in README.md ("The contract"; a copyable
-example is ``examples/reference_attention.py``),
+How to add a kernel: write a function with the contract of docs/contract.md (a copyable example is
+``examples/reference_attention.py``),
 ``forward(q, k, v, *, causal, scale) -> (out, lse)`` (or ``out`` alone), declare it::
 
     MY_KERNEL = Implementation(name="my_kernel", forward=my_forward, gqa=True,
                                block_m=(64, 128), block_n=(32, 64))
 
-and either add it to ``SHIPPED`` below (a shipped kernel lives in its own module under ``kernels/``,
+and either add it to ``SHIPPED`` below (a shipped kernel lives in its own module under its backend's folder,
 which holds the kernel only, and is declared here) or point the suite at it with
 ``pytest verify --impl package.module:MY_KERNEL`` or ``--impl path/to/file.py:MY_KERNEL``. A plain
 callable also works: ``--impl path/to/file.py:my_forward`` gets the defaults of :func:`from_callable`.
 A function written in flash_attn's or xformers' calling convention needs no glue: ``--impl
-path/to/file.py:my_func --convention flash_attn`` (or ``...:my_func@flash_attn``; :mod:`kernels.calling_conventions`).
+path/to/file.py:my_func --convention flash_attn`` (or ``...:my_func@flash_attn``; :mod:`flashverify_kernels.calling_conventions`).
 
 Optional capabilities a declaration may add (each unlocks the properties that need it):
 
@@ -58,11 +59,15 @@ from typing import Any
 
 import torch
 
-from kernels import adapters, blocked, calling_conventions, online_softmax
-from kernels.declaration import ALIGNMENTS, ALL_DTYPES, DECLARED, KINDS, Implementation, ImplementationError, declare
+from flashverify_kernels import calling_conventions
+from flashverify_kernels.declaration import (ALIGNMENTS, ALL_DTYPES, DECLARED, KINDS, Implementation,
+                                             ImplementationError, declare)
+from flashverify_kernels.pytorch import adapters, blocked, online_softmax
 
 try:
-    from kernels import triton_attention, triton_decode, triton_softmax
+    from flashverify_kernels.triton import attention as triton_attention
+    from flashverify_kernels.triton import decode as triton_decode
+    from flashverify_kernels.triton import softmax as triton_softmax
 except ImportError:  # Triton is an optional extra: without it the Triton kernels are not shipped
     triton_attention = triton_decode = triton_softmax = None
 
@@ -134,7 +139,7 @@ SDPA_CUDNN = _gpu_peer(
     name="sdpa_cudnn", forward=adapters.sdpa_cudnn_forward, dtypes=adapters.HALF, head_dims=adapters.CUDNN_HEAD_DIMS,
     description="torch scaled_dot_product_attention, cuDNN backend",
 )
-# FlexAttention: every variant it expresses through its masks and score modifications (kernels/adapters.py
+# FlexAttention: every variant it expresses through its masks and score modifications (flashverify_kernels/pytorch/adapters.py
 # says how), aligned bottom-right, with its LSE; no padded sequences, paged KV cache or split-KV (not in its
 # API). A GPU peer as those above (CUDA only, run when named, not declared deterministic: besides the fused
 # backward's order, the sinks' gradient is summed with atomics), but bottom-right and with the LSE.
@@ -152,7 +157,7 @@ FLEX_ATTENTION = Implementation(
 )
 # The same adapter through uncompiled flex_attention (FlexAttention's unfused math and math backward), on CPU
 # too and in float64: it checks the adapter's masks, score modifications, sinks and LSE without a GPU, not
-# the fused kernel (tests/test_flex_adapter.py; pytest verify --impl kernels.registry:FLEX_ATTENTION_UNCOMPILED).
+# the fused kernel (tests/test_flex_adapter.py; pytest verify --impl flashverify_kernels.registry:FLEX_ATTENTION_UNCOMPILED).
 # Declared float32 and float64 only: in float16 the roundings are those of FlexAttention's reference math,
 # which no one runs as a kernel (its backward casts scale * dS to the input dtype). Not shipped.
 FLEX_ATTENTION_UNCOMPILED = Implementation(
@@ -208,14 +213,14 @@ if triton_attention is not None and triton_softmax is not None:
         description="Triton FlashAttention-1: inner-scaled forward (renormalised every KV step); FA2 backward",
     )
     # The FA2 kernels as a caller gets them without block sizes: tiles, warps and stages autotuned per head
-    # dim, dtype, causal flag, variant and length class (the configurations kernels.bench times). On the GPU
+    # dim, dtype, causal flag, variant and length class (the configurations flashverify_kernels.triton.bench times). On the GPU
     # only (the interpreter always runs its small fixed tiles) and named, not in the default selection: every
     # new autotuning key compiles and times several configurations of three kernels (a minute per example
     # with 16 workers on one H100), hence few examples per property.
     _AUTOTUNED = () if _INTERPRET else (_triton_attention(
         name="triton_fa2_autotuned", forward=triton_attention.fa2_forward, block_m=None, block_n=None,
         in_default=False, max_examples=4,
-        description="Triton FlashAttention-2 with autotuned tiles (no block_m/block_n: what kernels.bench times)",
+        description="Triton FlashAttention-2 with autotuned tiles (no block_m/block_n: what flashverify_kernels.triton.bench times)",
     ),)
     # The FA2 kernels with deterministic=False: the dK/dV kernel adds dQ with atomics (5 tile products per
     # pair of tiles, not 7; no dQ kernel), so dQ's last bits may change from run to run. Run when named.
@@ -232,7 +237,7 @@ if triton_attention is not None and triton_softmax is not None:
         autograd=False, deterministic=True, environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
         description="Triton split-KV decoding from a paged KV cache (1..16 queries per sequence) and its combine",
     )
-    # The FA2 kernels as Hopper runs them by default (kernels/gluon_forward.py and gluon_backward.py: the forward
+    # The FA2 kernels as Hopper runs them by default (flashverify_kernels/hopper/forward.py and gluon_backward.py: the forward
     # and the backward's dK/dV kernel, warp-specialized, in Gluon), with gluon=True so that every drawn case
     # runs them (the drawn tiles go to the Triton dQ kernel, which runs at head dim 64 only: at 128 the
     # deterministic backward's dK/dV kernel adds dQ in a fixed order): declared as those kernels' limits
@@ -265,7 +270,7 @@ def _unique(impls: tuple[Implementation, ...]) -> tuple[Implementation, ...]:
     for impl in impls:
         if impl.name in seen:
             raise ImplementationError(f"two shipped implementations are named {impl.name!r}: every name in "
-                                      "kernels.registry.SHIPPED must be unique")
+                                      "flashverify_kernels.registry.SHIPPED must be unique")
         seen.add(impl.name)
     return impls
 
@@ -282,7 +287,7 @@ def registry() -> dict[str, Implementation]:
 def from_callable(fn: Callable[..., Any], name: str, *, device: str) -> Implementation:
     """Declare a plain callable with the defaults of the contract (README.md): float16, bfloat16,
     float32 and float64 on the suite's device, bottom-right causal, autograd, any head dim, no GQA,
-    fixed tiles, unless the callable carries other fields from :func:`kernels.declaration.declare`.
+    fixed tiles, unless the callable carries other fields from :func:`flashverify_kernels.declaration.declare`.
     Whether it returns the LSE is found out when it is called."""
     declared = getattr(fn, DECLARED, {})
     fields = {"devices": (torch.device(device).type,), "description": f"plain callable {name}", "plain": not declared,
@@ -355,7 +360,7 @@ def split_convention(spec: str) -> tuple[str, str | None]:
 
 
 def _load_in_convention(spec: str, convention: str, *, device: str, shipped) -> Implementation:
-    """A callable written in another API's calling convention (:mod:`kernels.calling_conventions`),
+    """A callable written in another API's calling convention (:mod:`flashverify_kernels.calling_conventions`),
     declared with the convention's defaults on the suite's device; named ``spec@convention``."""
     selector = f"{spec}@{convention}"
     if convention not in calling_conventions.CONVENTIONS:
@@ -379,7 +384,7 @@ def _load_in_convention(spec: str, convention: str, *, device: str, shipped) -> 
 def load(spec: str, *, device: str, convention: str | None = None) -> Implementation:
     """Resolve one ``--impl`` value: a registry name, ``package.module:attr`` or ``path/file.py:attr``;
     ``...:attr@CONVENTION``, or ``convention`` given (``--convention``, for a value without its own), for a
-    callable written in another API's calling convention (:mod:`kernels.calling_conventions`)."""
+    callable written in another API's calling convention (:mod:`flashverify_kernels.calling_conventions`)."""
     shipped = registry()
     spec, own = split_convention(spec)
     if own or convention:

@@ -6,7 +6,7 @@ a long KV cache held in pages, as flash_attn_with_kvcache takes it: ``q [S, Hq, 
 ``j % page_size`` of page ``block_table[s, j // page_size]``) and ``seqlens_k [S]`` (the cache lengths).
 One query tile holds every query of a sequence's head, so there is little to parallelise over but the
 keys: the keys are cut into ``num_splits`` splits, each program runs the online softmax of the FA2
-forward (:mod:`kernels.triton_attention`'s conventions and precision: float32 statistics, ``p`` cast to
+forward (:mod:`flashverify_kernels.triton.attention`'s conventions and precision: float32 statistics, ``p`` cast to
 the input dtype for ``P @ V``, exponentials in base 2, the running max in raw units unless a softcap,
 ALiBi or sinks need the modified scores) over its split, and writes a float32 partial output and LSE::
 
@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _validate
-from kernels.triton_attention import (DEVICES, DTYPES, HEAD_DIMS, INTERPRET, LOG2E, _LN2, _LOG2E, _load_rows,
+from flashverify_kernels import _validate
+from flashverify_kernels.triton.attention import (DEVICES, DTYPES, HEAD_DIMS, INTERPRET, LOG2E, _LN2, _LOG2E, _load_rows,
                                       _modified, _padded_head_dim, _visible)
 
 MAX_QUERIES = 16  # queries per sequence (decoding and speculative decoding)

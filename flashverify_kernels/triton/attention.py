@@ -1,6 +1,6 @@
 """Triton FlashAttention: FA1 (inner-scaled) and FA2 (outer-scaled) forward, FA2 backward.
 
-The algorithms are those of :mod:`kernels.blocked`, written as Triton programs with the same
+The algorithms are those of :mod:`flashverify_kernels.pytorch.blocked`, written as Triton programs with the same
 conventions and the same precision behaviour:
 
 * scores ``s = scale * q k^T`` and the statistics ``m`` (running max) and ``l`` (running sum) in
@@ -34,13 +34,13 @@ that sees no key keeps ``(m, l) = (-inf, 0)`` (``exp(-inf - 0) = 0`` guards the 
 ``out = 0``, ``lse = -inf``.
 
 On Hopper (compute capability 9.0) the FA2 forward of a plain float16/bfloat16 call at head dim 64 or
-128 runs :mod:`kernels.gluon_forward` instead, the same algorithm written in Gluon (each exponent one
+128 runs :mod:`flashverify_kernels.hopper.forward` instead, the same algorithm written in Gluon (each exponent one
 fused multiply-add there: its module's doc), with
 its products overlapped with the softmax (which Triton's compiler does not do) and, but for causal
 attention over more than 8192 keys, one program per SM walking the tiles
-(:func:`kernels.gluon_forward.persistent`), and the backward's dK/dV
-kernel runs :mod:`kernels.gluon_backward`, which at head dim 128 also adds dQ (in a fixed order where the
-backward is deterministic, so that no dQ kernel runs: :func:`kernels.gluon_backward.ordered_dq`);
+(:func:`flashverify_kernels.hopper.forward.persistent`), and the backward's dK/dV
+kernel runs :mod:`flashverify_kernels.hopper.backward`, which at head dim 128 also adds dQ (in a fixed order where the
+backward is deterministic, so that no dQ kernel runs: :func:`flashverify_kernels.hopper.backward.ordered_dq`);
 ``gluon=False`` or ``FLASHVERIFY_GLUON=0`` keeps the Triton kernels (:func:`fa2_forward`).
 
 Backward (three launches, no atomics, so it is deterministic)::
@@ -98,7 +98,11 @@ try:  # the portable entry point (CUDA's libdevice on NVIDIA GPUs)
 except ImportError:  # pragma: no cover - older Triton
     from triton.language.extra.cuda import libdevice
 
-from kernels import _autograd, _validate, gluon_backward, gluon_forward, replay
+from flashverify_kernels import _autograd, _validate
+
+from flashverify_kernels.hopper import backward as gluon_backward, forward as gluon_forward
+
+from flashverify_kernels.triton import replay
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -627,7 +631,7 @@ def _attn_bwd_delta(Out, DOut, Delta, CuQ, Lse, Rows,
                     VARLEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
     """Delta = rowsum(dO * O) in float32, stored with the LSE's layout ([B, Hq, Nq]; [Hq, total] packed).
     ROWS (dense batches; the grid covers the padding rows): also the Gluon dK/dV kernel's rows buffer
-    (kernels/gluon_backward.py, ``rows_buffer``): LSE * log2(e) at ``Rows``, +inf where LSE is -inf and
+    (flashverify_kernels/hopper/backward.py, ``rows_buffer``): LSE * log2(e) at ``Rows``, +inf where LSE is -inf and
     past Nq, and Delta ``stride_rs`` after it, 0 past Nq."""
     stride_ob, stride_oh = _hint16(stride_ob, ALIGNED), _hint16(stride_oh, ALIGNED)
     stride_gb, stride_gh = _hint16(stride_gb, ALIGNED), _hint16(stride_gh, ALIGNED)
@@ -1196,8 +1200,8 @@ def _check_gluon(gluon, *, kernel: str) -> None:
 def _gluon_plan(call: _Call, head_dim: int, tensors, *, inner_scaled: bool, fixed: bool, gluon,
                 backward: bool = False) -> bool:
     """Whether the forward (or, ``backward``, the backward's dK/dV kernel) runs the Gluon kernel of Hopper:
-    ``gluon=None`` where it takes the call as it is (:func:`kernels.gluon_forward.unsupported`,
-    :func:`kernels.gluon_backward.unsupported`; tiles not fixed), ``False`` never, ``True`` always (the tiles
+    ``gluon=None`` where it takes the call as it is (:func:`flashverify_kernels.hopper.forward.unsupported`,
+    :func:`flashverify_kernels.hopper.backward.unsupported`; tiles not fixed), ``False`` never, ``True`` always (the tiles
     then fix the Triton dQ kernel's only; tensors no descriptor reads go through contiguous copies), or a
     ValueError naming what rules the call out."""
     if gluon is False:
@@ -1228,7 +1232,7 @@ _PLAN_SCOPE = object()
 
 
 def _plan_key(name: str, tensors: tuple, settings: tuple, variant: dict) -> tuple | None:
-    """The signature under which :mod:`kernels.replay` keeps a launch plan of a plain dense call (every
+    """The signature under which :mod:`flashverify_kernels.triton.replay` keeps a launch plan of a plain dense call (every
     tensor non-empty, no variant keyword, settings of plain types), None for a call that takes the full
     path every time (and with plans off: ``FLASHVERIFY_REPLAY=0``). Besides the tensors' metadata and the
     settings, what the full path's choices read: the Gluon switch of the environment and the device
@@ -1255,7 +1259,7 @@ def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bo
     """Shared launcher of the FA1 and FA2 forward kernels: returns ``(out, lse)``, no autograd (``[total_q,
     Hq, D]`` and ``[Hq, total_q]`` for packed sequences). ``out``/``lse`` given (dense only): the kernel
     writes into them and they are returned. ``gluon``: see :func:`_gluon_plan`. A plain call replays the
-    launch plan of its signature where one was recorded (:mod:`kernels.replay`)."""
+    launch plan of its signature where one was recorded (:mod:`flashverify_kernels.triton.replay`)."""
     tensors = (q, k, v)
     key = None
     if out is None and lse is None and sinks is None:
@@ -1286,7 +1290,7 @@ def _forward_full(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scale
     gluon_plan = work and _gluon_plan(call, d, (call.q, call.k, call.v, out4), inner_scaled=inner_scaled,
                                       fixed=_fixed_blocks(block_m, block_n) is not None, gluon=gluon)
     if gluon_plan:
-        # Hopper: the warp-specialized Gluon forward (kernels/gluon_forward.py), same numerics.
+        # Hopper: the warp-specialized Gluon forward (flashverify_kernels/hopper/forward.py), same numerics.
         gluon_forward.forward(q4, k4, v4, out4, lse4, causal=causal, scale=call.scale)
     elif work:
         block_d = _padded_head_dim(d)
@@ -1342,11 +1346,11 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     autotunes each kernel's tiles on the GPU. The variant keywords are the forward's.
 
     On Hopper the dK/dV kernel of a plain call runs the warp-specialized Gluon kernel of
-    :mod:`kernels.gluon_backward` (same numerics; with ``deterministic=False`` it adds dQ by TMA reduces,
+    :mod:`flashverify_kernels.hopper.backward` (same numerics; with ``deterministic=False`` it adds dQ by TMA reduces,
     and so does the deterministic backward at head dim 128, in a fixed order, with no dQ kernel:
-    :func:`kernels.gluon_backward.ordered_dq`); ``gluon`` decides it as it decides the forward's kernel in
+    :func:`flashverify_kernels.hopper.backward.ordered_dq`); ``gluon`` decides it as it decides the forward's kernel in
     :func:`fa2_forward` (``True``: the fixed tiles are the dQ kernel's only, where one runs).
-    A plain call replays the launch plan of its signature where one was recorded (:mod:`kernels.replay`).
+    A plain call replays the launch plan of its signature where one was recorded (:mod:`flashverify_kernels.triton.replay`).
     """
     tensors = (q, k, v, out, lse, dout)
     key = None
@@ -1389,7 +1393,7 @@ def _backward_full(q, k, v, out, lse, dout, *, causal: bool, scale, block_m, blo
     variant_meta = {**flags, "NATURAL": flags["SOFTCAP"] or flags["ALIBI"]}
     pointers = call.pointers(q4)
     stride_lse, stride_delta = call.batch_strides(lse4), call.batch_strides(delta)
-    # Hopper: the warp-specialized Gluon dK/dV kernel (kernels/gluon_backward.py), same numerics; it reads
+    # Hopper: the warp-specialized Gluon dK/dV kernel (flashverify_kernels/hopper/backward.py), same numerics; it reads
     # each Q tile's LSE * log2(e) and Delta from a padded buffer the Delta kernel fills
     gluon_dkdv = call.batch * hkv * call.max_k > 0 and _gluon_plan(
         call, d, (q4, k4, v4, dout4), inner_scaled=False, fixed=blocks is not None, gluon=gluon, backward=True)
@@ -1487,7 +1491,7 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     ``scale=None`` means ``1/sqrt(D)``. ``block_m``/``block_n`` (powers of two >= 16) fix the tiles;
     both ``None`` autotunes them on the GPU. ``out=`` (q's shape and dtype) and ``lse=`` (``[B, Hq, Nq]``
     float32), views with any strides, receive the results and are returned (``out_buffers`` in
-    :class:`kernels.registry.Implementation`); gradients still flow to q, k, v through the returned out.
+    :class:`flashverify_kernels.registry.Implementation`); gradients still flow to q, k, v through the returned out.
 
     Variants (flash_attn's keywords): ``window_size=(left, right)`` (-1 unbounded), ``attention_chunk``,
     ``softcap`` (0.0: none), ``alibi_slopes`` (float32 ``[Hq]`` or ``[B, Hq]``), ``sinks`` (``[Hq]``
@@ -1499,7 +1503,7 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
 
     On Hopper (compute capability 9.0) the forward of a plain call (no variant keyword; float16/bfloat16;
     head dim 64 or 128; ``scale > 0``; tiles not fixed) runs the warp-specialized Gluon kernel of
-    :mod:`kernels.gluon_forward`, and its backward the Gluon dK/dV kernel of :mod:`kernels.gluon_backward`
+    :mod:`flashverify_kernels.hopper.forward`, and its backward the Gluon dK/dV kernel of :mod:`flashverify_kernels.hopper.backward`
     (the Delta kernel, and in the deterministic backward the dQ kernel, stay Triton ones): same numerics.
     ``gluon=False`` keeps the Triton kernels; ``gluon=True`` requires the Gluon ones (a ValueError names
     what rules the call out; ``block_m``/``block_n`` then fix the dQ kernel's tiles only; inputs no
@@ -1507,7 +1511,7 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
 
     A plain call (no variant keyword, no sinks, no ``out``/``lse`` buffers) whose tensors have the shapes,
     strides, dtypes and alignment of an earlier call, with the same other arguments, replays the launches
-    that call made (:mod:`kernels.replay`): the same kernels, a fraction of the host time.
+    that call made (:mod:`flashverify_kernels.triton.replay`): the same kernels, a fraction of the host time.
     ``FLASHVERIFY_REPLAY=0`` runs the full path on every call.
     """
     variant = dict(window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,

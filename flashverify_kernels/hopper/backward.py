@@ -1,7 +1,7 @@
 """The FA2 dK/dV kernel on Hopper (compute capability 9.0), written in Gluon, with dQ added in it or not.
 
-:func:`kernels.triton_attention.fa2_backward` runs this kernel instead of its Triton dK/dV kernel where
-:func:`unsupported` has no objection (the cases of :func:`kernels.gluon_forward.unsupported`). Same numerics
+:func:`flashverify_kernels.triton.attention.fa2_backward` runs this kernel instead of its Triton dK/dV kernel where
+:func:`unsupported` has no objection (the cases of :func:`flashverify_kernels.hopper.forward.unsupported`). Same numerics
 as the Triton kernel: ``p^T = exp2(k q^T * scale * log2(e) - lse * log2(e))`` in float32, ``p`` and ``dS``
 rounded to the input dtype before their products, float32 accumulators, ``dK`` scaled once at the end;
 dK and dV summed in a fixed order (the query heads of a GQA group one after another, each head's Q tiles
@@ -43,7 +43,7 @@ different tiles at a time.
 dK and dV are summed in the program's walk order in every form: bitwise the deterministic backward's
 causal, and in the rotated order otherwise.
 
-No product is in flight across the loop's back edge (see kernels/gluon_forward.py: ptxas would serialize
+No product is in flight across the loop's back edge (see flashverify_kernels/hopper/forward.py: ptxas would serialize
 every product). The two warpgroups share each stage and release it once each.
 
 Not available under Triton's interpreter; tests/test_gluon_backward.py compiles it for sm_90 without a
@@ -57,7 +57,9 @@ import os
 
 import torch
 
-from kernels import gluon_forward, replay
+from flashverify_kernels.hopper import forward as gluon_forward
+
+from flashverify_kernels.triton import replay
 
 AVAILABLE = gluon_forward.AVAILABLE
 if AVAILABLE:
@@ -80,7 +82,7 @@ DS_BUFS = 2  # dS^T buffers of the atomic-dQ form: a warpgroup may write one whi
 
 def unsupported(**forward_rules) -> str:
     """Why the dK/dV kernel of a backward call does not run here ("" where it does): the forward's rules
-    (:func:`kernels.gluon_forward.unsupported`; ``tensors`` are q, k, v and dO), deterministic backward or
+    (:func:`flashverify_kernels.hopper.forward.unsupported`; ``tensors`` are q, k, v and dO), deterministic backward or
     not (without dQ then, or adding it)."""
     return gluon_forward.unsupported(**forward_rules)
 
@@ -394,7 +396,7 @@ if AVAILABLE:
         for i in gl.static_range(2):
             mbarrier.init(dq_full.index(i), count=1)
             mbarrier.init(dq_empty.index(i), count=1)
-        # the partitions spelled out in each branch: see kernels/gluon_forward.py
+        # the partitions spelled out in each branch: see flashverify_kernels/hopper/forward.py
         if ORDERED:  # dQ added in order: a warp of its own adds the consumers' dQ tiles
             gl.warp_specialize([
                 (_consumer, (k_smem.index(0), v_smem.index(0), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,

@@ -1,11 +1,11 @@
 """Speed of the Triton FA2 kernels beside every fast attention on the same GPU.
 
-    python -m kernels.bench [--out FILE] [--jsonl FILE] [--dims 64 128] [--lengths 1024 ... 16384]
+    python -m flashverify_kernels.triton.bench [--out FILE] [--jsonl FILE] [--dims 64 128] [--lengths 1024 ... 16384]
                             [--dtypes fp16 bf16] [--causal both|yes|no] [--peers sdpa_flash sdpa_cudnn ...]
                             [--atomic-dq] [--rounds 3]
 
 For each head dim, sequence length N (Nq = Nk), causal flag and dtype it times, in one process, the
-forward and the backward of ``kernels.triton_attention.fa2_forward`` (autotuned tiles) and of each peer
+forward and the backward of ``flashverify_kernels.triton.attention.fa2_forward`` (autotuned tiles) and of each peer
 this card and torch build offer:
 
 ``sdpa_flash``      ``scaled_dot_product_attention`` under ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``
@@ -203,7 +203,7 @@ def bench_one(d: int, n: int, causal: bool, dtype: torch.dtype, *, peers=PEERS, 
     the median of every call's in ``rounds`` rounds of calls interleaved with the other measurements'
     (:func:`timed_interleaved`); every forward and backward runs once first, so that a peer that cannot run
     is found before the timing starts."""
-    from kernels import triton_attention
+    from flashverify_kernels.triton import attention as triton_attention
 
     batch, heads = max(1, tokens // n), max(1, width // d)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -267,7 +267,7 @@ def _best(r: dict, kind: str) -> str:
 
 def gluon_env() -> str:
     """The environment variable that turns the Gluon kernels off."""
-    from kernels import gluon_forward
+    from flashverify_kernels.hopper import forward as gluon_forward
     return gluon_forward.ENV_OFF
 
 
@@ -295,10 +295,10 @@ def markdown(rows: list[dict], header: str) -> str:
     lines += ["", "TFLOP/s; forward FLOPs 4·B·H·N²·D (halved if causal), backward 2.5× that; "
               "ratio = Triton / the fastest peer of the row (in brackets the lowest and highest round's)."]
     if any(r.get("fwd_kernel") == "gluon" for r in rows):
-        lines += ["fwd Triton \"(gluon)\": fa2_forward ran the Gluon forward of kernels/gluon_forward.py (Hopper); "
+        lines += ["fwd Triton \"(gluon)\": fa2_forward ran the Gluon forward of flashverify_kernels/hopper/forward.py (Hopper); "
                   f"{gluon_env()}=0 keeps the Triton one."]
     if any(r.get("bwd_kernel") == "gluon" for r in rows):
-        lines += ["bwd Triton \"(gluon)\": its dK/dV kernel was the Gluon one of kernels/gluon_backward.py (Hopper; "
+        lines += ["bwd Triton \"(gluon)\": its dK/dV kernel was the Gluon one of flashverify_kernels/hopper/backward.py (Hopper; "
                   "Delta Triton; the deterministic backward's dQ added by it in a fixed order at head dim 128, by the "
                   f"Triton dQ kernel at 64); {gluon_env()}=0 keeps the Triton one."]
     lines += [""]
@@ -332,7 +332,7 @@ def write_atomically(path: str, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m flashverify_kernels.triton.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="the Markdown tables, replaced after each row")
     parser.add_argument("--jsonl", help="one JSON line per row, appended as each is measured")
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: should be 1 or more")
     if not torch.cuda.is_available():
-        print("kernels.bench needs a CUDA GPU (the compiled Triton kernels and the peers run on one)",
+        print("flashverify_kernels.triton.bench needs a CUDA GPU (the compiled Triton kernels and the peers run on one)",
               file=sys.stderr)
         return 2
     import triton

@@ -1,7 +1,7 @@
 """Triton online softmax over the rows of a 2-D tensor: one pass for the statistics, one to normalise.
 
 One program owns one row ``x`` of length ``n`` and reads it ``BLOCK_N`` elements at a time. The first
-pass keeps the running state of :mod:`kernels.online_softmax`, a scalar pair per row, in float32::
+pass keeps the running state of :mod:`flashverify_kernels.pytorch.online_softmax`, a scalar pair per row, in float32::
 
     m_new = max(m, max_j x_j);  l = l * exp(m - m_new) + sum_j exp(x_j - m_new);  m = m_new
 
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _validate
+from flashverify_kernels import _validate
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
