@@ -309,6 +309,21 @@ def _error_with_place(exc: BaseException) -> str:
     return text
 
 
+def _package_root(folder: Path) -> Path:
+    """The first folder above ``folder`` that is not a package (has no ``__init__.py``), or ``folder``."""
+    while (folder / "__init__.py").is_file() and folder.parent != folder:
+        folder = folder.parent
+    return folder
+
+
+def _importable(folder: Path) -> None:
+    """Make ``folder``'s modules importable after every other place (a user's own packages, named like ours
+    or not, never shadow the suite's or an installed one)."""
+    text = str(folder)
+    if text not in sys.path:
+        sys.path.append(text)
+
+
 def _load_attr(spec: str, names: Sequence[str] = ()) -> Any:
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
@@ -322,10 +337,13 @@ def _load_attr(spec: str, names: Sequence[str] = ()) -> Any:
         if not path.is_file():
             raise ImplementationError(f"--impl {spec!r}: file {target!r} does not exist")
         # The kernel file's own folder is importable from it (as for `python file.py`): its helper
-        # modules next to it can be imported by name.
+        # modules next to it can be imported by name. A file inside a package of the user's (kernels/my.py
+        # with kernels/__init__.py) imports its siblings through that package: the folder above the package
+        # becomes importable too, after everything else, so that it never shadows an installed package.
         folder = str(path.resolve().parent)
         if folder not in sys.path:
             sys.path.insert(0, folder)
+        _importable(_package_root(path.resolve().parent))
         module_name = "flashverify_impl_" + "".join(c if c.isalnum() else "_" for c in str(path.resolve()))
         module = sys.modules.get(module_name)
         if module is None:
@@ -341,6 +359,7 @@ def _load_attr(spec: str, names: Sequence[str] = ()) -> Any:
                 raise ImplementationError(f"--impl {spec!r}: importing {target!r} failed: "
                                           f"{_error_with_place(exc)}") from exc
     else:
+        _importable(Path.cwd())  # a module of the user's repository, named from its root
         try:
             module = importlib.import_module(target)
         except Exception as exc:  # noqa: BLE001 - ImportError, or any error raised while importing it

@@ -98,3 +98,48 @@ def test_loading_the_plugin_does_not_import_triton():
     proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]", f"importing verify.plugin imported Triton modules: {proc.stdout.strip()}"
+
+
+def _user_repository(root: Path) -> None:
+    """A kernel author's repository with packages named like the suite's (kernels, verify, reports, references,
+    strategies) and no conftest.py: its kernel in kernels/my_attn.py imports a helper through its own package,
+    and kernels/broken.py drops the last key."""
+    for package in ("kernels", "verify", "reports", "references", "strategies"):
+        (root / package).mkdir()
+        (root / package / "__init__.py").write_text(f"# the user's own {package} package\n")
+    (root / "kernels" / "common.py").write_text("import math\n\ndef default_scale(d):\n    return 1 / math.sqrt(d)\n")
+    source = (ROOT / "examples" / "reference_attention.py").read_text()
+    source = source.replace("import torch\n", "import torch\n\nfrom kernels.common import default_scale\n", 1)
+    source = source.replace("scale = 1.0 / math.sqrt(head_dim)", "scale = default_scale(head_dim)")
+    assert "default_scale(head_dim)" in source
+    (root / "kernels" / "my_attn.py").write_text(source)
+    (root / "kernels" / "broken.py").write_text(
+        "from kernels.my_attn import attention as _attention\n\n\n"
+        "def attention(q, k, v, *, causal=False, scale=None):\n"
+        "    if k.shape[2] > 1:\n"
+        "        k, v = k[:, :, :-1], v[:, :, :-1]\n"
+        "    return _attention(q, k, v, causal=causal, scale=scale)\n")
+
+
+@pytest.mark.slow(seconds=20)
+def test_a_user_repository_with_packages_named_like_ours_names_its_kernel_both_ways(tmp_path):
+    """--impl path/file.py:fn, --impl pkg.module:fn and the replay command all reach the user's kernels package
+    from its repository's root, and the suite's own packages are never shadowed by the user's."""
+    _user_repository(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+
+    def verify(impl):
+        cmd = ["pytest", "--pyargs", "verify", "--impl", impl, "-k", "test_out_matches_reference and float32",
+               "--hypothesis-profile=ci", "-q", "-p", "no:cacheprovider", "--report-dir", str(tmp_path / "report")]
+        return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env)
+
+    for impl in ("kernels/my_attn.py:attention", "kernels.my_attn:attention"):
+        proc = verify(impl)
+        assert proc.returncode == 0 and f"flashverify: {impl}: 1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr
+    proc = verify("kernels/broken.py:attention")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
+    replay = re.search(r"^  replay: (python -m verify\.replay .*)$", proc.stdout, flags=re.MULTILINE).group(1)
+    again = subprocess.run(replay, shell=True, cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert again.returncode == 1 and "out differs from the float64 reference" in again.stdout + again.stderr, (
+        again.stdout + again.stderr)
