@@ -8,13 +8,10 @@ by backend: ``pytorch/`` (the blocked FA1/FA2 algorithms, the online softmax, ad
 attention), ``triton/`` (the Triton kernels, their launch replay and the benchmark) and ``hopper/`` (the
 Gluon kernels for sm_90).
 
-What a user needs to declare a kernel is importable from here::
+What a user declares a kernel with::
 
-    from flashverify_kernels import Implementation, declare, flash_attn_convention
+    from flashverify_kernels.declaration import Implementation, declare
+    from flashverify_kernels.calling_conventions import flash_attn_convention, xformers_convention
+
+(This module imports nothing: importing one of its modules never loads the others.)
 """
-
-from flashverify_kernels.calling_conventions import flash_attn_convention, xformers_convention
-from flashverify_kernels.declaration import ALL_DTYPES, Implementation, ImplementationError, declare
-
-__all__ = ["ALL_DTYPES", "Implementation", "ImplementationError", "declare", "flash_attn_convention",
-           "xformers_convention"]

@@ -34,7 +34,7 @@ with ``rows = rows_per_chunk(Nk, D, B * Hq)`` query rows per chunk: the largest 
 ``SCORE_MATRICES`` float64 ``[B, Hq, rows, Nk]`` matrices fit ``DEFAULT_BUDGET_BYTES`` (at least one
 row, at most ``Nq``), so the first term is at most ``max(budget, 8 B Hq (SCORE_MATRICES Nk + D))``.
 The last term is the exact centred term of ``references.bounds``: three float64 ``[B, Hq, r, Nk, D]``
-slices for ``r`` rows of the chunk, at most ``max(_CHUNK_ELEMENTS, B Hq Nk D)`` elements (2^22,
+slices for ``r`` rows of the chunk, at most ``max(CENTRED_CHUNK_ELEMENTS, B Hq Nk D)`` elements (2^22,
 32 MiB, for most problems).
 :func:`peak_bytes` evaluates this as an upper bound that never decreases when a size grows; the
 constants are measured (tests/test_chunking.py checks the estimate against the measured peak). With
@@ -73,6 +73,11 @@ DEFAULT_BUDGET_BYTES = 256 * 2 ** 20
 SCORE_MATRICES = 32
 VECTOR_ROWS = 16
 VECTOR_KEYS = 40
+# The bounds' centred term (references.bounds, term (A)) is computed exactly, in slices of at most
+# CENTRED_CHUNK_ELEMENTS of a [B, Hq, rows, Nk, D] tensor, when B * Hq * Nq * Nk * D is at most
+# EXACT_CENTRED_LIMIT; above it, a matmul bound centred at a column mean of V (never smaller) is used.
+EXACT_CENTRED_LIMIT = 2 ** 25
+CENTRED_CHUNK_ELEMENTS = 2 ** 22
 CHUNK_ROWS_ENV = "FLASHVERIFY_CHUNK_ROWS"
 _forced_rows: int | None = None
 
@@ -143,7 +148,6 @@ def peak_bytes(batch: int, heads_q: int, heads_kv: int, len_q: int, len_k: int, 
             raise ValueError(f"{name}={value!r}, but should be an int >= 0")
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"heads_q={heads_q} should be a positive multiple of heads_kv={heads_kv}")
-    from references import bounds  # noqa: PLC0415 (bounds imports this module)
 
     heads = batch * heads_q
     budget = DEFAULT_BUDGET_BYTES if budget is None else budget
@@ -158,7 +162,7 @@ def peak_bytes(batch: int, heads_q: int, heads_kv: int, len_q: int, len_k: int, 
     # A chunk of rows holds at most chunk * Nk * D / (SCORE_MATRICES * Nk + D) elements of [rows, Nk, D].
     slice_max = chunk * len_k * head_dim // max(1, SCORE_MATRICES * len_k + head_dim)
     key_row = heads * len_k * head_dim
-    centred = 3 * min(slice_max, max(bounds._CHUNK_ELEMENTS, min(key_row, bounds.EXACT_CENTRED_LIMIT)))
+    centred = 3 * min(slice_max, max(CENTRED_CHUNK_ELEMENTS, min(key_row, EXACT_CENTRED_LIMIT)))
     return 8 * (chunk + vectors + centred)
 
 

@@ -331,7 +331,8 @@ import math
 
 import torch
 
-from references.attention import Chunk, Reference, expand_kv, reduce_group
+from references.attention import (CENTRED_CHUNK_ELEMENTS, EXACT_CENTRED_LIMIT, Chunk, Reference, expand_kv,
+                                  reduce_group)
 from references.metrics import unit_roundoff
 
 F64 = torch.float64
@@ -344,10 +345,9 @@ C_ARG = 4.0  # roundings that land in an exponent argument, per unit of |argumen
 SAFETY = 1.0625  # dropped second-order terms (section 10)
 MAX_LAG = math.log(256.0)  # how far a kernel's running max may trail its scores (lazy rescaling; section 3)
 MERGE_STEPS = 8  # folds of partials a key's weight may pass through (ring attention over 9 devices; section 14)
-# The centred term (A) is computed exactly, in row chunks, when B * Hq * Nq * Nk * D is at most this;
-# above it, a matmul bound centred at a column mean of V (never smaller) is used.
-EXACT_CENTRED_LIMIT = 2 ** 25
-_CHUNK_ELEMENTS = 2 ** 22
+# The centred term (A): exact in row chunks up to EXACT_CENTRED_LIMIT elements (references.attention, whose
+# memory estimate counts it).
+_CHUNK_ELEMENTS = CENTRED_CHUNK_ELEMENTS
 
 
 @dataclasses.dataclass(frozen=True)

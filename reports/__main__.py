@@ -1,4 +1,4 @@
-"""``python -m reports summarise DIR`` and ``python -m reports accuracy ...`` (see :mod:`reports.cli`)."""
+"""``python -m reports summarise DIR`` (see :mod:`reports.cli`)."""
 
 import sys
 

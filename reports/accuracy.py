@@ -1,37 +1,14 @@
-"""The accuracy report: a sweep of shapes x magnitude classes x dtypes x causal over chosen
-implementations, measured against the float64 reference.
+"""The accuracy report: what a sweep of :mod:`verify.accuracy` recorded, rendered as ``accuracy.json``,
+``accuracy.md`` and ``accuracy.html``.
 
-What is measured, per implementation and case, for ``out``, ``lse`` (when returned), ``dQ``, ``dK`` and
-``dV``: the RMSE against float64 (the FlashAttention-3 paper's measure), the max abs and max relative
-error, the max error in ULPs of the stored dtype, error/bound (criterion 2, the componentwise
-rounding-error bound of :mod:`references.bounds`) and error/eager (criterion 1, against the
-same-precision eager baseline of :mod:`references.baseline`). Every number comes from the suite's own
-code: cases are :class:`strategies.cases.AttentionCase` (inputs from the seed, magnitude classes
-included), and each kernel runs and is measured by :mod:`verify.measure`, the code the properties
-measure with (reference, baseline, bounds and criteria), so a case passes or fails here exactly as in
-``pytest verify``. Each measurement is recorded under the property that checks it
-(``out_matches_reference``, ``lse_matches_reference``, ``gradients_match_reference``) and replays with
-``python -m verify.replay``. This module runs the sweep and renders what it recorded.
-
-The reference follows each implementation's declared causal alignment (SDPA's backends align top-left); with ``Nq = Nk``, as in the dense sweep, both alignments give the same mask (kernels of both
-alignments then share one reference: :func:`_alignment_matters`).
-
-The FlashAttention-3 paper's accuracy protocol (``--preset fa3``; :data:`FA3_PAPER_SETUP`): a sweep whose
-cases include the ``fa3_outliers`` magnitude class gets a section "FlashAttention-3 accuracy protocol"
-(:func:`fa3_protocol`), the RMSE of O per implementation and dtype from the same records as every other
-table, beside the paper's Table 3 figures, and, for that table alone, the RMSE of the same O against the
-float64 reference of the draws before they were rounded (:class:`UnroundedInputs`).
-
-Variants (``--preset variants``; :data:`VARIANTS`): a sweep with ``variants`` measures, instead of the dense
-grid, each variant's case (:func:`variant_case`: packed variable-length sequences, a sliding window, a logit
-softcap, decoding from a paged KV cache, and the dense case beside them) through the same
-:func:`verify.measure.sweep_case`, and gets a per-variant table (:func:`variant_rows`) that also names each
-implementation that was not measured on a variant and why (its declaration's ``unsupported_spec``).
-
-Fault tolerance: measurements stream to ``accuracy-measurements.jsonl`` as they are taken, with a
-``done`` line after each (implementation, case); ``--resume`` skips what is done, ``--time-limit``
-stops starting new cases and writes a partial report, and ``python -m reports summarise DIR``
-re-renders the report of an interrupted sweep.
+The sweep streams its measurements to ``accuracy-measurements.jsonl`` (one line each, a ``done`` line after
+each implementation and case) beside its run header ``accuracy-run.json``; :func:`write_report` folds them
+(:func:`aggregate`): the RMSE of O, LSE, dQ, dK and dV against float64 per implementation, dtype and
+magnitude class (geometric means over the cases), the largest error/bound and error/eager per op, the worst
+measurements with their replay commands, what was not measured and why, and, for the sweeps that have them,
+the FlashAttention-3 paper's protocol table (:func:`fa3_protocol`) and the variants table
+(:func:`variant_rows`). An interrupted sweep renders as PARTIAL; ``python -m reports summarise DIR``
+re-renders it.
 """
 
 from __future__ import annotations
@@ -41,34 +18,40 @@ import json
 import math
 import statistics
 import time
-import warnings
 from collections import defaultdict
-from collections.abc import Callable
-from functools import cached_property
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from reports.session import device_name, read_jsonl, versions
-from reports.summary import RECORD_COLUMNS, fmt, largest, num
-from strategies.cases import dtype_name
+from reports.html import Raw, code, esc, key_values, page, plot_or_reason, table
+from reports import plots
+from reports.session import dumps, read_jsonl, replay_command, write_atomic
+from reports.summary import RECORD_COLUMNS, describe_case, fmt, largest, num
+from strategies.sweep import (FA3_MAGNITUDE, VARIANT_WORDS, Sweep, as_computed_by, case_key, preset, variant_of)
 
-SWEEP_MAGNITUDES = ("normal", "sparse_outliers", "large_logits")
 OPS = ("out", "lse", "dq", "dk", "dv")
+
+
 METRICS = tuple(RECORD_COLUMNS)
-# Adapters to peers measured by default next to the shipped kernels, where they run on the device.
-PEERS = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex_attention")
+
 
 # ------------------------------------------------------------------ the FlashAttention-3 paper's protocol
 FA3_TITLE = "FlashAttention-3 accuracy protocol"
-FA3_MAGNITUDE = "fa3_outliers"
+
+
 FA3_SOURCE = ("the FlashAttention-3 paper (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao; arXiv 2407.08608), "
               "section 4.3 \"Numerical error validation\", Table 3")
+
+
 # Table 3's FP16 RMSE of O, by the method the paper names. (Its FP8 rows have no counterpart here: the
 # suite has no FP8 kernel.)
 FA3_PAPER_FP16 = {"standard attention": 3.2e-4, "FlashAttention-2": 1.9e-4, "FlashAttention-3": 1.9e-4}
+
+
 # The paper's method each implementation here computes: the same algorithm and precision, not the same code.
 FA3_PAPER_METHOD = {"standard": "standard attention", "fa2_blocked": "FlashAttention-2",
                     "triton_fa2": "FlashAttention-2", "sdpa_flash": "FlashAttention-2"}
+
+
 # What the paper states of its setup, and what it leaves out.
 FA3_PAPER_SETUP = ("The paper states the input distribution (every entry of Q, K, V is N(0, 1) + N(0, 100) x "
                    "Bernoulli(0.001)), the float64 reference and the measure (RMSE of O). It does not state the "
@@ -76,261 +59,19 @@ FA3_PAPER_SETUP = ("The paper states the input distribution (every entry of Q, K
                    "shapes here are a choice: the configuration of the paper's speed benchmarks (section 4.1: "
                    "hidden dimension 2048, i.e. 16 heads of dim 128, and 16k tokens per batch), without a "
                    "causal mask.")
-# The implementations of the protocol's table: the paper's baseline (flashverify_kernels/pytorch/standard.py), criterion 1's
-# eager attention, the suite's FlashAttention-2 and, where they run, the Triton FA2 and the peers.
-FA3_IMPLEMENTATIONS = ("flashverify_kernels.pytorch.standard:STANDARD", "eager", "fa2_blocked")
-FA3_IMPLEMENTATIONS_CUDA = (*FA3_IMPLEMENTATIONS, "triton_fa2", *PEERS)
+
 
 # ------------------------------------------------------------------ variants
 VARIANTS_TITLE = "Variants"
-# The variants the report measures (:func:`variant_case`), the dense case first as the point of comparison.
-VARIANTS = ("dense", "packed", "window", "softcap", "paged_decode")
-VARIANT_SOFTCAP = 30.0  # Grok-1's attention logit cap (Gemma 2's is 50)
-VARIANT_PAGE_SEED = 1  # pages out of order in the cache, as a serving engine hands them out
-VARIANT_WORDS = {
-    "dense": "one dense batch, none of the variants (the point of comparison)",
-    "packed": "variable-length sequences packed one after another (flash_attn's varlen layout, cu_seqlens): "
-              "4 sequences of N, N/2 + 3, N/4 + 1 and 1 tokens, each with as many keys as queries",
-    "window": "a sliding window of N/4 keys before the diagonal (and N/4 after it without a causal mask)",
-    "softcap": f"a logit softcap of {VARIANT_SOFTCAP:g} (scores s -> {VARIANT_SOFTCAP:g} tanh(s / "
-               f"{VARIANT_SOFTCAP:g}))",
-    "paged_decode": "decoding from a paged KV cache: one query per sequence (Nq = 1), 4 sequences with N, N/2 + 3, "
-                    "N/4 + 1 and 1 cached keys, in pages of page_size keys out of order (flash_attn_with_kvcache's "
-                    "block table), grouped-query attention with Hkv = H/4 (1 when H < 4)",
-}
-# The variants preset's implementations: the blocked kernels and eager (every variant), the Triton FA2/FA1
-# kernels (dense and packed sequences, windows, softcaps) and Triton's paged decoding (paged_decode only,
-# forward only); the report names, variant by variant, each one that was not measured and why.
-VARIANT_IMPLEMENTATIONS = ("fa2_blocked", "fa1_blocked", "eager", "triton_fa2", "triton_fa1", "triton_decode")
-
-PRESETS = {
-    # Small enough for a CPU in about a minute (the Triton kernels too, in the interpreter).
-    "quick": {"lengths": (64, 128), "head_dims": (32,)},
-    # The GPU report in docs/: the sequence lengths and head dims of the FlashAttention papers' plots.
-    "gpu": {"lengths": (512, 1024, 2048, 4096), "head_dims": (64, 128)},
-    # The FlashAttention-3 paper's accuracy protocol (FA3_PAPER_SETUP): its magnitude class, no causal
-    # mask, float16 (the paper's) and bfloat16, the forward only (Table 3 measures O), three draws of the
-    # inputs, 16 heads of dim 128. On a GPU B=4 x N=4096 (16k tokens); on a CPU one sequence of 1024, to
-    # run in a minute. ``baselines``: selected to be compared with, not judged: their failed criteria are
-    # reported, but do not set the exit status.
-    "fa3": {"magnitudes": (FA3_MAGNITUDE,), "causal": (False,), "dtypes": ("float16", "bfloat16"),
-            "head_dims": (128,), "heads": 16, "seeds": (0, 1, 2), "backward": False,
-            "lengths": (1024,), "batch": 1, "implementations": FA3_IMPLEMENTATIONS, "baselines": ("standard",),
-            "cuda": {"lengths": (4096,), "batch": 4, "implementations": FA3_IMPLEMENTATIONS_CUDA}},
-    # The variants real kernels compute (VARIANTS), causal, float16 and bfloat16, forward and backward, inputs
-    # N(0, 1) and with large logits (where the softcap bites). ``list_all``: the preset's implementations are
-    # listed even where they do not run (the Triton kernels on a CPU), each variant's reason in the report.
-    "variants": {"variants": VARIANTS, "magnitudes": ("normal", "large_logits"), "causal": (True,),
-                 "lengths": (96,), "head_dims": (32,), "heads": 4, "page_size": 16,
-                 "implementations": VARIANT_IMPLEMENTATIONS, "list_all": True,
-                 "cuda": {"lengths": (4096,), "head_dims": (128,), "heads": 16, "page_size": 256}},
-}
-
-
-def preset(name: str, *, device: str) -> dict:
-    """The fields of preset ``name`` on ``device`` (a preset may set other values on a GPU)."""
-    fields = dict(PRESETS[name])
-    on_device = fields.pop("cuda", {})
-    if torch_device_type(device) == "cuda":
-        fields.update(on_device)
-    return fields
-
-
-def torch_device_type(device: str) -> str:
-    import torch
-
-    return torch.device(device).type
 
 
 STREAM = "accuracy-measurements.jsonl"
+
+
 RUN_FILE = "accuracy-run.json"
+
+
 OUTPUTS = ("accuracy.json", "accuracy.md", "accuracy.html")
-
-
-@dataclasses.dataclass(frozen=True)
-class Sweep:
-    """The cases of a sweep: every combination, ``Nq = Nk = N``, ``Hq = Hkv = heads``; with ``variants``,
-    each variant's case (:func:`variant_case`, ``page_size`` for the paged ones) for every combination."""
-
-    lengths: tuple[int, ...]
-    head_dims: tuple[int, ...]
-    dtypes: tuple[str, ...] = ("float16", "bfloat16")
-    magnitudes: tuple[str, ...] = SWEEP_MAGNITUDES
-    causal: tuple[bool, ...] = (False, True)
-    batch: int = 1
-    heads: int = 2
-    seeds: tuple[int, ...] = (0,)
-    backward: bool = True
-    variants: tuple[str, ...] = ()
-    page_size: int = 16
-
-    def __post_init__(self) -> None:
-        unknown = [v for v in self.variants if v not in VARIANTS]
-        if unknown:
-            raise ValueError(f"variants={unknown}, but should be among {VARIANTS}")
-
-    def cases(self):
-        from references.spec import AttentionSpec
-        from strategies.cases import AttentionCase
-
-        if self.variants:
-            return [variant_case(variant, length=n, head_dim=d, dtype=dtype, magnitude=magnitude, causal=causal,
-                                 seed=seed, batch=self.batch, heads=self.heads, page_size=self.page_size)
-                    for n in self.lengths for d in self.head_dims for variant in self.variants
-                    for dtype in self.dtypes for magnitude in self.magnitudes for causal in self.causal
-                    for seed in self.seeds]
-        return [AttentionCase(batch=self.batch, heads_q=self.heads, heads_kv=self.heads, len_q=n, len_k=n,
-                              head_dim=d, dtype=dtype, spec=AttentionSpec(causal=causal), magnitude=magnitude,
-                              seed=seed)
-                for n in self.lengths for d in self.head_dims for dtype in self.dtypes
-                for magnitude in self.magnitudes for causal in self.causal for seed in self.seeds]
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def select_implementations(specs: list[str], *, device: str, defaults: tuple[str, ...] | None = None,
-                           list_all: bool = False) -> list:
-    """``--impl`` values plus ``eager`` (the criterion-1 baseline, for comparison). Without ``specs``: the
-    ``defaults`` (``--impl`` values, a preset's) that exist and run on ``device`` (with ``list_all``: also
-    those that do not run there, which the report lists as not measured, with the reason), or else every
-    shipped attention kernel that runs on ``device``, ``eager`` and the peers of :data:`PEERS` that run there."""
-    from flashverify_kernels import registry
-
-    shipped = registry.registry()
-    dev = torch_device_type(device)
-    if specs:
-        impls = [registry.load(spec, device=device) for spec in specs]
-    elif defaults is not None:
-        impls = [registry.load(spec, device=device) for spec in defaults if spec in shipped or ":" in spec]
-        impls = [i for i in impls if list_all or dev in i.devices]
-    else:
-        impls = [i for i in registry.default_selection(device=device) if i.kind == "attention"]
-        impls += [shipped[p] for p in PEERS if p in shipped and dev in shipped[p].devices]
-    if not any(i.name == "eager" for i in impls):
-        impls.append(shipped["eager"])
-    seen, unique = set(), []
-    for impl in impls:
-        if impl.cli_name not in seen:
-            seen.add(impl.cli_name)
-            unique.append(impl)
-    return unique
-
-
-def skip_reason(impl, case, *, device: str) -> str | None:
-    """Why ``impl`` does not run ``case`` here, in the words of its declaration (None: it runs). The
-    attention the case asks for comes first (a variant the kernel does not declare is the reason on any
-    device), computed with the kernel's own causal alignment (:func:`_as_computed_by`)."""
-    if impl.kind != "attention":
-        return f"{impl.name} is a {impl.kind} kernel"
-    why = impl.unsupported_spec(_as_computed_by(case, impl.causal_alignment).spec)
-    if why:
-        return why
-    why = impl.unsupported(dtype=case.torch_dtype, device=device)
-    if why:
-        return why
-    limit = impl.environment_limit(case.torch_dtype)
-    if limit:
-        return f"environment limit: {limit}"
-    if not impl.supports_head_dim(case.head_dim):
-        dims = list(impl.head_dims)
-        return (f"{impl.name} declares head dims {dims[0]}..{dims[-1]} ({len(dims)} values); "
-                f"D={case.head_dim} is not among them")
-    if impl.max_seq_len is not None and max(case.len_q, case.len_k) > impl.max_seq_len:
-        return f"{impl.name} declares sequences up to {impl.max_seq_len}"
-    return None
-
-
-# ------------------------------------------------------------------------------------ variants
-def _sequence_lengths(n: int) -> tuple[int, ...]:
-    """Four sequence lengths from ``n``: ``n``, ``n/2 + 3``, ``n/4 + 1`` and 1 (lengths that are not
-    multiples of a tile or a page, and the shortest; all different for ``n > 6``)."""
-    return n, n // 2 + 3, n // 4 + 1, 1
-
-
-def decode_kv_heads(heads: int) -> int:
-    """The key/value heads of the paged decode variant: a grouped-query group of 4 (1 head when fewer)."""
-    return heads // 4 if heads % 4 == 0 else 1
-
-
-def variant_case(variant: str, *, length: int, head_dim: int, dtype: str, magnitude: str = "normal",
-                 causal: bool = True, seed: int = 0, batch: int = 1, heads: int = 2, page_size: int = 16):
-    """The case of ``variant`` (:data:`VARIANT_WORDS`) at length ``N`` = ``length``. Variable-length
-    sequences are one packed batch (``batch = 1``, ``len_q``/``len_k`` the sums of the sequences' lengths,
-    as :class:`strategies.cases.AttentionCase` holds them); the others have ``batch`` rows of ``N`` queries
-    and keys."""
-    from references.spec import AttentionSpec
-    from strategies.cases import AttentionCase
-
-    n, heads_kv = length, heads
-    if variant == "dense":
-        spec = AttentionSpec(causal=causal)
-    elif variant == "packed":
-        lens = _sequence_lengths(n)
-        spec = AttentionSpec(causal=causal, sequences="packed", seqlens_q=lens, seqlens_k=lens)
-    elif variant == "window":
-        width = max(n // 4, 1)
-        spec = AttentionSpec(causal=causal, window_left=width, window_right=0 if causal else width)
-    elif variant == "softcap":
-        spec = AttentionSpec(causal=causal, softcap=VARIANT_SOFTCAP)
-    elif variant == "paged_decode":
-        lens = _sequence_lengths(n)
-        spec = AttentionSpec(causal=causal, sequences="paged", seqlens_q=(1,) * len(lens), seqlens_k=lens,
-                             page_size=page_size, page_seed=VARIANT_PAGE_SEED)
-        heads_kv = decode_kv_heads(heads)
-    else:
-        raise ValueError(f"variant={variant!r}, but should be one of {VARIANTS}")
-    if spec.varlen:
-        batch, len_q, len_k = 1, sum(spec.seqlens_q), sum(spec.seqlens_k)
-    else:
-        len_q = len_k = n
-    return AttentionCase(batch=batch, heads_q=heads, heads_kv=heads_kv, len_q=len_q, len_k=len_k,
-                         head_dim=head_dim, dtype=dtype, spec=spec, magnitude=magnitude, seed=seed)
-
-
-def variant_of(spec) -> str:
-    """The variant an :class:`references.spec.AttentionSpec` computes, in :data:`VARIANTS`' words ("dense"
-    when none; parts joined with " + " for a spec that has several)."""
-    parts = []
-    if spec.sequences == "paged":
-        parts.append("paged_decode" if set(spec.seqlens_q) == {1} else "paged")
-    elif spec.varlen:
-        parts.append(spec.sequences)
-    for word, present in (("window", spec.windowed), ("chunks", spec.attention_chunk > 0),
-                          ("softcap", spec.softcap is not None), ("alibi", spec.alibi_slopes is not None),
-                          ("sinks", spec.sinks is not None), ("splits", spec.num_splits > 1)):
-        if present:
-            parts.append(word)
-    return " + ".join(parts) or "dense"
-
-
-# ------------------------------------------------------------------------------------ the sweep
-def _impl_info(impl) -> dict:
-    return {"name": impl.name, "spec": impl.cli_name, "description": impl.description,
-            "causal_alignment": impl.causal_alignment, "returns_lse": impl.returns_lse,
-            "dtypes": [dtype_name(d) for d in impl.dtypes], "devices": list(impl.devices)}
-
-
-def _as_computed_by(case, alignment: str):
-    """The sweep's case as a kernel with this causal ``alignment`` computes it (with Nq = Nk, as in the
-    dense sweep, both alignments give the same mask: :func:`_alignment_matters`)."""
-    return case.replace(spec=dataclasses.replace(case.spec, alignment=alignment))
-
-
-def _alignment_matters(case) -> bool:
-    """Whether the two causal alignments give ``case`` different attention: only through a diagonal (the
-    causal mask, a window, chunks, ALiBi), and only where the two put it on different keys (``Nq != Nk``,
-    in a dense batch or in a sequence)."""
-    spec = case.spec
-    if not (spec.causal or spec.windowed or spec.attention_chunk or spec.alibi_slopes is not None):
-        return False
-    bottom, top = (dataclasses.replace(spec, alignment=a).diagonal(case.len_q, case.len_k)
-                   for a in ("bottom_right", "top_left"))
-    return not bool((bottom == top).all())
-
-
-def _case_key(spec: str, case: dict) -> str:
-    return spec + " " + json.dumps(case, sort_keys=True, separators=(",", ":"))
 
 
 def read_stream(out_dir: Path) -> tuple[list[dict], int]:
@@ -338,162 +79,9 @@ def read_stream(out_dir: Path) -> tuple[list[dict], int]:
     return read_jsonl(Path(out_dir) / STREAM)
 
 
-def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command: str, resume: bool = False,
-        time_limit: float | None = None, progress: bool | None = None, log: Callable[[str], None] = print) -> dict:
-    """Run the sweep, streaming measurements into ``out_dir``, then write the report; return its data."""
-    from reports.progress import Progress
-    from reports.session import dumps, write_atomic
-    from verify import measure
-    from verify.harness import OutOfMemoryError, exception_line, release_out_of_memory
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stream_path = out_dir / STREAM
-    cases = sweep.cases()
-    done: set[str] = set()
-    if resume:
-        for item in read_stream(out_dir)[0]:
-            if item.get("kind") == "done":
-                done.add(_case_key(str(item.get("spec")), item.get("case") or {}))
-    else:
-        stream_path.unlink(missing_ok=True)
-        for name in OUTPUTS:
-            (out_dir / name).unlink(missing_ok=True)
-    # (implementation, reason, and in a sweep of variants the case's variant and dtype) -> cases
-    skipped: dict[tuple, int] = defaultdict(int)
-    plan = []  # (case, [impls still to run])
-    planned_pairs = []  # every (spec, case index) the sweep measures, done or not
-    for index, case in enumerate(cases):
-        run_here = []
-        for impl in impls:
-            why = skip_reason(impl, case, device=device)
-            if why:
-                skipped[(impl.name, why, *((variant_of(case.spec), case.dtype) if sweep.variants else ()))] += 1
-                continue
-            planned_pairs.append([impl.cli_name, index])
-            if _case_key(impl.cli_name, _as_computed_by(case, impl.causal_alignment).to_dict()) not in done:
-                run_here.append(impl)
-        plan.append((case, run_here))
-    previous = {}
-    if resume and (out_dir / RUN_FILE).exists():
-        try:
-            previous = json.loads((out_dir / RUN_FILE).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            previous = {}
-    header = {
-        "command": command, "commands": [*(previous.get("commands") or []), command],
-        "device": device, "device_name": device_name(device), "versions": versions(),
-        "sweep": sweep.as_dict(), "implementations": [_impl_info(i) for i in impls],
-        "skipped": [{"implementation": n, "reason": r, "cases": c, **dict(zip(("variant", "dtype"), where))}
-                    for (n, r, *where), c in sorted(skipped.items())],
-        "started": previous.get("started") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "cases": len(cases), "planned": len(planned_pairs), "planned_pairs": planned_pairs,
-    }
-    write_atomic(out_dir / RUN_FILE, dumps(header, indent=2))
-    total = sum(len(r) for _, r in plan)
-    bar = Progress(total, enabled=progress)
-    started = time.monotonic()
-    stopped_early = False
-    with open(stream_path, "a", encoding="utf-8") as stream:
-        def emit(item: dict) -> None:
-            stream.write(dumps(item) + "\n")
-            stream.flush()
-
-        for case, run_here in plan:
-            if not run_here:
-                continue
-            if time_limit is not None and time.monotonic() - started > time_limit:
-                stopped_early = True
-                break
-            t = case.build(device)
-            truths: dict[str, measure.Truth] = {}
-            unrounded: dict[str, UnroundedInputs] = {}
-            for impl in run_here:
-                kcase = _as_computed_by(case, impl.causal_alignment)
-                if time_limit is not None and time.monotonic() - started > time_limit:
-                    stopped_early = True
-                    break
-                label = f"{impl.name} {kcase.dtype} N={kcase.len_k} D={kcase.head_dim} {kcase.magnitude}" \
-                        f"{' causal' if kcase.causal else ''}{f' {variant_of(kcase.spec)}' if sweep.variants else ''}"
-                bar.show(label)
-                key = impl.causal_alignment if _alignment_matters(kcase) else "any"
-                tic = time.monotonic()
-                if key not in truths:
-                    truths[key] = measure.Truth(kcase, t.q, t.k, t.v, dout=t.dout if sweep.backward else None)
-                outputs: dict = {}  # what the records measured, for the FlashAttention-3 table's second reference
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    try:
-                        records, problems = measure.sweep_case(impl, kcase, t, truths[key], device=device,
-                                                               backward=sweep.backward, outputs=outputs)
-                    except OutOfMemoryError as exc:  # in the suite's own work: start the case's truths afresh
-                        truths.clear()
-                        records, problems = [], [release_out_of_memory(exc)]
-                    except Exception as exc:  # noqa: BLE001 - a kernel that raises is reported, not fatal
-                        said = sorted({str(w.message).strip().splitlines()[0] for w in caught
-                                       if str(w.message).strip()})[:3]
-                        records, problems = [], [exception_line(exc) + "".join(f" [warning: {s}]" for s in said)]
-                for r in records:
-                    emit({"kind": "measurement", "spec": impl.cli_name, **r})
-                if kcase.magnitude == FA3_MAGNITUDE and any(r["op"] == "out" for r in records):
-                    # the same O against the float64 reference of the draws before rounding
-                    if key not in unrounded:
-                        unrounded[key] = UnroundedInputs(kcase, t, device=device)
-                    emit({"kind": UNROUNDED_KIND, "implementation": impl.name, "spec": impl.cli_name,
-                          "case": kcase.to_dict(), "op": "out", "rmse": unrounded[key].rmse(outputs["out"])})
-                for p in problems:
-                    emit({"kind": "error", "implementation": impl.name, "spec": impl.cli_name,
-                          "case": kcase.to_dict(), "error": p})
-                emit({"kind": "done", "implementation": impl.name, "spec": impl.cli_name, "case": kcase.to_dict(),
-                      "seconds": round(time.monotonic() - tic, 3)})
-                bar.update(label=label)
-            del truths, unrounded, t
-            if stopped_early:
-                break
-    bar.close()
-    if stopped_early:
-        log(f"stopped after --time-limit {time_limit:g} s; rerun the same command with --resume to continue")
-    return write_report(out_dir)
-
-
 # ------------------------------------------------------------------------------------ unrounded inputs
 # The stream's lines of the FlashAttention-3 table's second column (:class:`UnroundedInputs`).
 UNROUNDED_KIND = "against_unrounded_inputs"
-
-
-class UnroundedInputs:
-    """The float64 reference of a case's draws before they were rounded to its dtype, used by the
-    FlashAttention-3 protocol's table alone (its column "against the unrounded inputs").
-
-    Every other number of the report compares with the float64 reference of the rounded inputs (the
-    suite's convention: a kernel's own error). This one takes the case's float64 twin,
-    ``case.replace(dtype="float64").build()``: :mod:`strategies.cases` draws every magnitude class in
-    float64 and rounds last, so the twin holds the same draws unrounded (:attr:`out` checks that they
-    round to the case's inputs). The RMSE against it adds the error of rounding q, k and v to the
-    kernel's own; no criterion uses it."""
-
-    def __init__(self, case, t, *, device: str):
-        self.case, self.t, self.device = case, t, device
-
-    @cached_property
-    def out(self):
-        """The float64 O of the unrounded draws."""
-        import torch
-
-        from references import attention as reference
-
-        twin = self.case.replace(dtype="float64").build(self.device)
-        for name in ("q", "k", "v"):
-            if not torch.equal(getattr(twin, name).to(self.case.torch_dtype), getattr(self.t, name)):
-                raise ValueError(f"the float64 twin of {self.case.describe()} does not round to its {name}: "
-                                 f"the magnitude class {self.case.magnitude!r} draws differently per dtype")
-        return reference.attention(twin.q, twin.k, twin.v, spec=self.case.spec, scale=self.case.scale).out
-
-    def rmse(self, out) -> float:
-        """The RMSE of the kernel's ``out`` against :attr:`out` (the records' measure)."""
-        from references.metrics import error_stats
-
-        return error_stats(out, self.out).rmse
 
 
 # ------------------------------------------------------------------------------------ aggregation
@@ -513,9 +101,6 @@ def geomean(values: list[float]) -> float | None:
 def aggregate(header: dict, lines: list[dict], bad_lines: int = 0) -> dict:
     """Turn the stream of a sweep into the report's data: one result per (implementation, case),
     the RMSE tables, the criteria table, what was not measured, and the sweep's status."""
-    from reports.session import replay_command
-    from reports.summary import describe_case
-
     sweep = header.get("sweep") or {}
     planned = _planned_keys(header)
     results: dict[str, dict] = {}
@@ -527,7 +112,7 @@ def aggregate(header: dict, lines: list[dict], bad_lines: int = 0) -> dict:
     for item in lines:
         kind = item.get("kind")
         case = item.get("case") if isinstance(item.get("case"), dict) else {}
-        key = _case_key(str(item.get("spec")), case)
+        key = case_key(str(item.get("spec")), case)
         if planned is not None and key not in planned:
             continue  # left in the stream by an earlier, different sweep resumed with other options
         if kind == "done":
@@ -779,14 +364,12 @@ def _planned_keys(header: dict) -> set[str] | None:
         return None
     cases = _sweep_of(header).cases()
     alignment = {str(i.get("spec")): i.get("causal_alignment") for i in header.get("implementations") or []}
-    return {_case_key(str(spec), _as_computed_by(cases[index], alignment.get(str(spec)) or "bottom_right").to_dict())
+    return {case_key(str(spec), as_computed_by(cases[index], alignment.get(str(spec)) or "bottom_right").to_dict())
             for spec, index, *_ in pairs if 0 <= index < len(cases)}
 
 
 def write_report(out_dir: str | Path) -> dict:
     """(Re)write ``accuracy.json``, ``accuracy.md`` and ``accuracy.html`` from the sweep's files."""
-    from reports.session import dumps, write_atomic
-
     out_dir = Path(out_dir)
     header = json.loads((out_dir / RUN_FILE).read_text(encoding="utf-8"))
     lines, bad = read_stream(out_dir)
@@ -794,8 +377,6 @@ def write_report(out_dir: str | Path) -> dict:
     write_atomic(out_dir / "accuracy.json", dumps(result, indent=1))
     write_atomic(out_dir / "accuracy.md", markdown(result))
     try:
-        from reports.html import accuracy_html
-
         write_atomic(out_dir / "accuracy.html", accuracy_html(result))
     except Exception as exc:  # noqa: BLE001 - the JSON and Markdown are written whatever the plots do
         result["html_error"] = f"{type(exc).__name__}: {exc}"
@@ -1009,6 +590,8 @@ MAGNITUDE_WORDS = {
     "fa3_outliers": "the FlashAttention-3 paper's protocol: every entry of q, k, v is N(0, 1) + N(0, 100) x Bernoulli(0.001)",
     "large_logits": "q and k scaled by 100: |scale q.k| ~ 1e4 (q.k beyond float16's range)",
 }
+
+
 OP_WORDS = {"out": "O", "lse": "LSE", "dq": "dQ", "dk": "dK", "dv": "dV"}
 
 
@@ -1100,3 +683,134 @@ def markdown(result: dict) -> str:
         lines += ["## Every case", "", f"<details><summary>{len(cases.rows)} (implementation, case) results</summary>",
                   "", *_md_table(cases), "", "</details>", ""]
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------ the HTML page
+# ------------------------------------------------------------------------------------ accuracy report
+def _accuracy_plots(result: dict) -> list[str]:
+    res = result.get("results") or []
+    sweep = (result.get("meta") or {}).get("sweep") or {}
+    dtypes = list(sweep.get("dtypes") or plots.ordered({r["dtype"] for r in res}, plots.DTYPE_ORDER))
+    mags = list(sweep.get("magnitudes") or sorted({r["magnitude"] for r in res}))
+    ops = [op for op in OPS if any(op in r["ops"] for r in res)]
+    bars: dict[tuple[str, str], dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    for op, per_impl in (result.get("rmse") or {}).items():
+        for name, cells in per_impl.items():
+            for d in dtypes:
+                for m in mags:
+                    v = cells.get(f"{d} {m}")
+                    if v is not None:
+                        bars[(OP_WORDS.get(op, op), d)][name][m] = v
+    lines: dict[tuple[str, str], dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    by_point: dict[tuple, list[float]] = defaultdict(list)
+    for r in res:
+        if "out" in r["ops"]:
+            by_point[(r["magnitude"], r["dtype"], r["implementation"], r["len"])].append(r["ops"]["out"]["rmse"])
+    for (m, d, name, n), vals in by_point.items():
+        gm = geomean(vals)
+        if gm is not None:
+            lines[(m, d)][name].append((float(n), gm))
+    ratios: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in res:
+        for o in r["ops"].values():
+            ratios[r["dtype"]][r["implementation"]].append(o["error_over_bound"])
+    op_rows = [OP_WORDS.get(op, op) for op in ops]
+    names = [str(i.get("name")) for i in result.get("implementations") or []]
+    against_n = [
+        "<h2>RMSE of O against N</h2>",
+        plot_or_reason(lambda: plots.line_panels(lines, rows=mags, cols=dtypes, xlabel="N (= Nq = Nk)",
+                                                 ylabel="RMSE of O", names=names,
+                                                 title="RMSE of the output against sequence length"),
+                       alt="RMSE of O against N",
+                       caption="Geometric mean over head dims, causal flags and seeds; one panel per magnitude class "
+                               "(rows) and dtype (columns)."),
+    ] if not sweep.get("variants") else []  # a variant's lengths are its own (sequences, a cache): no one N axis
+    return [
+        "<h2>RMSE by implementation, magnitude class and dtype</h2>",
+        plot_or_reason(lambda: plots.grouped_bars(bars, rows=op_rows, cols=dtypes, groups=mags,
+                                                  ylabel="RMSE vs float64", names=names,
+                                                  title="RMSE against float64 (geometric mean over N, D, causal)"),
+                       alt="RMSE by implementation, magnitude class and dtype",
+                       caption="One panel per output (rows) and dtype (columns); bars grouped by magnitude class, "
+                               "one colour per implementation. Lower is better; log scale."),
+        *against_n,
+        "<h2>Error / bound</h2>",
+        plot_or_reason(lambda: plots.ratio_histograms(ratios, panels=dtypes, names=names,
+                                                      title="Distribution of error / rounding-error bound, all ops"),
+                       alt="Distribution of error/bound ratios",
+                       caption="Criterion 2 for every measurement of the sweep (O, LSE, dQ, dK, dV). Right of the "
+                               "dashed line the bound is exceeded."),
+    ]
+
+
+def _shown(t, *, below: list | None = None) -> str:
+    """One of :mod:`reports.accuracy`'s tables (the ones accuracy.md shows too)."""
+    return table(t.headers, t.rows, failed=t.failed, below=below)
+
+
+def accuracy_html(result: dict) -> str:
+    """The accuracy report as one self-contained HTML page."""
+    meta = result.get("meta") or {}
+    sweep = meta.get("sweep") or {}
+    versions = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items() if v)
+    partial = result.get("status") != "complete"
+    failed = sum(c.get("failed_cases", 0) for c in result.get("criteria") or [])
+    body = [f"<h1>{esc(title(result))}</h1>",
+            f'<div class="banner {"partial" if partial else ("bad" if failed else "ok")}">'
+            f"{esc(status_words(result))}<br>{esc(len(result.get('results') or []))} "
+            "(implementation, case) results, "
+            f"{esc(failed)} with a failed criterion.</div>",
+            "<h2>Run</h2>",
+            key_values([("command", code(meta.get("command"))),
+                        ("device", f"{meta.get('device')} ({meta.get('device_name')})"), ("versions", versions),
+                        ("started", meta.get("started")), ("written", result.get("finished")),
+                        ("shapes", f"variants {', '.join(sweep['variants'])} (below), H={sweep.get('heads')}, N in "
+                                   f"{sweep.get('lengths')}, D in {sweep.get('head_dims')}, pages of "
+                                   f"{sweep.get('page_size')} keys" if sweep.get("variants") else
+                                   f"B={sweep.get('batch')}, H={sweep.get('heads')}, N = Nq = Nk in "
+                                   f"{sweep.get('lengths')}, D in {sweep.get('head_dims')}"),
+                        ("dtypes", ", ".join(map(str, sweep.get("dtypes") or []))),
+                        ("causal", ", ".join(map(str, sweep.get("causal") or []))),
+                        ("seeds", ", ".join(map(str, sweep.get("seeds") or [])))]),
+            table(("magnitude class", "inputs"), ((m, MAGNITUDE_WORDS.get(m, "see strategies/cases.py"))
+                                                  for m in sweep.get("magnitudes") or [])),
+            '<p class="muted">Inputs are rounded to the dtype first and the float64 reference is computed from the '
+            "rounded inputs. RMSE = sqrt(mean((x - ref)^2)), the FlashAttention-3 paper's measure. err/bound: largest "
+            "error over the componentwise rounding-error bound (criterion 2, at most 1). err/eager: max error over "
+            "that of the same-precision eager attention (criterion 1: at most 2 for O and LSE, 3 for gradients, "
+            "plus a tiny floor).</p>",
+            "<h3>Implementations</h3>",
+            table(("name", "--impl", "causal alignment", "returns LSE", "dtypes", "description"),
+                  ([i.get("name"), code(i.get("spec"), name=True), i.get("causal_alignment"), i.get("returns_lse"),
+                    ", ".join(map(str, i.get("dtypes") or [])), i.get("description")]
+                   for i in result.get("implementations") or []))]
+    protocol = result.get("fa3_protocol")
+    if protocol:
+        *before, after = fa3_words(protocol)
+        body += [f"<h2>{esc(FA3_TITLE)}</h2>", *(f"<p>{esc(w)}</p>" for w in before),
+                 _shown(fa3_table(result)), f'<p class="muted">{esc(after)}</p>']
+    variants = result.get("variants")
+    if variants:
+        *before, after = variant_words(variants)
+        body += [f"<h2>{esc(VARIANTS_TITLE)}</h2>", "<ul>",
+                 *(f"<li>{esc(w.replace('`', ''))}</li>" for w in before), "</ul>",
+                 f'<p class="muted">{esc(after)}</p>', _shown(variant_table(result))]
+    body += _accuracy_plots(result)
+    for op, rmse in rmse_tables(result).items():
+        body += [f"<h2>RMSE of {esc(OP_WORDS.get(op, op))}</h2>",
+                 f'<p class="muted">Geometric mean over {esc(pooled_words(result))}.</p>', _shown(rmse)]
+    crit = criteria_table(result)
+    if crit.rows:
+        body += ["<h2>Pass criteria: largest err/bound and err/eager</h2>", _shown(crit)]
+    worst = worst_table(result)
+    if worst.rows:
+        body += ["<h2>Worst measurements by err/bound</h2>",
+                 _shown(worst, below=[Raw("replay: " + code(w["replay"])) for w in result["worst_cases"]])]
+    skipped = not_measured_table(result)
+    if skipped.rows:
+        body += ["<h2>Not measured</h2>", _shown(skipped)]
+    cases = case_table(result)
+    if cases.rows:
+        body += [f"<h2>Every case ({len(cases.rows)})</h2>", "<details><summary>show the table</summary>",
+                 _shown(cases), "</details>"]
+    return page(title(result), body)

@@ -1,7 +1,7 @@
 """The words of a failure file for a test that fails by an exception other than a property's own
 failure (a kernel that raises, crashes or returns something unusable): the exception's text and
 where it was raised. The case and replay command come from the example the exception left
-(:func:`verify.harness.failing_context`).
+(:func:`verify.context.failing_context`).
 """
 
 from __future__ import annotations

@@ -32,7 +32,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from verify.replay import replay_command  # noqa: F401 - the one replay command; the writers import it from here
+
+
+def replay_command(*, impl: str, prop: str, case: dict, device: str) -> str:
+    """The shell command that replays one case (its ``to_dict()``) of one property on ``impl`` (its
+    ``--impl`` spec): the one form every failure message, failure file and report shows."""
+    parts = ["python", "-m", "verify.replay", "--impl", impl, "--property", prop, "--device", device,
+             "--case", json.dumps(case, separators=(",", ":"))]
+    return " ".join(shlex.quote(p) for p in parts)
+
 
 
 def _current_umask() -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from reports import coverage, margins, memory
-from reports.session import dumps, read_runs, read_stream, replay_command, write_atomic
+from reports.session import read_runs, read_stream, replay_command
 
 # How many of the worst measurements the summary lists (with their replay commands).
 WORST_CASES = 25
@@ -71,7 +71,7 @@ def read_failures(report_dir: str | Path) -> list[dict]:
     return out
 
 
-# What a failure is, read from the words its message starts with (verify/harness.py and verify/failures.py
+# What a failure is, read from the words its message starts with (verify/asserts.py, verify/faults.py and verify/failures.py
 # write them): the first that matches names it. The first two are the kernel's limits, not wrong answers.
 FAILURE_KINDS = (
     ("resource limit (not a wrong answer)", "resource limit (not a wrong answer)"),
@@ -382,25 +382,3 @@ def _failures_markdown(failures: list[dict]) -> list[str]:
             lines += [f"No replay command: {f['note']}", ""]
         lines += ["```", str(f.get("message", "")).strip().replace("```", "'''"), "```", ""]
     return lines
-
-
-def write_summary(report_dir: str | Path, *, outcomes: dict | None = None, html: bool = True) -> dict:
-    """Write ``summary.json``, ``report.md`` and (unless ``html=False``) ``report.html``; return the summary.
-
-    The HTML comes last and its failure is reported in the summary's ``html_error``, never raised: the
-    JSON and Markdown must come out whatever the plotting library does.
-    """
-    report_dir = Path(report_dir)
-    rows, bad = read_measurements(report_dir)
-    summary = summarise(report_dir, outcomes=outcomes, rows=rows, bad=bad)
-    write_atomic(report_dir / "summary.json", dumps(summary, indent=2))
-    write_atomic(report_dir / "report.md", markdown(summary))
-    if html:
-        try:
-            from reports.html import report_html
-
-            write_atomic(report_dir / "report.html", report_html(summary, rows))
-        except Exception as exc:  # noqa: BLE001 - the report must not take the run down with it
-            summary["html_error"] = f"{type(exc).__name__}: {exc}"
-            write_atomic(report_dir / "summary.json", dumps(summary, indent=2))
-    return summary

@@ -10,9 +10,11 @@ import pytest
 
 from flashverify_kernels.registry import registry
 from references.spec import AttentionSpec
-from reports import accuracy, cli
+from reports import accuracy
 from strategies.cases import AttentionCase
 from tests.test_measure import _differences, _key, _verify
+from strategies import sweep as sweeps
+from verify import accuracy as driver
 
 # The variants preset at a shape a test can afford: float16, N(0, 1) inputs, N = 16; fa2_blocked, eager
 # (always added) and sdpa_math, which declares none of the variants.
@@ -24,21 +26,21 @@ IMPLS = ["--impl", "fa2_blocked", "--impl", "sdpa_math"]
 @pytest.fixture(scope="module")
 def variants_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("variants")
-    status = cli.main(["accuracy", "--device", "cpu", "--preset", "variants", *SMALL, *IMPLS, "--out", str(out)])
+    status = driver.main(["--device", "cpu", "--preset", "variants", *SMALL, *IMPLS, "--out", str(out)])
     header = json.loads((out / accuracy.RUN_FILE).read_text())
     return status, out, header, json.loads((out / "accuracy.json").read_text())
 
 
-def _sweep(header: dict) -> accuracy.Sweep:
+def _sweep(header: dict) -> sweeps.Sweep:
     return accuracy._sweep_of(header)
 
 
 # ------------------------------------------------------------------------------------ the cases
-@pytest.mark.parametrize("variant", accuracy.VARIANTS)
+@pytest.mark.parametrize("variant", sweeps.VARIANTS)
 def test_each_variant_case_is_that_variant(variant):
-    case = accuracy.variant_case(variant, length=32, head_dim=8, dtype="bfloat16", heads=8, page_size=4)
+    case = sweeps.variant_case(variant, length=32, head_dim=8, dtype="bfloat16", heads=8, page_size=4)
     spec = case.spec
-    assert accuracy.variant_of(spec) == variant
+    assert sweeps.variant_of(spec) == variant
     if spec.varlen:  # one packed batch, the sums of the sequences' lengths (strategies/cases.py's frame)
         assert case.batch == 1 and (case.len_q, case.len_k) == (sum(spec.seqlens_q), sum(spec.seqlens_k))
         assert len(set(spec.seqlens_k)) == len(spec.seqlens_k) == 4  # sequences of different lengths
@@ -51,18 +53,18 @@ def test_each_variant_case_is_that_variant(variant):
     if variant == "window":
         assert (spec.window_left, spec.window_right) == (8, 0) and spec.causal
     if variant == "softcap":
-        assert spec.softcap == accuracy.VARIANT_SOFTCAP
+        assert spec.softcap == sweeps.VARIANT_SOFTCAP
 
 
 def test_the_preset_is_small_on_a_cpu_and_gpu_sized_on_cuda():
-    cpu, gpu = accuracy.preset("variants", device="cpu"), accuracy.preset("variants", device="cuda")
+    cpu, gpu = sweeps.preset("variants", device="cpu"), sweeps.preset("variants", device="cuda")
     for p in (cpu, gpu):
-        sweep = accuracy.Sweep(**{k: v for k, v in p.items() if k in accuracy.Sweep.__dataclass_fields__})
+        sweep = sweeps.Sweep(**{k: v for k, v in p.items() if k in sweeps.Sweep.__dataclass_fields__})
         assert sweep.dtypes == ("float16", "bfloat16") and sweep.backward
-        assert {accuracy.variant_of(c.spec) for c in sweep.cases()} == set(accuracy.VARIANTS)
+        assert {sweeps.variant_of(c.spec) for c in sweep.cases()} == set(sweeps.VARIANTS)
     assert (cpu["lengths"], cpu["head_dims"], cpu["page_size"]) == ((96,), (32,), 16)
     assert (gpu["lengths"], gpu["head_dims"], gpu["heads"], gpu["page_size"]) == ((4096,), (128,), 16, 256)
-    names = [i.name for i in accuracy.select_implementations([], device="cpu", defaults=cpu["implementations"],
+    names = [i.name for i in driver.select_implementations([], device="cpu", defaults=cpu["implementations"],
                                                              list_all=cpu["list_all"])]
     assert names == ["fa2_blocked", "fa1_blocked", "eager", "triton_fa2", "triton_fa1", "triton_decode"]
 
@@ -80,7 +82,7 @@ def test_whether_the_alignment_changes_the_attention(spec, len_q, len_k, matters
     totals Nq = Nk do not say so for sequences of unequal lengths, nor for a non-causal window."""
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=len_q, len_k=len_k, head_dim=4, dtype="float16",
                          spec=spec)
-    assert accuracy._alignment_matters(case) is matters
+    assert sweeps.alignment_matters(case) is matters
 
 
 # ------------------------------------------------------------------------------------ the sweep
@@ -91,7 +93,7 @@ def test_the_table_names_each_unsupported_implementation_with_its_declarations_r
     sdpa = registry()["sdpa_math"]
     rows = {(r["variant"], r["implementation"]): r for r in result["variants"]["rows"]}
     for case in _sweep(header).cases():
-        variant = accuracy.variant_of(case.spec)
+        variant = sweeps.variant_of(case.spec)
         row = rows[(variant, "sdpa_math")]
         assert row["cases"] == 0 and row["dtype"] == "float16"
         assert row["not_measured"] == sdpa.unsupported_spec(case.spec) is not None, row
@@ -121,7 +123,7 @@ def test_variant_records_equal_pytest_verify_s(variants_run):
         if line.get("kind") == "measurement":
             swept.setdefault(_key(line["implementation"], line["property"], line["case"]), {})[line["op"]] = line
     wrong, compared = [], 0
-    for impl in accuracy.select_implementations(["fa2_blocked"], device="cpu"):
+    for impl in driver.select_implementations(["fa2_blocked"], device="cpu"):
         for case in _sweep(header).cases():
             verdicts, records = _verify(impl, case)
             assert set(records) == {"out", "lse", "dq", "dk", "dv"}, (impl.name, case.describe())
@@ -141,7 +143,7 @@ def test_a_forward_only_kernel_is_measured_on_its_forward_in_a_sweep_with_gradie
 
     from verify import measure
 
-    case = accuracy.variant_case("paged_decode", length=16, head_dim=8, dtype="float32", heads=4, page_size=4)
+    case = sweeps.variant_case("paged_decode", length=16, head_dim=8, dtype="float32", heads=4, page_size=4)
     t = case.build("cpu")
     truth = measure.Truth(case, t.q, t.k, t.v, dout=t.dout)
     blocked = registry()["fa2_blocked"]

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashverify_kernels import calling_conventions as cc
-from flashverify_kernels import registry
+from flashverify_kernels import calling_conventions as cc, registry
 from flashverify_kernels.conventions import ContractError
 from flashverify_kernels.declaration import ImplementationError, declare
 from references import attention as reference
@@ -25,7 +24,7 @@ from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from tests.fixtures import convention_standins as standins
 from verify import properties, replay
-from verify.harness import Context, PropertyFailure
+from verify.context import Context, PropertyFailure
 
 ROOT = Path(__file__).resolve().parent.parent
 STANDINS = "tests/fixtures/convention_standins.py"

@@ -25,7 +25,7 @@ from flashverify_kernels.pytorch import blocked
 from flashverify_kernels.registry import Implementation, registry
 from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
-from verify.harness import Context, PropertyFailure
+from verify.context import Context, PropertyFailure
 from verify.properties import RUNS, NotForThisKernel, run_to_run_identical
 
 ROOT = Path(__file__).resolve().parent.parent

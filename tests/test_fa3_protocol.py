@@ -13,8 +13,10 @@ import torch
 from flashverify_kernels.pytorch.standard import STANDARD, standard_forward
 from references import attention as reference
 from references.spec import AttentionSpec
-from reports import accuracy, cli
+from reports import accuracy
 from strategies.cases import MAGNITUDES, AttentionCase
+from strategies import sweep as sweeps
+from verify import accuracy as driver
 
 # The fa3 preset, at a shape a test can afford (seconds on a CPU): its magnitude class, mask, dtypes, head
 # dim, forward-only and implementations are the preset's.
@@ -24,7 +26,7 @@ SMALL = ["--len", "128", "--heads", "2", "--seed", "0"]
 @pytest.fixture(scope="module")
 def fa3_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fa3")
-    status = cli.main(["accuracy", "--device", "cpu", "--preset", "fa3", *SMALL, "--out", str(out)])
+    status = driver.main(["--device", "cpu", "--preset", "fa3", *SMALL, "--out", str(out)])
     return status, out, json.loads((out / "accuracy.json").read_text())
 
 
@@ -73,7 +75,7 @@ def test_bad_input_is_refused_in_words(call, error, words):
 
 
 def test_the_declaration_loads_by_path_and_by_module():
-    by_path = accuracy.select_implementations(["flashverify_kernels/pytorch/standard.py:STANDARD"], device="cpu")
+    by_path = driver.select_implementations(["flashverify_kernels/pytorch/standard.py:STANDARD"], device="cpu")
     assert [i.name for i in by_path] == ["standard", "eager"]
     assert by_path[0].cli_name == "flashverify_kernels/pytorch/standard.py:STANDARD"
     assert by_path[0].forward.__qualname__ == "standard_forward"  # the file's own copy of the module
@@ -82,14 +84,14 @@ def test_the_declaration_loads_by_path_and_by_module():
 
 # ------------------------------------------------------------------------------------ the preset
 def test_the_preset_is_the_protocol_on_each_device():
-    cpu, gpu = accuracy.preset("fa3", device="cpu"), accuracy.preset("fa3", device="cuda")
+    cpu, gpu = sweeps.preset("fa3", device="cpu"), sweeps.preset("fa3", device="cuda")
     for p in (cpu, gpu):
         assert p["magnitudes"] == ("fa3_outliers",) and p["causal"] == (False,) and p["backward"] is False
         assert p["dtypes"] == ("float16", "bfloat16") and p["head_dims"] == (128,) and p["heads"] == 16
     assert (cpu["batch"], cpu["lengths"]) == (1, (1024,)) and (gpu["batch"], gpu["lengths"]) == (4, (4096,))
-    names = [i.name for i in accuracy.select_implementations([], device="cpu", defaults=cpu["implementations"])]
+    names = [i.name for i in driver.select_implementations([], device="cpu", defaults=cpu["implementations"])]
     assert names == ["standard", "eager", "fa2_blocked"]
-    assert {"triton_fa2", *accuracy.PEERS} <= set(gpu["implementations"])
+    assert {"triton_fa2", *sweeps.PEERS} <= set(gpu["implementations"])
 
 
 def test_fa3_preset_runs_the_protocol_and_its_baseline_does_not_set_the_exit_status(fa3_run):
@@ -141,10 +143,10 @@ def _pooled(records: list[dict]) -> float:
 def test_the_section_is_written_from_the_streamed_records(tmp_path):
     """Edit the RMSE of two streamed records and re-render: the table's RMSE is the one over every element
     of both cases (equal sizes: sqrt((3^2 + 4^2) / 2) e-3), nothing measured anew."""
-    sweep = accuracy.Sweep(lengths=(16,), head_dims=(8,), dtypes=("float16",), magnitudes=("fa3_outliers",),
+    sweep = sweeps.Sweep(lengths=(16,), head_dims=(8,), dtypes=("float16",), magnitudes=("fa3_outliers",),
                            causal=(False,), seeds=(0, 1), backward=False)
-    impls = accuracy.select_implementations(["fa2_blocked"], device="cpu")
-    accuracy.run(sweep, impls, device="cpu", out_dir=tmp_path, command="test", progress=False)
+    impls = driver.select_implementations(["fa2_blocked"], device="cpu")
+    driver.run(sweep, impls, device="cpu", out_dir=tmp_path, command="test", progress=False)
     stream = tmp_path / accuracy.STREAM
     lines = [json.loads(line) for line in stream.read_text().splitlines()]
     for item in lines:
@@ -161,10 +163,10 @@ def test_the_section_is_written_from_the_streamed_records(tmp_path):
 def test_the_table_holds_the_fa3_outliers_cases_and_no_other_class(tmp_path):
     """A sweep over two classes: the table's RMSE is that of the fa3_outliers records alone (the normal
     ones differ); a sweep without the class has no such section."""
-    sweep = accuracy.Sweep(lengths=(16,), head_dims=(8,), dtypes=("float16",), heads=1,
+    sweep = sweeps.Sweep(lengths=(16,), head_dims=(8,), dtypes=("float16",), heads=1,
                            magnitudes=("normal", "fa3_outliers"), causal=(False,), seeds=(0, 1), backward=False)
-    impls = accuracy.select_implementations(["fa2_blocked"], device="cpu")
-    result = accuracy.run(sweep, impls, device="cpu", out_dir=tmp_path, command="test", progress=False)
+    impls = driver.select_implementations(["fa2_blocked"], device="cpu")
+    result = driver.run(sweep, impls, device="cpu", out_dir=tmp_path, command="test", progress=False)
     records = [item for item in accuracy.read_stream(tmp_path)[0]
                if item.get("kind") == "measurement" and item["op"] == "out"]
     assert result["fa3_protocol"]["magnitude"] == "fa3_outliers"
@@ -177,9 +179,9 @@ def test_the_table_holds_the_fa3_outliers_cases_and_no_other_class(tmp_path):
         assert row["rmse"] != pytest.approx(by_class["normal"], rel=1e-3), (name, by_class)
         assert row["cases"] == 2
 
-    plain = accuracy.Sweep(lengths=(16,), head_dims=(8,), dtypes=("float16",), heads=1, magnitudes=("normal",),
+    plain = sweeps.Sweep(lengths=(16,), head_dims=(8,), dtypes=("float16",), heads=1, magnitudes=("normal",),
                            causal=(False,), backward=False)
-    result = accuracy.run(plain, impls, device="cpu", out_dir=tmp_path / "plain", command="test", progress=False)
+    result = driver.run(plain, impls, device="cpu", out_dir=tmp_path / "plain", command="test", progress=False)
     assert "fa3_protocol" not in result
     assert "FlashAttention-3 accuracy protocol" not in (tmp_path / "plain" / "accuracy.md").read_text()
 
@@ -203,7 +205,7 @@ def test_a_class_drawn_per_dtype_has_no_unrounded_reference():
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=8, len_k=8, head_dim=4, dtype="float16",
                          magnitude="near_subnormal")
     with pytest.raises(ValueError, match="does not round to its v: the magnitude class 'near_subnormal'"):
-        accuracy.UnroundedInputs(case, case.build(), device="cpu").out
+        driver.UnroundedInputs(case, case.build(), device="cpu").out
 
 
 def test_the_unrounded_column_is_the_same_out_against_the_float64_twin(fa3_run):
@@ -217,7 +219,7 @@ def test_the_unrounded_column_is_the_same_out_against_the_float64_twin(fa3_run):
     rounded = {(item["implementation"], json.dumps(item["case"], sort_keys=True)): item["rmse"]
                for item in lines if item.get("kind") == "measurement" and item["op"] == "out"}
     assert set(unrounded) == set(rounded) and len(unrounded) == 6  # 3 implementations x 2 dtypes, one seed
-    impls = {i.name: i for i in accuracy.select_implementations(list(accuracy.FA3_IMPLEMENTATIONS), device="cpu")}
+    impls = {i.name: i for i in driver.select_implementations(list(sweeps.FA3_IMPLEMENTATIONS), device="cpu")}
     rows = _rows(result)
     for (name, text), value in unrounded.items():
         case = AttentionCase.from_json(text)

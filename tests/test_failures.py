@@ -15,7 +15,8 @@ from flashverify_kernels import registry
 from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from verify import failures, replay
-from verify.harness import Context, OutOfMemoryError, PropertyFailure, TimeoutFailure
+from verify.context import Context, PropertyFailure, TimeoutFailure
+from verify.faults import OutOfMemoryError
 from verify.runner import run_example
 
 CASE = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float32",

@@ -142,7 +142,7 @@ def test_out_of_memory_fails_with_the_case_and_the_run_goes_on(tmp_path):
 def test_out_of_memory_releases_what_the_traceback_holds_and_empties_the_cuda_cache(monkeypatch):
     import weakref
 
-    from verify import harness
+    from verify import faults
 
     emptied = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -152,13 +152,13 @@ def test_out_of_memory_releases_what_the_traceback_holds_and_empties_the_cuda_ca
     def kernel():
         workspace = torch.empty(1 << 16)  # what a kernel holds when its next allocation fails
         kernel.workspace = weakref.ref(workspace)
-        raise harness.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines")
+        raise faults.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines")
 
     try:
         kernel()
-    except harness.OutOfMemoryError as exc:
+    except faults.OutOfMemoryError as exc:
         assert kernel.workspace() is not None  # the traceback keeps the kernel's frame and its tensors
-        text = harness.release_out_of_memory(exc)
+        text = faults.release_out_of_memory(exc)
         assert kernel.workspace() is None  # released while the exception is still being handled
     assert text == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     assert emptied == [True]
@@ -182,7 +182,7 @@ def test_out_of_memory_in_the_float64_reference_skips_the_case(monkeypatch):
     from flashverify_kernels import registry
     from strategies.cases import AttentionCase
     from verify import properties
-    from verify.harness import Context
+    from verify.context import Context
 
     _simulate_out_of_memory_in_logsumexp(monkeypatch)
     impl = registry.load("tests/fixtures/outside_kernels.py:attention", device="cpu")
@@ -198,7 +198,7 @@ def test_out_of_memory_in_the_suite_outside_the_kernel_is_not_blamed_on_the_kern
     from verify import failures
     from references import attention as reference
     from strategies.cases import AttentionCase
-    from verify.harness import OutOfMemoryError
+    from verify.faults import OutOfMemoryError
 
     _simulate_out_of_memory_in_logsumexp(monkeypatch)
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float32",
@@ -330,7 +330,7 @@ def test_out_of_memory_in_the_suite_skips_the_test_and_in_the_kernel_fails_it(mo
     from verify import failures
     from references import attention as reference
     from strategies.cases import AttentionCase
-    from verify.harness import OutOfMemoryError
+    from verify.faults import OutOfMemoryError
 
     _simulate_out_of_memory_in_logsumexp(monkeypatch)
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=6, head_dim=4, dtype="float32",
@@ -405,7 +405,7 @@ def test_a_sticky_cuda_error_after_the_forward_ends_the_test_with_the_case_that_
     from flashverify_kernels import registry
     from strategies.attention import Limits
     from strategies.cases import AttentionCase
-    from verify.harness import Context, StickyDeviceError
+    from verify.context import Context, StickyDeviceError
     from verify.runner import Env, run_example
 
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float16",

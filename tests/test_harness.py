@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from flashverify_kernels.registry import Implementation
-from references import attention as reference
-from references import baseline, bounds, criteria
+from references import attention as reference, baseline, bounds, criteria
 from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
-from verify.harness import Context, PropertyFailure, assert_accurate, assert_close, check_tensor, run_forward
+from verify.context import Context, PropertyFailure
+from verify.asserts import assert_accurate, assert_close
+from verify.calls import check_tensor, run_forward
 
 CASE = AttentionCase(batch=1, heads_q=2, heads_kv=1, len_q=5, len_k=7, head_dim=8, dtype="float16",
                      spec=AttentionSpec(causal=True))

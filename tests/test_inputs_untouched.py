@@ -21,7 +21,7 @@ from references.spec import AttentionSpec
 from strategies.cases import LAYOUTS, AttentionCase
 from tests.fixtures import inplace_kernels
 from tests.fixtures.outside_kernels import attention
-from verify.harness import Context, PropertyFailure
+from verify.context import Context, PropertyFailure
 from verify.properties import inputs_untouched
 
 ROOT = Path(__file__).resolve().parent.parent

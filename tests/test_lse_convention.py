@@ -7,7 +7,7 @@ from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from tests import mutants
 from verify import properties
-from verify.harness import Context, PropertyFailure
+from verify.context import Context, PropertyFailure
 
 CASE = AttentionCase(batch=1, heads_q=2, heads_kv=1, len_q=5, len_k=9, head_dim=8, dtype="float32",
                      spec=AttentionSpec(True), block_m=4, block_n=4, magnitude="large_logits")

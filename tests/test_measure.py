@@ -14,19 +14,20 @@ from references.metrics import abs_error, max_ratio
 from references.spec import AttentionSpec
 from reports import accuracy
 from reports.summary import num
-from verify import measure, properties
-from verify.harness import Context, PropertyFailure
+from verify import accuracy as driver, calls, measure, properties
+from verify.context import Context, NotForThisCase, PropertyFailure
+from strategies import sweep as sweeps
 
 # eager, sdpa_math and the plain callables declare no backward (their gradient bound is the wider of two
 # models); fa2_blocked declares its own. The broken kernel gives failing verdicts to compare too.
 IMPLS = ("eager", "sdpa_math", "fa2_blocked", "tests/fixtures/outside_kernels.py:attention_broken_drops_last_key")
 SWEEPS = {
-    "ordinary": accuracy.Sweep(lengths=(16,), head_dims=(8,), dtypes=("float16", "float32"),
+    "ordinary": sweeps.Sweep(lengths=(16,), head_dims=(8,), dtypes=("float16", "float32"),
                                magnitudes=("normal", "sparse_outliers"), causal=(False, True)),
     # sdpa_math's dQ here (autograd's eager backward) is near the default gradient bound alone (0.7x to 1.4x
     # over seeds, depending on the CPU's summation order) and far inside the autograd-eager one: a sweep that
     # used the default model alone would record a different err/bound (and at times fail it).
-    "gradient_model": accuracy.Sweep(lengths=(128,), head_dims=(1,), dtypes=("float32",), magnitudes=("v_offset",),
+    "gradient_model": sweeps.Sweep(lengths=(128,), head_dims=(1,), dtypes=("float32",), magnitudes=("v_offset",),
                                      causal=(True,), seeds=(4,)),
 }
 METRICS = ("max_abs", "rmse", "max_ulp", "error_over_bound", "error_over_baseline")
@@ -66,8 +67,8 @@ def _verify(impl, case) -> tuple[dict[str, bool], dict[str, dict]]:
 @pytest.mark.parametrize("name", SWEEPS)
 def test_accuracy_report_decides_as_pytest_verify(name, tmp_path):
     sweep = SWEEPS[name]
-    impls = accuracy.select_implementations(list(IMPLS), device="cpu")
-    result = accuracy.run(sweep, impls, device="cpu", out_dir=tmp_path, command="test", progress=False)
+    impls = driver.select_implementations(list(IMPLS), device="cpu")
+    result = driver.run(sweep, impls, device="cpu", out_dir=tmp_path, command="test", progress=False)
     assert not result["not_measured"], result["not_measured"]
     swept: dict[tuple, dict[str, dict]] = {}
     for line in accuracy.read_stream(tmp_path)[0]:
@@ -109,11 +110,11 @@ def test_the_gradient_model_case_needs_the_wider_bound():
     sweep that used the default model alone would write records that differ from pytest verify's. (Whether
     it is also beyond the default bound depends on the CPU's summation order: 0.7x to 1.4x over seeds.)"""
     (case,) = SWEEPS["gradient_model"].cases()
-    impl = accuracy.select_implementations(["sdpa_math"], device="cpu")[0]
+    impl = driver.select_implementations(["sdpa_math"], device="cpu")[0]
     case = case.replace(spec=AttentionSpec(causal=case.causal, alignment=impl.causal_alignment))
     ctx = Context(impl=impl, prop="gradients_match_reference", case=case)
     t = case.build("cpu")
-    got = measure.run_backward(ctx, case, t.q, t.k, t.v, t.dout)
+    got = calls.run_backward(ctx, case, t.q, t.k, t.v, t.dout)
     truth = measure.Truth(case, t.q, t.k, t.v, dout=t.dout)
     default_dq, *_ = bounds.backward_bounds(truth.ref, t.q, t.k, t.v, dtype=t.q.dtype, out=got["out"])
     err = abs_error(got["dq"], truth.ref.dq)
@@ -142,6 +143,6 @@ def test_a_case_whose_ds_overflows_float16_is_not_for_the_backward_properties():
                          magnitude="v_wide_range", seed=696, block_m=2, block_n=1)
     t = case.build()
     truth = measure.Truth(case, t.q, t.k, t.v, dout=t.dout)
-    with pytest.raises(measure.NotForThisCase, match=r"dS = P \(dP - Delta\) reaches 9.463e\+04"):
+    with pytest.raises(NotForThisCase, match=r"dS = P \(dP - Delta\) reaches 9.463e\+04"):
         truth.ref
     assert measure.Truth(case, t.q, t.k, t.v).ref.ds_max is None  # the forward alone is not concerned

@@ -16,7 +16,7 @@ from flashverify_kernels.pytorch import blocked
 from flashverify_kernels.registry import Implementation, ImplementationError, registry
 from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
-from verify.harness import Context, PropertyFailure
+from verify.context import Context, PropertyFailure
 from verify.properties import NotForThisKernel, outputs_stay_in_bounds
 
 PROP = "outputs_stay_in_bounds"

@@ -13,7 +13,8 @@ from flashverify_kernels.registry import Implementation
 from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
 from verify import properties
-from verify.harness import Context, PropertyFailure, assert_close
+from verify.context import Context, PropertyFailure
+from verify.asserts import assert_close
 
 from examples.reference_attention import attention
 
@@ -165,7 +166,7 @@ def test_a_dk_error_is_not_read_as_a_query_row(len_q, key):
 
 
 def test_a_key_no_row_sees_is_named_for_dk_and_dv_only():
-    from verify.harness import masked_row_note
+    from verify.asserts import masked_row_note
 
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=1, len_k=3, head_dim=4, dtype="float32",
                          spec=AttentionSpec(window_left=0, window_right=0))  # row 0 sees key 2 alone

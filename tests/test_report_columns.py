@@ -13,7 +13,8 @@ from references.metrics import error_stats
 from references.spec import AttentionSpec
 from reports import html, summary
 from strategies.cases import AttentionCase
-from verify.harness import Context, assert_accurate, error_over_eager
+from verify.context import Context
+from verify.asserts import assert_accurate, error_over_eager
 
 from examples.reference_attention import attention
 

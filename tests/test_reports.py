@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from reports import accuracy, cli, html, plots, summary
+from reports import cli, html, plots, summary, write
 from reports.progress import Progress
 from reports.session import ReportSession, clear_report_dir, write_atomic
+from strategies import sweep as sweeps
+from verify import accuracy as driver
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKEN = "tests/fixtures/outside_kernels.py:attention_broken_drops_last_key"
@@ -79,7 +81,7 @@ def test_clear_removes_only_report_files(tmp_path):
     session.close()
     (tmp_path / "notes.txt").write_text("keep me")
     (tmp_path / ".summary.json.abc.tmp").write_text("stale temp file of a killed run")
-    summary.write_summary(tmp_path)
+    write.write_summary(tmp_path)
     clear_report_dir(tmp_path)
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["notes.txt"]
 
@@ -90,7 +92,7 @@ def test_summary_of_a_killed_run_skips_the_truncated_line_and_says_partial(tmp_p
         session.record(_measurement(ratio=ratio, passed=ratio <= 1))
     session._stream.write('{"implementation": "k", "op": "out", "max_a')  # the process died here
     session._stream.flush()
-    result = summary.write_summary(tmp_path)
+    result = write.write_summary(tmp_path)
     assert result["status"] == "partial" and result["unfinished_workers"] == ["main"]
     assert result["measurements"] == 3 and result["unreadable_lines"] == 1
     (row,) = result["by_implementation_op_dtype"]
@@ -120,7 +122,7 @@ def test_html_escapes_hostile_names_messages_and_commands(tmp_path, monkeypatch)
     session.failure(test=f"verify/test_x.py::test_y[{HOSTILE}]", message=f"{HOSTILE} broke & \"quoted\"",
                     replay=f"python -m verify.replay --impl '{HOSTILE}'", case=CASE, prop="p", implementation=HOSTILE)
     session.close()
-    result = summary.write_summary(tmp_path)
+    result = write.write_summary(tmp_path)
     page = (tmp_path / "report.html").read_text()
     assert "html_error" not in result
     assert HOSTILE not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
@@ -239,12 +241,12 @@ def test_xdist_workers_write_their_own_streams_and_one_merged_report(tmp_path):
 # ------------------------------------------------------------------------------------ accuracy
 def test_accuracy_sweep_writes_all_three_outputs_and_resumes(tmp_path, capsys):
     out = tmp_path / "acc"
-    args = ["accuracy", "--device", "cpu", "--len", "16", "--head-dim", "8", "--dtype", "float16",
+    args = ["--device", "cpu", "--len", "16", "--head-dim", "8", "--dtype", "float16",
             "--magnitude", "normal", "sparse_outliers", "--causal", "yes", "--impl", "fa2_blocked", "--out", str(out)]
-    assert cli.main([*args, "--time-limit", "0"]) == 2  # nothing measured yet
+    assert driver.main([*args, "--time-limit", "0"]) == 2  # nothing measured yet
     partial = json.loads((out / "accuracy.json").read_text())
     assert partial["status"] == "partial" and partial["missing"] == 2 * 2
-    assert cli.main([*args, "--resume"]) == 0
+    assert driver.main([*args, "--resume"]) == 0
     result = json.loads((out / "accuracy.json").read_text())
     assert result["status"] == "complete" and len(result["results"]) == 2 * 2
     assert {r["implementation"] for r in result["results"]} == {"fa2_blocked", "eager"}
@@ -264,20 +266,20 @@ def test_accuracy_sweep_writes_all_three_outputs_and_resumes(tmp_path, capsys):
     ("sdpa_flash", 2, "nothing was measured for sdpa_flash: every case was skipped"),
 ])
 def test_accuracy_exit_status_says_failed_or_nothing_measured(tmp_path, capsys, spec, status, words):
-    args = ["accuracy", "--device", "cpu", "--len", "8", "--head-dim", "4", "--dtype", "float16",
+    args = ["--device", "cpu", "--len", "8", "--head-dim", "4", "--dtype", "float16",
             "--magnitude", "normal", "--causal", "no", "--no-backward", "--impl", spec, "--out", str(tmp_path)]
-    assert cli.main(args) == status
+    assert driver.main(args) == status
     assert words in capsys.readouterr().err
 
 
 def test_accuracy_reports_unrunnable_implementations_instead_of_crashing(tmp_path):
     from flashverify_kernels.registry import registry
 
-    impls = accuracy.select_implementations([f"{BROKEN.rsplit(':', 1)[0]}:attention_out_only", "sdpa_flash"],
+    impls = driver.select_implementations([f"{BROKEN.rsplit(':', 1)[0]}:attention_out_only", "sdpa_flash"],
                                             device="cpu")
-    sweep = accuracy.Sweep(lengths=(8,), head_dims=(8,), dtypes=("float16",), magnitudes=("normal",),
+    sweep = sweeps.Sweep(lengths=(8,), head_dims=(8,), dtypes=("float16",), magnitudes=("normal",),
                            causal=(False,))
-    result = accuracy.run(sweep, impls, device="cpu", out_dir=tmp_path, command="test", progress=False)
+    result = driver.run(sweep, impls, device="cpu", out_dir=tmp_path, command="test", progress=False)
     skipped = {s["implementation"]: s["reason"] for s in result["not_measured"]}
     assert "cpu is not among them" in skipped["sdpa_flash"]
     plain = next(r for r in result["results"] if r["implementation"].endswith("attention_out_only"))
@@ -292,9 +294,9 @@ def test_accuracy_records_a_kernel_that_raises_as_not_measured(tmp_path):
         raise RuntimeError("No available kernel. Aborting execution.")
 
     impl = Implementation(name="exploding", forward=explode)
-    sweep = accuracy.Sweep(lengths=(8,), head_dims=(8,), dtypes=("float16",), magnitudes=("normal",),
+    sweep = sweeps.Sweep(lengths=(8,), head_dims=(8,), dtypes=("float16",), magnitudes=("normal",),
                            causal=(False,))
-    result = accuracy.run(sweep, [impl], device="cpu", out_dir=tmp_path, command="test", progress=False)
+    result = driver.run(sweep, [impl], device="cpu", out_dir=tmp_path, command="test", progress=False)
     (entry,) = result["not_measured"]
     assert entry["implementation"] == "exploding" and "No available kernel" in entry["reason"]
     assert result["status"] == "complete" and result["results"] == []
@@ -354,7 +356,7 @@ def test_the_implementations_table_says_how_each_gives_gradients(tmp_path):
              {"name": "old_record", "spec": "old_record", "backward": False}]
     session = ReportSession(tmp_path, header={"device": "cpu", "implementations": impls})
     session.record(_measurement(ratio=0.5, passed=True))
-    summary.write_summary(tmp_path)
+    write.write_summary(tmp_path)
     page = (tmp_path / "report.html").read_text()
     assert "<th>gradients</th>" in page and "backward+Delta" not in page
     cells = {name: page.split(f"<td>{name}</td>", 1)[1].split("</tr>", 1)[0] for name in
@@ -373,7 +375,7 @@ def test_metamorphic_margins_are_streamed_and_folded_per_property(tmp_path):
     session.margin({"implementation": "k", "property": "value_linearity", "check": "out(v A + b)",
                     "dtype": "float32", "difference_over_tolerance": math.inf, "pass": False})
     session.close()
-    result = summary.write_summary(tmp_path, html=False)
+    result = write.write_summary(tmp_path, html=False)
     rows = {r["property"]: r for r in result["metamorphic"]}
     shift = rows["score_shift_invariance"]
     assert (shift["comparisons"], shift["failed"], shift["median_difference_over_tolerance"],

@@ -1,6 +1,6 @@
 """A kernel that cannot run a case for a resource reason (Triton's OutOfResources, a compile error, a CUDA
 launch the driver refuses) fails with that reason in words, distinct from a wrong answer, with its case and
-replay command (``verify.harness.resource_failure``, called by ``run_forward`` and ``run_backward``).
+replay command (``verify.faults.resource_failure``, called by ``run_forward`` and ``run_backward``).
 
 The kernels are in ``tests/fixtures/resource_kernels.py``; the end-to-end test runs ``pytest verify`` on one
 in a subprocess, as a user would, and replays the failure it reports."""
@@ -17,8 +17,9 @@ import torch
 from flashverify_kernels.registry import Implementation, load
 from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
-from verify.harness import Context, PropertyFailure, StickyDeviceError, resource_failure, run_forward
-from verify.measure import run_backward, run_direct_backward
+from verify.context import Context, PropertyFailure, StickyDeviceError
+from verify.faults import resource_failure
+from verify.calls import run_backward, run_direct_backward, run_forward
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402

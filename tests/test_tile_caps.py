@@ -5,14 +5,13 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from flashverify_kernels.registry import Implementation, ImplementationError, registry
 from strategies.attention import attention_cases
 from verify import properties
 from verify.profiles import limits_for
-from verify.harness import Context
+from verify.context import Context
 from verify.runner import limits_of, longest_case
 
 GPU_LIMITS = limits_for("cuda", "gpu")  # 2**20 tiles: the cap that made Python tile loops run for minutes

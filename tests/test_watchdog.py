@@ -14,8 +14,8 @@ import pytest_timeout
 from flashverify_kernels import registry
 from references.spec import AttentionSpec
 from strategies.cases import AttentionCase
-from verify import harness, watchdog
-from verify.harness import Context, TimeoutFailure
+from verify import context, watchdog
+from verify.context import Context, TimeoutFailure
 
 TEST = "verify/test_forward.py::test_out_matches_reference[fa2_blocked-float32]"
 
@@ -67,7 +67,7 @@ def test_a_test_past_its_limit_ends_with_the_case_that_was_running():
     watchdog.start_timer(item, _settings(0.2, "signal"), worker=None)
     try:
         thread = _watchdog_thread(item)
-        with pytest.raises(TimeoutFailure) as info, harness.running(running):  # as run_example runs it
+        with pytest.raises(TimeoutFailure) as info, context.running(running):  # as run_example runs it
             out_matches_reference(running, case)
     finally:
         item.cancel_timeout()

@@ -21,7 +21,7 @@ from strategies.cases import DTYPES, AttentionCase
 from tests.zoo import ZOO, merges, run
 from tests.zoo.common import BLOCKS, fa2_backward, with_autograd
 from verify import properties
-from verify.harness import Context, PropertyFailure
+from verify.context import Context, PropertyFailure
 
 RUNS = (("ci", None), ("dev", 1), ("dev", 2), ("dev", 3))
 

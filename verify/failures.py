@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def property_failures(exc):
     """The suite's own failures in ``exc`` (itself, or in an exception group): each carries its case."""
-    from verify.harness import PropertyFailure, StickyDeviceError, TimeoutFailure
+    from verify.context import PropertyFailure, StickyDeviceError, TimeoutFailure
 
     if isinstance(exc, (PropertyFailure, StickyDeviceError, TimeoutFailure)):
         yield exc
@@ -50,14 +50,14 @@ def _leaves(exc):
 def out_of_memory(exc):
     """The ``torch.OutOfMemoryError`` in ``exc`` (itself, in an exception group, or what it was raised
     from), or None."""
-    from verify.harness import OutOfMemoryError
+    from verify.faults import OutOfMemoryError
 
     return next((e for e in gpu.exception_chain(exc) if isinstance(e, OutOfMemoryError)), None)
 
 
 def release_after_report(exc, oom) -> None:
     """The report is written: drop the tensors the tracebacks of ``exc`` hold, then the device cache."""
-    from verify.harness import release_out_of_memory
+    from verify.faults import release_out_of_memory
 
     if exc is not oom:
         traceback.clear_frames(exc.__traceback__)
@@ -142,7 +142,7 @@ def _raised_where(oom) -> tuple[str, bool]:
 def out_of_memory_message(item, oom, fields) -> str:
     """The failure message of an out-of-memory error that escaped the harness (raised in a backward, or
     in the suite's float64 reference): where it was raised, and whether the suite or the kernel ran out."""
-    from verify.harness import exception_line
+    from verify.faults import exception_line
 
     place, in_reference = _raised_where(oom)
     who = ("the suite's float64 reference ran out of device memory, not the kernel: the case is too large "
@@ -164,10 +164,11 @@ def out_of_memory_message(item, oom, fields) -> str:
 def other_failure(item, exc) -> dict:
     """Failure-file fields for one failure other than a PropertyFailure (a kernel that raises): the case
     is the one the property example was running when the exception was raised (the example marks its
-    exceptions: :func:`verify.harness.attach_context`), with its replay command; without one, a note
+    exceptions: :func:`verify.context.attach_context`), with its replay command; without one, a note
     saying where the exception was raised, outside any example."""
     from reports.failures import KERNEL_RAISED, exception_text, raised_at
-    from verify.harness import declare_hint, failing_context
+    from verify.faults import declare_hint
+    from verify.context import failing_context
 
     ctx = failing_context(exc)
     if ctx is not None and hasattr(ctx.case, "to_dict"):
@@ -189,7 +190,7 @@ def skip_if_the_suite_ran_out_of_memory(item, exc) -> None:
     ooms = [out_of_memory(leaf) for leaf in leaves]
     if not ooms or not all(o is not None and raised_in_references(o) for o in ooms):
         return
-    from verify.harness import release_out_of_memory
+    from verify.faults import release_out_of_memory
 
     fields = other_failure(item, leaves[0])
     reason = out_of_memory_message(item, ooms[0], fields)
@@ -205,8 +206,9 @@ def explain_failure(item, exc, *, worker: str | None) -> list[dict]:
     a replay line added to every exception that has none, Hypothesis's reproduction blob and
     explanation dropped, a sticky CUDA error named (and the process marked poisoned). ``worker`` is
     this process's pytest-xdist worker id, None without one."""
-    from verify.harness import PropertyFailure, StickyDeviceError, TimeoutFailure, declare_hint, exception_line
-    from verify.harness import failing_context
+    from verify.context import PropertyFailure, StickyDeviceError, TimeoutFailure
+    from verify.faults import declare_hint, exception_line
+    from verify.context import failing_context
 
     leaves = list(_leaves(exc))
     _drop_hypothesis_noise(exc)
@@ -279,7 +281,7 @@ _POISONED = "flashverify_poisoned"
 def _poison(item, sticky, worker: str | None) -> str:
     """Mark this process poisoned by a sticky CUDA error (ended after the test: :func:`end_if_poisoned`)
     and say so."""
-    from verify.harness import exception_line
+    from verify.faults import exception_line
 
     config = item.config
     if getattr(config, "_flashverify_poisoned", None) is None:

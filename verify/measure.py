@@ -3,7 +3,7 @@
 :class:`Truth` holds what one case's inputs are compared with: the float64 reference, the
 same-precision eager baseline (criterion 1) and the rounding-error bounds (criterion 2). :func:`check`
 and :func:`check_delta` apply both criteria to one op of the kernel and write its measurement record
-(:func:`verify.harness.assert_accurate`). The properties of :mod:`verify.properties` and the accuracy
+(:func:`verify.asserts.assert_accurate`). The properties of :mod:`verify.properties` and the accuracy
 sweep (:func:`sweep_case`, driven by :mod:`reports.accuracy`) both measure through this module, so the
 sweep decides every op as ``pytest verify`` does.
 """
@@ -15,14 +15,13 @@ from functools import cached_property
 
 import torch
 
-from references import attention as reference
-from references import baseline, bounds
+from references import attention as reference, baseline, bounds
 from references.criteria import magnitudes
 from references.metrics import ErrorStats
-from verify import harness
-from flashverify_kernels.conventions import ContractError
-from flashverify_kernels.declaration import sinks_tensor
-from verify.harness import Context, PropertyFailure, assert_accurate, run_forward
+from verify.asserts import assert_accurate
+from verify.calls import run_backward, run_forward
+from verify.context import Context, NotForThisCase, NotForThisKernel, PropertyFailure
+from verify.faults import OutOfMemoryError, release_out_of_memory
 
 # The ops the accuracy sweep measures, each recorded under the property that checks it (so that the
 # report's replay command reruns exactly that check).
@@ -36,14 +35,6 @@ BACKWARD = ("dq", "dk", "dv", "delta", "dsinks")  # what a backward returns, in 
 def gradients_of(case) -> tuple[str, ...]:
     """The gradients checked on ``case``: dV, dK, dQ, and the sinks' with sinks."""
     return GRADIENTS + (("dsinks",) if case.spec.sinks is not None else ())
-
-
-class NotForThisKernel(Exception):
-    """The property cannot apply to this implementation (e.g. no LSE returned): the test is skipped."""
-
-
-class NotForThisCase(Exception):
-    """The property says nothing about this particular case: the example is rejected."""
 
 
 def representable_gradients(ref: reference.Reference, dtype: torch.dtype) -> None:
@@ -87,10 +78,10 @@ class Truth:
     def ref(self) -> reference.Reference:
         try:
             ref = reference.attention(self.q, self.k, self.v, dout=self.dout, **self.options)
-        except harness.OutOfMemoryError as exc:
+        except OutOfMemoryError as exc:
             # The suite's own float64 reference, not the kernel, ran out: the case is too large for this
             # device, which says nothing about the kernel. Skip with the reason (the memory is released).
-            why = harness.release_out_of_memory(exc)
+            why = release_out_of_memory(exc)
             c = self.case
             raise NotForThisKernel(f"the float64 reference ran out of device memory on {c.describe()} "
                                 f"({c.batch * c.heads_q * c.len_q * c.len_k} scores; lower the profile's "
@@ -189,52 +180,6 @@ def check_delta(ctx: Context, truth: Truth, out: torch.Tensor, delta: torch.Tens
     return assert_accurate(ctx, op="delta", actual=delta, expected=exact,
                            baseline=truth.eager["delta"] + (exact - eager_exact), bound=bounds_of["delta"],
                            input_dtype=truth.q.dtype, magnitude=magnitudes("delta", truth.ref))
-
-
-def run_direct_backward(ctx: Context, case, q, k, v, out, lse, dout):
-    """The implementation's declared backward (``Implementation.call_backward``) on ``case``'s spec:
-    ``(dq, dk, dv, delta)`` (and ``dsinks`` with sinks); a resource failure or a result of the wrong
-    shape fails ``ctx`` in words, as in :func:`run_backward`."""
-    __tracebackhide__ = True
-    contract = None
-    with harness.resource_failures_fail(ctx, case, device=q.device, where="backward"):
-        try:
-            return ctx.impl.call_backward(q, k, v, out, lse, dout, spec=case.spec, scale=case.scale,
-                                          block_m=case.block_m, block_n=case.block_n)
-        except ContractError as exc:
-            contract = str(exc)
-    ctx.fail(contract)
-
-
-def run_backward(ctx: Context, case, q, k, v, dout, *, handed=None) -> dict[str, torch.Tensor]:
-    """The forward on fresh leaves of ``q, k, v`` (and of the sinks, with sinks), then
-    ``out.backward(dout)``: ``out`` (detached), ``lse`` (when returned), ``dq``, ``dk``, ``dv`` (and
-    ``dsinks``). A broken contract fails ``ctx``, and so does a backward that cannot run the case for a
-    resource reason (:func:`verify.harness.resource_failure`). ``handed``: ``Implementation.call``'s."""
-    __tracebackhide__ = True
-    if not ctx.impl.autograd:
-        raise NotForThisKernel(f"{ctx.impl.name} declares no autograd backward")
-    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
-    sinks = None
-    if case.spec.sinks is not None:
-        sinks = sinks_tensor(ctx.impl.name, case.spec, device=q.device, dtype=q.dtype).requires_grad_(True)
-    out, lse = run_forward(ctx, case, q, k, v, sinks=sinks, handed=handed)
-    if not out.requires_grad:
-        ctx.fail("out does not require grad although q, k, v do: no gradient flows through out")
-    with harness.resource_failures_fail(ctx, case, device=q.device, where="backward"):
-        out.backward(dout)
-    results = {"out": out.detach(), **({"lse": lse.detach()} if lse is not None else {})}
-    for label, x in (("dq", q), ("dk", k), ("dv", v), ("dsinks", sinks)):
-        if x is None:
-            continue
-        if x.grad is None and x.numel() == 0:  # an empty input (Nk = 0): a kernel that returns early without
-            results[label] = torch.zeros_like(x)  # reading it leaves no gradient, and its gradient is empty
-            continue
-        if x.grad is None:
-            ctx.fail(f"{label} is None after out.backward(dout)" + (
-                " (the sinks tensor the forward was given gets no gradient)" if label == "dsinks" else ""))
-        results[label] = x.grad
-    return results
 
 
 def sweep_case(impl, case, t, truth: Truth, *, device: str, backward: bool,

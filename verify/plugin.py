@@ -548,7 +548,7 @@ def pytest_sessionfinish(session, exitstatus):
     if _xdist_worker(session.config):
         report.close(exitstatus=exitstatus)
         return  # the controller writes the merged summary once every worker has finished
-    from reports.summary import write_summary
+    from reports.write import write_summary
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     outcomes = {}

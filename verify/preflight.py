@@ -37,8 +37,7 @@ from pathlib import Path
 import torch
 
 from references.spec import AttentionSpec
-from flashverify_kernels import conventions
-from flashverify_kernels import registry as registry_module
+from flashverify_kernels import conventions, registry as registry_module
 from flashverify_kernels.conventions import ContractError
 from flashverify_kernels.registry import Implementation, ImplementationError
 from strategies.attention import conform_length
@@ -249,6 +248,6 @@ def _scale_none(impl: Implementation, q, k, v, *, causal: bool) -> None:
 
 
 def _declare_hint(error: BaseException) -> str:
-    from verify.harness import declare_hint
+    from verify.faults import declare_hint
 
     return declare_hint(error, joiner="; ")

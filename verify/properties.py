@@ -17,8 +17,7 @@ import torch
 from torch.autograd.gradcheck import GradcheckError
 
 from flashverify_kernels.registry import registry
-from references import attention as reference
-from references import mp
+from references import attention as reference, mp
 from references.criteria import ds_magnitude_rowsum
 from references.metrics import abs_error, max_ratio, unit_roundoff
 from references.softmax_bounds import softmax_bounds
@@ -26,8 +25,9 @@ from strategies.attention import tiles_per_axis
 from strategies.cases import DTYPES, LAYOUTS, AttentionCase
 from strategies.softmax import SoftmaxCase
 from verify import measure
-from verify.harness import Context, assert_close, assert_no_nan, check_tensor, lse_dtype, run_forward
-from verify.measure import NotForThisCase, NotForThisKernel, run_backward
+from verify.asserts import assert_close, assert_no_nan
+from verify.calls import check_tensor, lse_dtype, run_backward, run_direct_backward, run_forward
+from verify.context import Context, NotForThisCase, NotForThisKernel
 
 PROPERTIES: dict[str, Callable[[Context, AttentionCase], None]] = {}
 
@@ -623,7 +623,7 @@ def delta_matches_reference(ctx: Context, case: AttentionCase) -> None:
     t = case.build(ctx.device)
     out, lse = run_forward(ctx, case, t.q, t.k, t.v)
     _needs_lse(ctx, lse)
-    grads = measure.run_direct_backward(ctx, case, t.q, t.k, t.v, out, lse, t.dout)
+    grads = run_direct_backward(ctx, case, t.q, t.k, t.v, out, lse, t.dout)
     delta = grads[3]
     truth = _truth(ctx, case, t.q, t.k, t.v, dout=t.dout)
     ref = truth.ref

@@ -13,13 +13,7 @@ import json
 import shlex
 import sys
 
-
-def replay_command(*, impl: str, prop: str, case: dict, device: str) -> str:
-    """The shell command that replays one case (its ``to_dict()``) of one property on ``impl`` (its
-    ``--impl`` spec): the one form every failure message, failure file and report shows."""
-    parts = ["python", "-m", "verify.replay", "--impl", impl, "--property", prop, "--device", device,
-             "--case", json.dumps(case, separators=(",", ":"))]
-    return " ".join(shlex.quote(p) for p in parts)
+from reports.session import replay_command  # noqa: F401 - the replay command's one form, named with its CLI
 
 
 def _parse(argv):
@@ -42,7 +36,7 @@ def main(argv=None) -> int:
     from strategies.cases import AttentionCase, CaseError
     from strategies.softmax import SoftmaxCase
     from verify import properties
-    from verify.harness import Context
+    from verify.context import Context
 
     impl_spec, prop, case_data = args.impl, args.prop, None
     if args.case_file:

@@ -26,8 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import pytest
-from hypothesis import event, given, reject, seed, settings, target
-from hypothesis import strategies as st
+from hypothesis import event, given, reject, seed, settings, strategies as st, target
 
 from flashverify_kernels.registry import Implementation
 from references.spec import AttentionSpec
@@ -36,7 +35,8 @@ from strategies.cases import DTYPES, AttentionCase
 from strategies.softmax import softmax_cases
 from verify import properties
 from verify.gpu import sticky_cuda_error
-from verify.harness import Context, Recorder, StickyDeviceError, free_device_memory, running
+from verify.context import Context, Recorder, StickyDeviceError, running
+from verify.faults import free_device_memory
 from verify.properties import NotForThisCase, NotForThisKernel
 from verify.watchdog import end_if_interrupted
 
@@ -55,7 +55,7 @@ class Env:
     record: Recorder
     seed: int | str | None = None  # --hypothesis-seed: mixed into every derandomized test's seed
     coverage: Recorder = _ignore  # receives one record per test: the boundary classes its examples reached
-    margin: Recorder = _ignore  # receives one record per metamorphic comparison (verify.harness.assert_close)
+    margin: Recorder = _ignore  # receives one record per metamorphic comparison (verify.asserts.assert_close)
 
     def context(self, impl: Implementation, prop: str, case) -> Context:
         """The :class:`Context` of one example of ``prop`` on ``impl``, recording into this run's report."""
@@ -257,11 +257,11 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
 def run_example(fn, ctx: Context, case, env: Env) -> None:
     """Run one example of a property. On a GPU: a sticky CUDA error raised anywhere in it (the kernel's
     backward, or the suite's own work after the kernel broke the context) ends the test with this case
-    (:class:`verify.harness.StickyDeviceError`, which Hypothesis does not shrink: every later example in
+    (:class:`verify.context.StickyDeviceError`, which Hypothesis does not shrink: every later example in
     this process would fail the same way); and the memory the example cached is released, so that the
     next one starts from what the worker's budget allows.
 
-    Any exception leaving the example carries its context (:func:`verify.harness.failing_context`): the
+    Any exception leaving the example carries its context (:func:`verify.context.failing_context`): the
     failure file names the case that ran, exactly as drawn, and its replay command. A run a signal asked to
     end ends here if its interrupt was lost (:func:`verify.watchdog.end_if_interrupted`)."""
     end_if_interrupted()

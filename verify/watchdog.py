@@ -4,7 +4,7 @@ A ``pytest verify`` run gives every test (one property of one implementation in 
 Hypothesis examples, Triton compilations included) ``DEFAULT_TIMEOUT`` = 900 s, through pytest-timeout.
 ``--timeout SECONDS`` (pytest-timeout's own option, or its ``PYTEST_TIMEOUT`` variable or ``timeout`` ini
 key) replaces it, ``--timeout 0`` turns it off; runs that collect no ``verify`` tests (``pytest tests``)
-get no default. A test past its limit fails with a :class:`verify.harness.TimeoutFailure` naming the case
+get no default. A test past its limit fails with a :class:`verify.context.TimeoutFailure` naming the case
 that was running and its replay command, its failure file is written, and the run goes on. A hang
 Python cannot interrupt (a GPU kernel that never finishes: the host waits in native code) is caught by a
 watchdog a grace period later (10% of the limit, 5 to 60 s), which writes the failure file and the
@@ -40,7 +40,7 @@ def start_timer(item, settings, *, worker: str | None) -> None:
 
     pytest-timeout's signal method raises pytest's ``Failed``, which Hypothesis catches as a failing
     example and then replays to shrink it: the replay hangs again, with no timer left, and the run
-    never ends. Here SIGALRM raises :class:`verify.harness.TimeoutFailure` instead, which Hypothesis
+    never ends. Here SIGALRM raises :class:`verify.context.TimeoutFailure` instead, which Hypothesis
     lets through, naming the example that was running. A watchdog thread covers hangs that never
     return to Python (where no signal handler can run): a grace period after the limit it writes the
     failure file and the summary, then ends the process as pytest-timeout's thread method does. Where
@@ -63,7 +63,7 @@ def start_timer(item, settings, *, worker: str | None) -> None:
         __tracebackhide__ = True
         if not settings.disable_debugger_detection and pytest_timeout.is_debugging():
             return
-        from verify.harness import TimeoutFailure, running_context, timeout_message
+        from verify.context import TimeoutFailure, running_context, timeout_message
 
         ctx = running_context()
         raise TimeoutFailure(timeout_message(ctx, seconds=seconds), ctx=ctx)
@@ -88,7 +88,7 @@ def _native_hang(item, settings, worker):
     if not settings.disable_debugger_detection and pytest_timeout.is_debugging():
         return
     from verify.failures import failure_fields
-    from verify.harness import TimeoutFailure, running_context, timeout_message
+    from verify.context import TimeoutFailure, running_context, timeout_message
 
     ctx = running_context()
     failure = TimeoutFailure(timeout_message(ctx, seconds=float(settings.timeout), native=True), ctx=ctx)
@@ -109,7 +109,7 @@ def _native_hang(item, settings, worker):
                 report.close(exitstatus=1)
             else:
                 # The tests after this one will not run: the run stays unfinished, the summary PARTIAL.
-                from reports.summary import write_summary
+                from reports.write import write_summary
 
                 reporter = config.pluginmanager.get_plugin("terminalreporter")
                 outcomes = {key: len(reporter.stats.get(key, [])) for key in ("passed", "failed", "skipped")
