@@ -27,6 +27,38 @@ POWER_OF_TWO_SCALES = (0.125, 0.5, 0.25, 1.0, 2.0, 0.0625, 0.03125)
 DECLARED = "__flashverify_declaration__"
 
 
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """One variant of attention a kernel may declare, described once: the :class:`Implementation` field that
+    declares it (also the strategies' flag that draws it: ``strategies.attention.attention_cases``), what it
+    is called, whether a spec asks for it, and the keyword and value it reaches the kernel as. The
+    declaration's refusals, the kernel's keywords, what a report lists as not covered, the runner's
+    requirements and skip reasons and the draws a declaration allows all derive from :data:`CAPABILITIES`."""
+
+    field: str
+    noun: str  # "a sliding window": what the skip reason says a kernel "declares no" of
+    words: str  # "sliding windows": what a report lists as not covered
+    keyword: str
+    asked: Callable[[AttentionSpec], bool]
+    value: Callable[[AttentionSpec, str, Any, torch.dtype], Any]  # (spec, kernel name, device, dtype)
+
+
+CAPABILITIES = (
+    Capability("windows", "sliding window", "sliding windows", "window_size", lambda s: s.windowed,
+               lambda s, name, device, dtype: (s.window_left, s.window_right)),
+    Capability("softcap", "logit softcap", "logit softcap", "softcap", lambda s: s.softcap is not None,
+               lambda s, name, device, dtype: s.softcap),
+    Capability("alibi", "ALiBi", "ALiBi", "alibi_slopes", lambda s: s.alibi_slopes is not None,
+               lambda s, name, device, dtype: _alibi_tensor(name, s.alibi_slopes, device)),
+    Capability("chunks", "chunked local attention", "chunked local attention", "attention_chunk",
+               lambda s: s.attention_chunk > 0, lambda s, name, device, dtype: s.attention_chunk),
+    Capability("sinks", "attention sinks", "attention sinks", "sinks", lambda s: s.sinks is not None,
+               lambda s, name, device, dtype: sinks_tensor(name, s, device=device, dtype=dtype)),
+    Capability("splits", "split-KV", "split-KV (num_splits)", "num_splits", lambda s: s.num_splits > 1,
+               lambda s, name, device, dtype: s.num_splits),
+)
+
+
 class ImplementationError(ValueError):
     """An implementation declaration or an ``--impl`` specification is invalid."""
 
@@ -269,18 +301,7 @@ class Implementation:
             out.append(f"B x Hq above {self.max_batch_heads}: {why}")
         if not self.gqa:
             out.append(f"grouped-query attention (Hkv < Hq): {why}")
-        if not self.windows:
-            out.append(f"sliding windows: {why}")
-        if not self.softcap:
-            out.append(f"logit softcap: {why}")
-        if not self.alibi:
-            out.append(f"ALiBi: {why}")
-        if not self.chunks:
-            out.append(f"chunked local attention: {why}")
-        if not self.sinks:
-            out.append(f"attention sinks: {why}")
-        if not self.splits:
-            out.append(f"split-KV (num_splits): {why}")
+        out += [f"{cap.words}: {why}" for cap in CAPABILITIES if not getattr(self, cap.field)]
         for convention, words in (("dense", "a dense batch"), ("packed", "variable-length sequences, packed"),
                                   ("padded", "variable-length sequences, padded"), ("paged", "a paged KV cache")):
             if convention not in self.sequences:
@@ -325,18 +346,9 @@ class Implementation:
             return f"{self.name} declares no causal masking"
         if not spec.causal and not self.non_causal:
             return f"{self.name} declares causal attention only"
-        if spec.windowed and not self.windows:
-            return f"{self.name} declares no sliding window"
-        if spec.softcap is not None and not self.softcap:
-            return f"{self.name} declares no logit softcap"
-        if spec.alibi_slopes is not None and not self.alibi:
-            return f"{self.name} declares no ALiBi"
-        if spec.attention_chunk and not self.chunks:
-            return f"{self.name} declares no chunked local attention"
-        if spec.sinks is not None and not self.sinks:
-            return f"{self.name} declares no attention sinks"
-        if spec.num_splits > 1 and not self.splits:
-            return f"{self.name} declares no split-KV"
+        for cap in CAPABILITIES:
+            if cap.asked(spec) and not getattr(self, cap.field):
+                return f"{self.name} declares no {cap.noun}"
         if spec.sequences not in self.sequences:
             return f"{self.name} declares sequences {self.sequences}; the case's are {spec.sequences}"
         if spec.sequences == "paged" and self.page_sizes is not None and spec.page_size not in self.page_sizes:
@@ -357,18 +369,8 @@ class Implementation:
         if why is not None:
             raise ImplementationError(why)
         kwargs: dict[str, Any] = {"causal": spec.causal, "scale": scale}
-        if spec.windowed:
-            kwargs["window_size"] = (spec.window_left, spec.window_right)
-        if spec.attention_chunk:
-            kwargs["attention_chunk"] = spec.attention_chunk
-        if spec.softcap is not None:
-            kwargs["softcap"] = spec.softcap
-        if spec.alibi_slopes is not None:
-            kwargs["alibi_slopes"] = _alibi_tensor(self.name, spec.alibi_slopes, device)
-        if spec.sinks is not None:
-            kwargs["sinks"] = sinks_tensor(self.name, spec, device=device, dtype=dtype)
-        if spec.num_splits > 1:
-            kwargs["num_splits"] = spec.num_splits
+        kwargs.update({cap.keyword: cap.value(spec, self.name, device, dtype)
+                       for cap in CAPABILITIES if cap.asked(spec)})
         if self.tunable and block_m is not None:
             kwargs["block_m"] = block_m
         if self.tunable and block_n is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import math
 from collections.abc import Iterable
@@ -28,7 +29,7 @@ from typing import Any
 import pytest
 from hypothesis import event, given, reject, seed, settings, strategies as st, target
 
-from flashverify_kernels.registry import Implementation
+from flashverify_kernels.declaration import CAPABILITIES, Implementation
 from references.spec import AttentionSpec
 from strategies.attention import Limits, attention_cases, boundary_classes, conform_length
 from strategies.cases import DTYPES, AttentionCase
@@ -104,6 +105,10 @@ class _Coverage:
                       "examples": self.examples, "classes": dict(sorted(self.classes.items()))})
 
 
+def _declares(impl: Implementation, *, field: str) -> bool:
+    return bool(getattr(impl, field))
+
+
 REQUIREMENTS = {
     "autograd": (lambda impl: impl.autograd, "declares no autograd backward"),
     "backward": (lambda impl: impl.backward is not None, "does not expose its backward (and Delta)"),
@@ -114,12 +119,8 @@ REQUIREMENTS = {
     "out_buffers": (lambda impl: impl.out_buffers,
                     "declares no out_buffers (its forward takes no out=/lse= buffers to write into)"),
     "strided": (lambda impl: not impl.contiguous_only, "declares contiguous inputs only"),
-    "windows": (lambda impl: impl.windows, "declares no sliding window"),
-    "softcap": (lambda impl: impl.softcap, "declares no logit softcap"),
-    "alibi": (lambda impl: impl.alibi, "declares no ALiBi"),
-    "chunks": (lambda impl: impl.chunks, "declares no chunked local attention"),
-    "sinks": (lambda impl: impl.sinks, "declares no attention sinks"),
-    "splits": (lambda impl: impl.splits, "declares no split-KV"),
+    # The variants (windows, softcap, alibi, chunks, sinks, splits): from the one table of them.
+    **{cap.field: (functools.partial(_declares, field=cap.field), f"declares no {cap.noun}") for cap in CAPABILITIES},
     "varlen": (lambda impl: bool(set(impl.sequences) - {"dense"}),
                "declares no variable-length sequences (packed, padded or paged)"),
     "paged": (lambda impl: "paged" in impl.sequences, "declares no paged KV cache"),
@@ -192,10 +193,9 @@ def declared_draws(impl: Implementation, causal: bool | None, draw: dict[str, An
     declared = {"gqa": impl.gqa, "block_m": impl.block_m, "block_n": impl.block_n,
                 "alignment": impl.causal_alignment, "equal_lengths": impl.equal_lengths,
                 "len_q_multiple": mq, "len_k_multiple": mk, "scale_choices": impl.scale_choices,
-                "max_batch_heads": impl.max_batch_heads, "windows": impl.windows, "head_dims": impl.head_dims,
-                "softcap": impl.softcap, "alibi": impl.alibi, "chunks": impl.chunks, "sinks": impl.sinks,
-                "splits": impl.splits, "sequences": impl.sequences, "page_sizes": impl.page_sizes,
-                "max_len_q": impl.max_len_q}
+                "max_batch_heads": impl.max_batch_heads, "head_dims": impl.head_dims,
+                **{cap.field: getattr(impl, cap.field) for cap in CAPABILITIES},
+                "sequences": impl.sequences, "page_sizes": impl.page_sizes, "max_len_q": impl.max_len_q}
     if causal is None and not (impl.causal and impl.non_causal):
         causal = impl.causal  # the one mask the kernel runs
     declared["causal"] = causal if impl.causal else False
