@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 
@@ -229,6 +230,43 @@ def check_num_splits(num_splits, *, kernel: str) -> int:
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"{kernel}: num_splits={num_splits!r}, but should be an int >= 1 (1: no split-KV)")
     return num_splits
+
+
+NO_WINDOW = (-1, -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """What a call computes beyond causal attention, validated once for every shipped kernel (the blocked
+    PyTorch kernels, the Triton forward and backward, Triton's decoding): the sliding window ``(left, right)``
+    (-1 unbounded), the chunk width (0: none), the softcap (0.0: none), the ALiBi slopes and sinks tensors (or
+    None) and the number of KV splits. The keywords it comes from are the ones the suite passes for the
+    spec's variants (``flashverify_kernels.declaration.CAPABILITIES``)."""
+
+    window: tuple[int, int] = NO_WINDOW
+    chunk: int = 0
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    splits: int = 1
+
+    @property
+    def plain(self) -> bool:
+        """No variant at all: plain (causal or not) attention."""
+        return (self.window == NO_WINDOW and not self.chunk and not self.softcap and self.alibi_slopes is None
+                and self.sinks is None and self.splits == 1)
+
+
+def variant(q: torch.Tensor, *, kernel: str, window_size=NO_WINDOW, attention_chunk=0, softcap=0.0,
+            alibi_slopes=None, sinks=None, num_splits=1) -> Variant:
+    """The call's :class:`Variant` from its keywords, each checked with a clear error (``q`` a valid query
+    tensor: ``[B, Hq, N, D]``, or ``[total, Hq, D]`` packed, for the slopes' and sinks' shapes)."""
+    return Variant(window=check_window(window_size, kernel=kernel),
+                   chunk=check_attention_chunk(attention_chunk, kernel=kernel),
+                   softcap=check_softcap(softcap, kernel=kernel),
+                   alibi_slopes=None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, q, kernel=kernel),
+                   sinks=check_sinks(sinks, q, kernel=kernel),
+                   splits=check_num_splits(num_splits, kernel=kernel))
 
 
 def _int32_vector(name: str, t, *, device, kernel: str, length: int | None = None) -> list[int]:

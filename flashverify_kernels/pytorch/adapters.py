@@ -44,6 +44,14 @@ class _Eager(torch.autograd.Function):
         return grads[0], grads[1], grads[2], dsinks, None, None
 
 
+def _per_head_slopes(var: _validate.Variant, q, *, kernel: str) -> None:
+    """These adapters take one ALiBi slope per query head (no per-batch ``[B, Hq]`` slopes)."""
+    if var.alibi_slopes is not None and var.alibi_slopes.dim() != 1:
+        raise ValueError(f"{kernel}: alibi_slopes.shape={tuple(var.alibi_slopes.shape)}, but {kernel} takes per-head "
+                         f"slopes only: a float32 torch.Tensor of shape [Hq]=[{q.shape[1]}] (no per-batch [B, Hq] "
+                         "slopes)")
+
+
 def eager_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
                   window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                   alibi_slopes: torch.Tensor | None = None, attention_chunk: int = 0,
@@ -63,22 +71,17 @@ def eager_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     qr, kr, vr = (q, k, v) if seqs is None else (
         torch.cat(seqs.queries(q), dim=2), torch.cat(seqs.keys(k), dim=2), torch.cat(seqs.keys(v), dim=2))
     _validate.check_attention_inputs(qr, kr, vr, kernel="eager", dtypes=ALL_DTYPES, scale=scale)
-    left, right = _validate.check_window(window_size, kernel="eager")
-    softcap = _validate.check_softcap(softcap, kernel="eager")
-    slopes = _validate.check_alibi_slopes(alibi_slopes, qr, kernel="eager")
-    if slopes is not None and slopes.dim() != 1:
-        raise ValueError(f"eager: alibi_slopes.shape={tuple(slopes.shape)}, but eager takes per-head slopes only: "
-                         f"a float32 torch.Tensor of shape [Hq]=[{q.shape[1]}] (no per-batch [B, Hq] slopes)")
-    sinks = _validate.check_sinks(sinks, qr, kernel="eager")
+    var = _validate.variant(qr, kernel="eager", window_size=window_size, attention_chunk=attention_chunk,
+                            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, num_splits=num_splits)
+    _per_head_slopes(var, q, kernel="eager")
     packed = {} if seqs is None else dict(sequences="packed", seqlens_q=tuple(seqs.lens_q),
                                           seqlens_k=tuple(seqs.lens_k))
-    spec = AttentionSpec(causal=causal, window_left=left, window_right=right,
-                         attention_chunk=_validate.check_attention_chunk(attention_chunk, kernel="eager"),
-                         softcap=softcap or None,
-                         alibi_slopes=None if slopes is None else tuple(float(x) for x in slopes.tolist()),
-                         sinks=None if sinks is None else tuple(float(x) for x in sinks.tolist()),
-                         num_splits=_validate.check_num_splits(num_splits, kernel="eager"), **packed)
-    out, lse = _Eager.apply(qr, kr, vr, sinks, spec, scale)
+    spec = AttentionSpec(causal=causal, window_left=var.window[0], window_right=var.window[1],
+                         attention_chunk=var.chunk, softcap=var.softcap or None,
+                         alibi_slopes=None if var.alibi_slopes is None else tuple(var.alibi_slopes.tolist()),
+                         sinks=None if var.sinks is None else tuple(var.sinks.tolist()),
+                         num_splits=var.splits, **packed)
+    out, lse = _Eager.apply(qr, kr, vr, var.sinks, spec, scale)
     if seqs is None:
         return out, lse
     return (seqs.join_queries(list(out.split(seqs.lens_q, dim=2)), q),
@@ -337,14 +340,10 @@ def _flex(q, k, v, *, kernel: str, compiled: bool, devices, dtypes, head_dims, c
         raise ValueError(f"{kernel}: causal={causal!r}, but should be a bool")
     if causal_alignment not in ALIGNMENTS:
         raise ValueError(f"{kernel}: causal_alignment={causal_alignment!r}, but should be one of {ALIGNMENTS}")
-    window = _validate.check_window(window_size, kernel=kernel)
-    chunk = _validate.check_attention_chunk(attention_chunk, kernel=kernel)
-    cap = _validate.check_softcap(softcap, kernel=kernel)
-    slopes = _validate.check_alibi_slopes(alibi_slopes, q, kernel=kernel)
-    if slopes is not None and slopes.dim() != 1:
-        raise ValueError(f"{kernel}: alibi_slopes.shape={tuple(slopes.shape)}, but {kernel} takes per-head slopes "
-                         f"only: a float32 torch.Tensor of shape [Hq]=[{q.shape[1]}] (no per-batch [B, Hq] slopes)")
-    sinks = _validate.check_sinks(sinks, q, kernel=kernel)
+    var = _validate.variant(q, kernel=kernel, window_size=window_size, attention_chunk=attention_chunk,
+                            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    _per_head_slopes(var, q, kernel=kernel)
+    window, chunk, cap, slopes, sinks = var.window, var.chunk, var.softcap, var.alibi_slopes, var.sinks
     len_q, len_k = q.shape[2], k.shape[2]
     working = torch.float64 if q.dtype == torch.float64 else torch.float32
     if len_q == 0:  # nothing to compute (FlexAttention fails on it)

@@ -78,7 +78,7 @@ from flashverify_kernels import _autograd, _validate
 from flashverify_kernels.declaration import ALL_DTYPES
 
 NEG_INF = float("-inf")
-NO_WINDOW = (-1, -1)
+NO_WINDOW = _validate.NO_WINDOW
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -183,9 +183,8 @@ def _mask(s, causal, m0, m1, n0, n1, len_q, len_k, window=NO_WINDOW, chunk=0):
 
 @dataclasses.dataclass(frozen=True)
 class _Variant:
-    """What a call computes beyond causal attention, validated: the mask's window and chunks, the score
-    modifications (``slopes``: :func:`_slope_view`), the sinks (``[Hq]`` in the accumulator dtype) and the
-    number of KV splits."""
+    """The call's :class:`flashverify_kernels._validate.Variant` as the tile loops use it: the slopes as
+    :func:`_slope_view` and the sinks in the accumulator dtype."""
 
     window: tuple[int, int] = NO_WINDOW
     chunk: int = 0
@@ -196,13 +195,11 @@ class _Variant:
 
 
 def _variant(q, *, kernel, acc_dtype, window_size, attention_chunk, softcap, alibi_slopes, sinks, num_splits):
-    slopes = _validate.check_alibi_slopes(alibi_slopes, q, kernel=kernel)
-    sinks = _validate.check_sinks(sinks, q, kernel=kernel)
-    return _Variant(window=_validate.check_window(window_size, kernel=kernel),
-                    chunk=_validate.check_attention_chunk(attention_chunk, kernel=kernel),
-                    softcap=_validate.check_softcap(softcap, kernel=kernel), slopes=_slope_view(slopes, acc_dtype),
-                    sink=None if sinks is None else sinks.detach().to(acc_dtype),
-                    splits=_validate.check_num_splits(num_splits, kernel=kernel))
+    var = _validate.variant(q, kernel=kernel, window_size=window_size, attention_chunk=attention_chunk,
+                            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, num_splits=num_splits)
+    return _Variant(window=var.window, chunk=var.chunk, softcap=var.softcap,
+                    slopes=_slope_view(var.alibi_slopes, acc_dtype),
+                    sink=None if var.sinks is None else var.sinks.detach().to(acc_dtype), splits=var.splits)
 
 
 def _check(q, k, v, *, kernel, scale, block_m, block_n):
