@@ -13,8 +13,6 @@ serialized products, and (on an H100/H200) that it computes attention.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -124,47 +122,42 @@ WARPGROUP_CONFIGS = [(64, 2), (64, 3), (128, 2)]
 _COMPILE = f"WARPGROUP_CONFIGS = {WARPGROUP_CONFIGS!r}\n" + r"""
 from flashverify_kernels.hopper import forward as gf
 
-def build_forward(key, d, groups, dt, gdt, causal, timeline):
+def build_forward(key, d, groups, dt, gdt, causal):
     signature = {"q_desc": desc(dt, gdt, gf.BLOCK_M, d), "k_desc": desc(dt, gdt, gf.BLOCK_N, d),
                  "v_desc": desc(dt, gdt, gf.BLOCK_N, d), "o_desc": desc(dt, gdt, gf.BLOCK_M, d),
                  "Lse": "*fp32", **{name: "i32" for name in ("stride_lb", "stride_lh", "stride_ln")},
                  "c": "fp32", **{name: "i32" for name in ("heads_q", "group", "len_q", "len_k")},
-                 "Timeline": "*i64" if timeline else "constexpr",
                  **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "WARPGROUPS",
-                                                   "CONSUMER_REGS", "TIMELINE")}}
+                                                   "CONSUMER_REGS")}}
     constexprs = {"CAUSAL": causal, "BLOCK_M": gf.BLOCK_M, "BLOCK_N": gf.BLOCK_N, "D": d, "WARPGROUPS": groups,
-                  "CONSUMER_REGS": gf.CONSUMER_REGS, "TIMELINE": timeline}
-    build(key, gf._attn_fwd_ws, signature, constexprs if timeline else {**constexprs, "Timeline": None})
+                  "CONSUMER_REGS": gf.CONSUMER_REGS}
+    build(key, gf._attn_fwd_ws, signature, constexprs)
 
 
 for d, groups in WARPGROUP_CONFIGS:
     for dt, gdt in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
         for causal in (False, True):
-            build_forward(f"d{d}-wg{groups}-{dt}-{'causal' if causal else 'full'}", d, groups, dt, gdt, causal, False)
-# the timeline's stamps (forward(..., timeline=...)) in the kernels of the bench's rows
-for d, groups in WARPGROUP_CONFIGS:
-    build_forward(f"d{d}-wg{groups}-fp16-timeline", d, groups, "fp16", gl.float16, False, True)
+            build_forward(f"d{d}-wg{groups}-{dt}-{'causal' if causal else 'full'}", d, groups, dt, gdt, causal)
 # the persistent kernel (forward() runs it where not causal, and causal over up to 16384 keys, there with the
-# dynamic walk), with its timeline
-def build_persistent(key, d, groups, dt, gdt, causal, timeline):
+# dynamic walk)
+def build_persistent(key, d, groups, dt, gdt, causal):
     signature = {"q_desc": desc(dt, gdt, gf.BLOCK_M, d), "k_desc": desc(dt, gdt, gf.BLOCK_N, d),
                  "v_desc": desc(dt, gdt, gf.BLOCK_N, d), "o_desc": desc(dt, gdt, gf.BLOCK_M, d),
                  "Lse": "*fp32", **{name: "i32" for name in ("stride_lb", "stride_lh", "stride_ln")},
                  "c": "fp32", **{name: "i32" for name in ("heads_q", "group", "len_q", "len_k", "tiles_m",
                                                           "n_tiles")},
-                 "Counter": "*i32", "tail_heads": "i32", "Timeline": "*i64" if timeline else "constexpr",
+                 "Counter": "*i32", "tail_heads": "i32",
                  **{name: "constexpr" for name in ("CAUSAL", "BLOCK_M", "BLOCK_N", "D", "WARPGROUPS",
-                                                   "CONSUMER_REGS", "TIMELINE")}}
+                                                   "CONSUMER_REGS")}}
     constexprs = {"CAUSAL": causal, "BLOCK_M": gf.BLOCK_M, "BLOCK_N": gf.BLOCK_N, "D": d, "WARPGROUPS": groups,
-                  "CONSUMER_REGS": gf.CONSUMER_REGS, "TIMELINE": timeline}
-    build(key, gf._attn_fwd_persistent, signature, constexprs if timeline else {**constexprs, "Timeline": None})
+                  "CONSUMER_REGS": gf.CONSUMER_REGS}
+    build(key, gf._attn_fwd_persistent, signature, constexprs)
 
 
 for d, groups in WARPGROUP_CONFIGS:
     for dt, gdt in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
-        build_persistent(f"d{d}-wg{groups}-{dt}-persistent", d, groups, dt, gdt, False, False)
-    build_persistent(f"d{d}-wg{groups}-fp16-persistent-causal", d, groups, "fp16", gl.float16, True, False)
-    build_persistent(f"d{d}-wg{groups}-fp16-persistent-timeline", d, groups, "fp16", gl.float16, False, True)
+        build_persistent(f"d{d}-wg{groups}-{dt}-persistent", d, groups, dt, gdt, False)
+    build_persistent(f"d{d}-wg{groups}-fp16-persistent-causal", d, groups, "fp16", gl.float16, True)
 """
 
 
@@ -184,14 +177,6 @@ def test_compiles_for_sm90_without_serialized_products(compiled, d, groups, dt, 
 
 @needs_gluon
 @pytest.mark.parametrize("d,groups", WARPGROUP_CONFIGS)
-def test_the_timeline_compiles_without_serialized_products(compiled, d, groups):
-    """forward(..., timeline=...) stamps the SM's cycle counter: the kernel it compiles must stay unserialized
-    (a stamp between a product's issue and its wait must not make ptxas wait for it)."""
-    gluon_compile.assert_not_serialized(compiled[f"d{d}-wg{groups}-fp16-timeline"])
-
-
-@needs_gluon
-@pytest.mark.parametrize("d,groups", WARPGROUP_CONFIGS)
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 def test_the_persistent_kernel_compiles_without_serialized_products(compiled, d, groups, dt):
     gluon_compile.assert_not_serialized(compiled[f"d{d}-wg{groups}-{dt}-persistent"])
@@ -199,23 +184,21 @@ def test_the_persistent_kernel_compiles_without_serialized_products(compiled, d,
 
 @needs_gluon
 @pytest.mark.parametrize("d,groups", WARPGROUP_CONFIGS)
-@pytest.mark.parametrize("variant", ["causal", "timeline"])
-def test_the_persistent_kernel_causal_and_stamped_compiles_without_serialized_products(compiled, d, groups,
-                                                                                        variant):
-    gluon_compile.assert_not_serialized(compiled[f"d{d}-wg{groups}-fp16-persistent-{variant}"])
+def test_the_causal_persistent_kernel_compiles_without_serialized_products(compiled, d, groups):
+    gluon_compile.assert_not_serialized(compiled[f"d{d}-wg{groups}-fp16-persistent-causal"])
 
 
 @needs_gluon
 @pytest.mark.parametrize("d,groups", WARPGROUP_CONFIGS)
-@pytest.mark.parametrize("kind", ["causal", "timeline", "persistent", "persistent-causal", "persistent-timeline"])
+@pytest.mark.parametrize("kind", ["causal", "persistent", "persistent-causal"])
 def test_every_partition_waits_for_the_kernels_before_it(compiled, d, groups, kind):
     """Launched programmatically (gf.PROGRAMMATIC_LAUNCH), a kernel may start before the one ahead of it on the
-    stream has ended: each partition (the consumer warpgroups, the producer warp; the per-tile kernel's
-    timeline row, stamped before them) waits for that one (griddepcontrol.wait) before it touches global
-    memory. One wait fewer would let a partition read inputs, or the walk's counter, not yet written."""
+    stream has ended: each partition (the consumer warpgroups, the producer warp) waits for that one
+    (griddepcontrol.wait) before it touches global memory. One wait fewer would let a partition read inputs,
+    or the walk's counter, not yet written."""
     result = compiled[f"d{d}-wg{groups}-fp16-{kind}"]
     assert "error" not in result, result.get("error")
-    assert result["grid_waits"] == groups + 1 + (kind == "timeline")
+    assert result["grid_waits"] == groups + 1
 
 
 @needs_gluon
@@ -492,55 +475,6 @@ def test_routing_on_hopper(monkeypatch):
     assert (out.double() - ref_out).abs().max().item() <= 4 * 2.0 ** -10
     with pytest.raises(ValueError, match="head dim 32"):
         ta.fa2_forward_raw(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous(), gluon=True)
-
-
-@needs_gluon
-def test_timeline_argument_is_checked():
-    q = torch.zeros(1, 2, 200, 64, dtype=torch.float16)
-    grid = gf.programs(q, q, False)
-    assert grid == (-(-200 // (gf.warpgroups(64, False, 200, 200) * gf.BLOCK_M)), 2)
-    out, lse = torch.empty_like(q), torch.empty(1, 2, 200)
-    for bad, named in ((torch.zeros(grid[0] * grid[1], gf.TIMELINE_SLOTS, dtype=torch.int32), "torch.int32"),
-                       (torch.zeros(grid[0] * grid[1] + 1, gf.TIMELINE_SLOTS, dtype=torch.int64), "int64 tensor")):
-        with pytest.raises(ValueError, match=f"timeline: .*{named}"):
-            gf.forward(q, q, q, out, lse, causal=False, scale=0.125, timeline=bad)
-
-
-@pytest.mark.skipif(not _on_hopper(), reason="the Gluon forward runs on a GPU of compute capability 9.0 only")
-@pytest.mark.parametrize("walk", ["per-tile", "persistent"])
-@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (128, True)])
-def test_timeline_stamps_each_tile_in_order_and_changes_no_output(d, causal, walk, monkeypatch):
-    """forward(..., timeline=...) gives the same outputs, and every tile's row is filled: its SM, its start,
-    and each consumer warpgroup's events in order (rows past the end stamp start, Q and stored only), in the
-    per-tile kernel (a row a program) and in the persistent one (a row a tile, several tiles a program)."""
-    monkeypatch.setattr(gf, "persistent", lambda causal, len_k: walk == "persistent")
-    b, h, n = 4, 16, 2000  # 10 tiles and a tail of 80 rows at head dim 64 (three warpgroups where not causal), 15
-    g = torch.Generator(device="cuda").manual_seed(3)  # and 80 at 128; 704-1024 tiles, 132 SMs or fewer
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
-    outs = []
-    for timeline in (None, torch.zeros(math.prod(gf.programs(q, k, causal)), gf.TIMELINE_SLOTS, dtype=torch.int64,
-                                       device="cuda")):
-        out, lse = torch.empty_like(q), torch.empty(b, h, n, device="cuda")
-        gf.forward(q, k, v, out, lse, causal=causal, scale=d ** -0.5, timeline=timeline)
-        outs.append((out, lse))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    rows = timeline.cpu().tolist()
-    groups = gf.warpgroups(d, causal, n, n)
-    tiles = -(-n // (groups * gf.BLOCK_M))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for i, row in enumerate(rows):
-        assert 0 <= row[0] < sms and row[1] > 0 and row[2] > 0 and row[3] >= row[2], (i, row)
-        # per-tile, causal: program i runs the tile of the longest rows first
-        pid_m = tiles - 1 - i % tiles if causal and walk == "per-tile" else i % tiles
-        for w in range(groups):
-            ev = row[4 + 8 * w: 12 + 8 * w]
-            seen = [e for e in ev if e]
-            # the Q tile arrives after the producer stamped slot 3 and issued its load (one SM's counter)
-            assert seen == sorted(seen) and ev[1] >= row[3] and ev[7] > 0, (i, w, ev)
-            if walk == "per-tile":
-                assert ev[0] >= row[2], (i, w, ev)
-            if (pid_m * groups + w) * gf.BLOCK_M < n:  # rows to compute: every event (Nq == Nk, a key each)
-                assert all(ev), (i, w, ev)
 
 
 @pytest.mark.parametrize("tiles_m,heads,programs", [(8, 256, 132), (8, 512, 132), (32, 64, 132), (64, 32, 132),

@@ -48,22 +48,22 @@ def _flags(on: bool) -> dict:
 
 _BWD_FLAGS = {k: v for k, v in _flags(True).items() if k != "SINKS"}  # dsinks are summed outside the kernels
 
-# case id -> (module, kernel, compile-time constants)
+# case id -> (module under flashverify_kernels, kernel, compile-time constants)
 CASES = {
     # NATURAL: the running max in natural units, which a softcap, ALiBi or sinks need
     # TMA: the unmasked tiles through tensor descriptors built on the host (dense rows only)
-    **{f"fwd_{name}": ("triton_attention", "_attn_fwd",
+    **{f"fwd_{name}": ("triton.attention", "_attn_fwd",
                        {**TILE, **_flags(on), "ALIGNED": True, "CAUSAL": True, "SPLIT": True, "INNER_SCALED": False,
                         "NATURAL": on, "LIBDEVICE": True, "TMA": not on})
        for name, on in (("plain", False), ("every_variant", True))},
-    "fwd_scores_modified_tma": ("triton_attention", "_attn_fwd",
+    "fwd_scores_modified_tma": ("triton.attention", "_attn_fwd",
                                 {**TILE, **_flags(False), "SOFTCAP": True, "ALIBI": True, "SINKS": True, "ALIGNED": True,
                                  "CAUSAL": True, "SPLIT": True, "INNER_SCALED": False, "NATURAL": True,
                                  "LIBDEVICE": True, "TMA": True}),
     # ATOMIC_DQ (dK/dV only): dQ added with atomics from the dK/dV kernel (deterministic=False); GQA (dK/dV
     # only): one loop over (query head, Q block), taken here without atomics, the plain loop with them; MASKED_TMA
     # (backward only; the launcher's choice at head dim 128): the masked tiles through the descriptors too
-    **{f"{kernel}{suffix}": ("triton_attention", kernel,
+    **{f"{kernel}{suffix}": ("triton.attention", kernel,
                              {**TILE, **flags, "ALIGNED": True, "CAUSAL": True, "SPLIT": True, "NATURAL": True,
                               "LIBDEVICE": True, "TMA": tma, "MASKED_TMA": tma,
                               **({"ATOMIC_DQ": atomic, "GQA": not atomic} if kernel == "_attn_bwd_dkdv" else {})})
@@ -74,15 +74,15 @@ CASES = {
            ("_atomic_dq", _BWD_FLAGS, False, True),
            ("_tma_atomic_dq", {**_BWD_FLAGS, "WINDOW": False, "CHUNK": False, "VARLEN": False}, True, True))
        if kernel == "_attn_bwd_dkdv" or not atomic},
-    "_attn_bwd_delta": ("triton_attention", "_attn_bwd_delta",
+    "_attn_bwd_delta": ("triton.attention", "_attn_bwd_delta",
                         dict(BLOCK_D=64, EVEN_D=True, ALIGNED=True, VARLEN=True, ROWS=False, BLOCK_M=64)),
     # ROWS: also the Gluon dK/dV kernel's rows buffer (dense batches)
-    "_attn_bwd_delta_rows": ("triton_attention", "_attn_bwd_delta",
+    "_attn_bwd_delta_rows": ("triton.attention", "_attn_bwd_delta",
                              dict(BLOCK_D=64, EVEN_D=True, ALIGNED=True, VARLEN=False, ROWS=True, BLOCK_M=64)),
-    "_decode_split": ("triton_decode", "_decode_split",
+    "_decode_split": ("triton.decode", "_decode_split",
                       dict(BLOCK_D=64, EVEN_D=True, BLOCK_M=16, BLOCK_N=64, CAUSAL=True, WINDOW=True, SOFTCAP=True,
                            ALIBI=True, SINKS=True, NATURAL=True, LIBDEVICE=True)),
-    "_decode_combine": ("triton_decode", "_decode_combine", dict(BLOCK_D=64, BLOCK_M=16)),
+    "_decode_combine": ("triton.decode", "_decode_combine", dict(BLOCK_D=64, BLOCK_M=16)),
 }
 
 
@@ -95,7 +95,7 @@ def _compile_one(module: str, name: str, constexprs: dict) -> tuple[str, str]:
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    kernel = getattr(importlib.import_module(f"kernels.{module}"), name)
+    kernel = getattr(importlib.import_module(f"flashverify_kernels.{module}"), name)
     if not isinstance(kernel, JITFunction):
         return "fail", f"{module}.{name} is a {type(kernel).__name__}, not a JITFunction: is TRITON_INTERPRET set?"
     declared = {p.name for p in kernel.params if p.is_constexpr}

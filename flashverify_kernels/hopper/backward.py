@@ -1,8 +1,8 @@
 """The FA2 dK/dV kernel on Hopper (compute capability 9.0), written in Gluon, with dQ added in it or not.
 
 :func:`flashverify_kernels.triton.attention.fa2_backward` runs this kernel instead of its Triton dK/dV kernel where
-:func:`unsupported` has no objection (the cases of :func:`flashverify_kernels.hopper.forward.unsupported`). Same numerics
-as the Triton kernel: ``p^T = exp2(k q^T * scale * log2(e) - lse * log2(e))`` in float32, ``p`` and ``dS``
+:func:`unsupported` has no objection (the cases of :func:`flashverify_kernels.hopper.forward.unsupported`). Same
+numerics as the Triton kernel: ``p^T = exp2(k q^T * scale * log2(e) - lse * log2(e))`` in float32, ``p`` and ``dS``
 rounded to the input dtype before their products, float32 accumulators, ``dK`` scaled once at the end;
 dK and dV summed in a fixed order (the query heads of a GQA group one after another, each head's Q tiles
 in order).
@@ -11,7 +11,7 @@ Each program owns ``2 * BLOCK_N`` keys of one (batch, KV head) (``3 * BLOCK_N`` 
 :func:`warpgroups`). One warp issues the TMA loads (the
 program's K and V tiles once, then Q, dO and their rows' ``lse * log2(e)`` and Delta tile by tile into
 shared-memory stages, the rows from the padded buffer of :func:`rows_buffer`, which the backward's Delta
-kernel fills, read where the step uses them: in registers across the step they made it spill); two (or three)
+kernel fills, read where the step uses them: in registers across the step they would make it spill); two (or three)
 consumer warpgroups of four warps, ``BLOCK_N`` keys each, run per Q tile, in the transposed form (rows are keys)::
 
     issue S^T = K Q^T, dP^T = V dO^T             (asynchronous)
@@ -71,11 +71,11 @@ if AVAILABLE:
 LOG2E = math.log2(math.e)
 HEAD_DIMS = gluon_forward.HEAD_DIMS
 BLOCK_N = 64  # keys per consumer warpgroup; a program covers 2 * BLOCK_N
-BLOCK_M = 64  # query rows per stage (128 at head dim 64 spills, and ran 1.3-1.6x slower on an H200)
+BLOCK_M = 64  # query rows per stage (128 at head dim 64 spills registers)
 STAGES = 2
 # the atomic-dQ loop's order per head dim: dK's product first, from registers, overlapping dS^T's store and
-# the warpgroups' barrier (True; H200: 1.03-1.06x at 128, the same sums), or after the barrier from shared
-# memory, with dQ's (False; docs/benchmarks.md)
+# the warpgroups' barrier (True, at 128), or after the barrier from shared memory, with dQ's (False, at 64); the
+# same sums either way
 DK_FIRST = {64: False, 128: True}
 DS_BUFS = 2  # dS^T buffers of the atomic-dQ form: a warpgroup may write one while the other's dQ reads the other
 
@@ -254,7 +254,7 @@ if AVAILABLE:
             off_h = off_hkv * group + g
             st = step % STAGES
             # the stage's rows: LSE * log2(e) and Delta, read from shared memory where used (loaded into
-            # registers at the top of the step, with their indices and mask, they made the loop spill)
+            # registers at the top of the step, with their indices and mask, they would make the loop spill)
             rows_tile = _smem_as(rows_smem.index(st), [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
             mbarrier.wait(ready.index(st), (step // STAGES) & 1)
             q_tile = q_smem.index(st).reshape([BLOCK_M, D])
@@ -415,7 +415,7 @@ if AVAILABLE:
                              WARPGROUPS, ROTATE)),
                 (_dq_writer, (dq_smem, dq_desc, dq_full, dq_empty, lock_ptr, off_b, off_hkv, group, lo, n_tiles, pid_n,
                               n_prog, heads_q, t_all, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, ROTATE)),
-            ], [4, 1, 1], [240, 24, 24])  # (a writer of 32 registers: ptxas serialized the causal products)
+            ], [4, 1, 1], [240, 24, 24])  # (with a writer of 32 registers ptxas serializes the causal products)
         elif WARPGROUPS == 2:
             gl.warp_specialize([
                 (_consumer, (k_smem.index(0), v_smem.index(0), q_smem, do_smem, rows_smem, kh_smem, ds_smem, dq_smem,
@@ -459,9 +459,8 @@ if AVAILABLE:
 
 def warpgroups(head_dim: int, atomic_dq: bool) -> int:
     """Consumer warpgroups (each ``BLOCK_N`` keys) per program: three at head dim 64 without dQ (192 keys
-    share each Q and dO tile; 160 registers a thread hold their accumulators: on the H200 the deterministic
-    backward ran 1.03x as fast at N = 1024 and 1.08x at 4096-16384 as with two, dK and dV bitwise equal),
-    two otherwise (the dQ-added form splits dQ's columns between two)."""
+    share each Q and dO tile loaded; 160 registers a thread hold their accumulators; dK and dV bitwise those
+    of two), two otherwise (the dQ-added form splits dQ's columns between two)."""
     return 3 if head_dim == 64 and not atomic_dq else 2
 
 
@@ -471,7 +470,7 @@ ORDERED_ENV = "FLASHVERIFY_ORDERED_DQ"  # "0": the deterministic backward keeps 
 def ordered_dq(head_dim: int, len_k: int, device) -> bool:
     """Whether the deterministic backward adds dQ in the dK/dV kernel in a fixed order (``ORDERED``: 5 tile
     products, no dQ kernel) rather than running the Triton dQ kernel: at head dim 128 (at 64 the form
-    without dQ runs three warpgroups, 0.93-1.06 of cuDNN's backward on the H200), where every program of a
+    without dQ runs three warpgroups, which the dQ-added form cannot: :func:`warpgroups`), where every program of a
     (batch, KV head), ``2 * BLOCK_N`` keys each, fits the SMs at once (one program a SM: their shared memory),
     which the programs' waits on each other need. The SMs counted are those the device reports, times
     ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` where that is set (an MPS client may get fewer SMs than the device
@@ -529,7 +528,7 @@ def fill_rows(rows: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> tor
 
 
 def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float, dq_sum=None, rows=None,
-         ordered: bool = False, rotate: bool | None = None) -> None:
+         ordered: bool = False) -> None:
     """Write dK and dV of the FA2 backward of ``[B, H, N, D]`` float16/bfloat16 tensors into ``dk``, ``dv``
     (``k``'s shape, contiguous); ``lse`` and ``delta`` (``rowsum(dO * O)``) are ``[B, Hq, Nq]`` float32.
     ``rows``: a :func:`rows_buffer` holding them as the kernel reads them (``None``: made here by
@@ -537,9 +536,9 @@ def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float, dq_su
     which the kernel adds dQ (each program its keys' share, by TMA reduces), in the order the additions
     arrive in (dQ's last bits vary from run to run), or with ``ordered`` in a fixed one (:func:`dq_order`;
     only where :func:`ordered_dq` allows it: the programs of a head wait on each other); ``None``: no dQ
-    (the deterministic backward's dQ kernel computes it). ``rotate``: whether the programs walk the Q tiles
-    from different starts (``None``: where dQ is added, not causal; causal never). Tensors no descriptor
-    reads go through contiguous copies."""
+    (the deterministic backward's dQ kernel computes it). Where dQ is added and not causal, the programs walk
+    a head's Q tiles from different starts (``ROTATE``: :func:`dq_order`). Tensors no descriptor reads go
+    through contiguous copies."""
     b, hkv, len_k, d = k.shape
     hq, len_q = q.shape[1], q.shape[2]
     if b * hkv * len_k == 0:
@@ -565,7 +564,7 @@ def dkdv(q, k, v, dout, lse, delta, dk, dv, *, causal: bool, scale: float, dq_su
     groups = warpgroups(d, atomic)
     if ordered and not atomic:
         raise ValueError("gluon_backward.dkdv: ordered=True adds dQ: it needs dq_sum")
-    rotate = (atomic if rotate is None else rotate) and not causal
+    rotate = atomic and not causal
     if ordered:
         locks = replay.zeros((b * hq * -(-len_q // BLOCK_M), ), dtype=torch.int32, device=q.device)
     else:  # never read

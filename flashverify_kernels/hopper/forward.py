@@ -8,12 +8,11 @@ dtype before ``p @ v``, float32 accumulators, natural-log LSE; bottom-right caus
 no key give ``out = 0``, ``lse = -inf``) but for the exponent: one fused multiply-add ``fma(q.k, c, -fl(m c))``,
 ``c = scale * log2(e)``, where the Triton forward subtracts, then multiplies (``(q.k - m) * c``). The
 offset ``fl(m c)`` is carried with ``m``, so that every ``p`` of a row, the rescale ``2^(fl(m_old c) -
-fl(m_new c))`` (exactly 1 where the max held) and the LSE take the same one. At head dim 64 the loop is
-bound by its issued instructions: one instruction an exponent instead of two ran 1.02-1.06x as fast there,
-1.01-1.03x at 128 (H200, docs/benchmarks.md). What it costs: the largest ``p`` of a row is ``2^d``, ``|d|``
-at most half a float32 ulp of ``m c``, not exactly 1; with logits near 1e4 its rounding to the input dtype
-errs, and a one-hot row's output errs by up to about one ulp of the output instead of half
-(docs/benchmarks.md).
+fl(m_new c))`` (exactly 1 where the max held) and the LSE take the same one. One fused multiply-add an
+exponent instead of a subtraction and a multiply: at head dim 64 the loop is bound by its issued
+instructions. What it costs: the largest ``p`` of a row is ``2^d``, ``|d|`` at most half a float32 ulp of
+``m c``, not exactly 1; with logits near 1e4 its rounding to the input dtype errs, and a one-hot row's output
+errs by up to about one ulp of the output instead of half (docs/benchmarks.md, "Exponents").
 
 Why a second forward: Triton's compiler waits for every tensor-core product right after issuing it, so a
 tile's exponentials never overlap a product. Here each program has three or four partitions (warp
@@ -32,38 +31,40 @@ the stages through "empty" barriers::
 ... but ptxas (Triton 3.6 and 3.9, sm_90a) issues the wait for P_j V_j before the step's exponentials (the compiled
 loop: DEPBAR on P_j V_j right after the mask, then the exponentials, the conversion of P and the rescale), so a
 warpgroup's softmax runs while the other warpgroups' products do, not its own. Keeping that wait after the
-exponentials (an already-complete barrier wait before it, whose loop ends a basic block) ran 0.94-0.98x as fast
-at head dim 64 and 0.99-1.05x at 128 on an H200 (docs/benchmarks.md), so the loop is left to ptxas.
+exponentials needs an already-complete barrier wait before it, whose loop ends a basic block: at head dim 64,
+where the loop is bound by its issued instructions, that costs more than the overlap brings, and at 128 it is
+no faster, so the loop is left to ptxas.
 
 Mostly (:func:`persistent`: not causal, and causal up to 16384 keys) one program per SM walks the tiles
 (:func:`_walk`), with Q in two buffers: the producer loads the next tile's Q while the current tile runs, and the
-K/V ring runs on across tiles, so that a tile starts without waiting for its first loads and no program is
-launched per tile (that wait, the launch and the epilogue were most of a tile's fixed cost: forward(...,
-timeline=...) stamps the per-tile kernel's phases). Not causal the walk takes a head's Q tiles one after another,
-program p the tiles p, p + P, ... (:func:`_walk`). Causal the programs take their tiles as they free up
-(:func:`unit`): the producer warp takes its first unit of the walk by its program's number and each next one
-with one atomic add on a counter that each call's kernel leaves at 0 (:func:`walk_counter`), and hands each tile
-to the consumers through shared memory with its Q. The units (:func:`_unit`): a head's Q tiles paired, the k-th
-longest with the k-th shortest, a head after another, then the last heads' tiles one at a time, longest first, so
-that the walk ends on its shortest tiles. Programs given the same pairs by a fixed walk had ended up to 8% apart,
-beyond the walk's own 3% (docs/benchmarks.md); the dynamic walk ran 1.01-1.06x as fast. On an H200 the persistent
-kernel ran 1.01-1.09x as fast as one program per tile at N = 1024 and 4096, 1.14x at head dim 64 causal over 1024
-keys (docs/benchmarks.md); causal over 16384 keys the hardware's scheduling of one program per tile, the longest
-first, balanced the tiles better (0.975-0.99x, measured with the fixed walk).
+K/V ring runs on across tiles. That is the persistent kernel: a tile starts without waiting for its first loads,
+and no program is launched per tile (that wait, the launch and the epilogue are most of a tile's fixed cost).
+Not causal the walk takes a head's Q tiles one after another, program p the tiles p, p + P, ... (:func:`_walk`).
+Causal the programs take their tiles as they free up (:func:`unit`): the producer warp takes its first unit of
+the walk by its program's number and each next one with one atomic add on a counter that each call's kernel
+leaves at 0 (:func:`walk_counter`), and hands each tile to the consumers through shared memory with its Q. The
+units (:func:`_unit`): a head's Q tiles paired, the k-th longest with the k-th shortest, a head after another,
+then the last heads' tiles one at a time, longest first, so that the walk ends on its shortest tiles. Causal
+tiles do unequal work, and programs given their tiles by a fixed walk, even in pairs of equal work, finish
+further apart than the walk's own imbalance; taking units as programs free up, and ending on the shortest,
+lets them finish together. Causal over more than 16384 keys, one program per tile, the longest rows first,
+leaves that balancing to the hardware's scheduling of programs.
 
 Causal, a head's Q tiles end at its last row (:func:`first_row`): where the rows are not a whole number of
-tiles, the rows missing are the first tile's, which sees fewest keys, not the last one's, which sees most
-(its idle warpgroups had cost three warpgroups 17% at 2048 keys); a warpgroup whose rows would start before
-row 0 runs rows from row 0 on (:func:`wg_row`). Outputs bitwise those of tiles from row 0 (a row's arithmetic
-does not depend on its tile); three warpgroups at head dim 64 now from 2048 causal keys (:func:`warpgroups`).
+tiles, the rows missing are the first tile's, which sees fewest keys, not the last one's, which sees most (a
+warpgroup without rows of its own still runs its tile's loop, and the first tile's loop is the shortest); a
+warpgroup whose rows would start before row 0 runs rows from row 0 on (:func:`wg_row`). Outputs bitwise those
+of tiles from row 0 (a row's arithmetic does not depend on its tile). Three warpgroups at head dim 64 from
+2048 causal keys on (:func:`warpgroups`) rest on this placement of the padding.
 
 Both kernels are launched programmatically (:data:`PROGRAMMATIC_LAUNCH`, CUDA's programmatic dependent launch): a
 kernel may start while the one before it on the stream ends, and each partition waits for that one's writes
 (``griddepcontrol.wait``) before it touches global memory.
 
 No product is in flight across the loop's back edge: when an accumulator in flight is copied there, ptxas
-serializes every product of the kernel (its "C7514" note), which cost this design all its speed
-(docs/benchmarks.md). On the H100 this forward runs 0.9-1.1 of cuDNN's where the Triton one ran 0.7-0.95.
+serializes every product of the kernel (its "C7514" note), which removes every overlap this design exists for
+(tests/test_gluon_forward.py checks that no kernel here gets the note). Today's figures beside cuDNN and the
+other peers: docs/benchmarks.md.
 
 Not available under Triton's interpreter (the CPU runs the Triton forward); tests/test_gluon_forward.py
 compiles it for sm_90 without a GPU and checks it against float64 on one.
@@ -97,24 +98,22 @@ BLOCK_M = 64  # query rows per consumer warpgroup; a program covers warpgroups(.
 BLOCK_N = 128  # keys per KV block
 CONSUMER_REGS = 160  # registers per thread of a consumer warpgroup where there are three (240 with two)
 THREE_WARPGROUPS_CAUSAL_MIN_KEYS = 2048
-THREE_WARPGROUPS_MAX_PADDING = 1.05  # 192-row tiles' rows over 128-row tiles' (warpgroups()): between the
-# 1.03 where three ran 1.05x as fast and the 1.125 where two ran 1.03x
+THREE_WARPGROUPS_MAX_PADDING = 1.05  # 192-row tiles' rows over 128-row tiles' (warpgroups()): three warpgroups
+# at Nq = 2048 and 4096 (1.03), two at 1024 (1.125)
 
 
 def warpgroups(head_dim: int, causal: bool, len_q: int, len_k: int) -> int:
-    """Consumer warpgroups per program. Three at head dim 64 (192 query rows share each K and V block; its
-    accumulators fit 160 registers a thread), except
-    - causal attention over fewer than ``THREE_WARPGROUPS_CAUSAL_MIN_KEYS`` (2048) keys: on the H200 three ran
-      3-8% faster than two wherever not causal (N = 1024-16384) and causal from 4096 keys on. Causal tiles
-      end at a head's last row (:func:`first_row`), so that a head's rows short of a whole tile are missing
-      from its first tile, the one that sees fewest keys; since then three ran 1.02x as fast as two causal
-      at 2048 keys and 1.06x at 3072, but 0.95x at 1024 (H200, float16, the persistent kernel; with tiles
-      from row 0, where the last, longest tile carried the padding, three had run 0.83x as fast at 2048);
+    """Consumer warpgroups per program. Three at head dim 64 (192 query rows share each K and V block loaded;
+    their accumulators fit 160 registers a thread), except
+    - causal attention over fewer than ``THREE_WARPGROUPS_CAUSAL_MIN_KEYS`` (2048) keys, where two are the
+      faster. Causal tiles end at a head's last row (:func:`first_row`), so that a head's rows short of a whole
+      tile are missing from its first tile, the one that sees fewest keys: a warpgroup without rows of its
+      own runs the shortest loop, which is what lets three run causal attention from 2048 keys on;
     - where 192-row tiles would pad the last tile of a head by more than 128-row tiles do, beyond
-      ``THREE_WARPGROUPS_MAX_PADDING``: a warpgroup past the end idles through its tile's whole loop. In the
-      persistent kernel (H200, float16, CUDA graphs) two ran 1.03x as fast as three at Nq = 1024 (1152 rows
-      against 1024), three 1.05x as fast as two at 2048 and 4096 (2112 against 2048, 4224 against 4096).
-    Two at head dim 128 (three would need 64-key blocks, up to 9% slower there)."""
+      ``THREE_WARPGROUPS_MAX_PADDING``: a warpgroup past the end idles through its tile's whole loop (Nq =
+      1024: 1152 rows against 1024, two warpgroups; 2048 and 4096: 2112 against 2048 and 4224 against 4096,
+      three).
+    Two at head dim 128 (three would need 64-key blocks, slower there)."""
     if head_dim != 64 or (causal and len_k < THREE_WARPGROUPS_CAUSAL_MIN_KEYS):
         return 2
     rows_three, rows_two = -(-len_q // (3 * BLOCK_M)) * 3 * BLOCK_M, -(-len_q // (2 * BLOCK_M)) * 2 * BLOCK_M
@@ -134,18 +133,10 @@ def wg_row(start: int, w: int) -> int:
     """The first of the ``BLOCK_M`` rows warpgroup ``w`` runs in the tile from row ``start`` (the kernels'
     ``_wg_row``): never before row 0; a warpgroup whose rows would start there runs rows from row 0 on, some
     of them also another warpgroup's (a row's arithmetic does not depend on the warpgroup that runs it, so
-    both write the same bits), and no TMA box starts at a negative row (the H200 raised an illegal
-    instruction where one did)."""
+    both write the same bits), and no TMA box starts at a negative row (one that does raises an illegal
+    instruction on the H200)."""
     return max(start + w * BLOCK_M, 0)
 
-
-# A program's row of a timeline (``forward(..., timeline=...)``, docs/experiments/gluon_fwd_timeline.py; in the
-# persistent kernel a tile's): 0 its SM (%smid), 1 its start on the global timer (ns), 2 its start on the SM's cycle
-# counter (%clock64), 3 the producer warp's start (persistent: its Q loads issued); then 8 per consumer warpgroup w
-# from 4 + 8 w, cycles when it starts, has its Q tile, has its first K block, has its first scores, has their
-# softmax, leaves the loop, has its last P V, has stored its output.
-TIMELINE_SLOTS = 32
-TIMELINE_EVENTS = ("start", "q", "k0", "s0", "softmax0", "loop", "last_pv", "stored")
 
 ENV_OFF = "FLASHVERIFY_GLUON"  # "0": never take the Gluon kernels (forward, backward dK/dV): the Triton ones run
 
@@ -197,7 +188,6 @@ if AVAILABLE:
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     K_STAGES = gl.constexpr(3)
     V_STAGES = gl.constexpr(2)
-    _TIMELINE_SLOTS = gl.constexpr(TIMELINE_SLOTS)
 
     @gluon.jit
     def _softmax(s, m_i, mc_i, l_i, c, ROW_O: gl.constexpr, P_LAYOUT: gl.constexpr, dtype: gl.constexpr):
@@ -220,17 +210,16 @@ if AVAILABLE:
               BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr):
         """-inf for keys past the end and (causal) past a row's diagonal, in blocks ``j >= n_full`` only. Causal,
         one test a score: a row that exists (``row < len_q``) sees keys up to ``row + len_k - len_q < len_k``, so
-        the diagonal's bound covers the keys' end (rows past ``len_q`` are neither stored nor in the LSE). With both
-        tests a masked step issued 1.61x an unmasked one's instructions, with one 1.38x (head dim 64, two
-        warpgroups, compiled for sm_90a; docs/benchmarks.md).
+        the diagonal's bound covers the keys' end (rows past ``len_q`` are neither stored nor in the LSE), and a
+        masked step, in a loop bound by its issued instructions, issues one test a score where both would issue
+        two.
 
         The test, ``col <= row + causal_offset``, is written as ``col & ~6 <= row + causal_offset - (col & 6)``
         (the same integers: the two parts of ``col`` share no bit). In the scores' layout bits 1-2 of a block's
         column are a thread's lane in its quad and the other bits its register, so that ``col & ~6`` is a
         constant of the element and ``col & 6`` one of the thread: the compiled test is one compare with an
-        immediate, where a column computed element by element cost one more instruction every other score (a
-        masked step 1.31x an unmasked one's instructions instead of 1.38x; 1.02-1.03x as fast at head dim 64
-        causal over 1024-4096 keys, bitwise the same outputs: docs/benchmarks.md)."""
+        immediate, where a column computed element by element costs one more instruction every other score. The
+        outputs are bitwise those of the plain test."""
         if j >= n_full:
             cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
             if CAUSAL:
@@ -244,28 +233,10 @@ if AVAILABLE:
         return s
 
     @gluon.jit
-    def _stamp(stamps, slot: gl.constexpr, TIMELINE: gl.constexpr):
-        """``stamps[slot]`` = the SM's cycle counter (``%clock64``), with ``TIMELINE`` only (:data:`TIMELINE_SLOTS`)."""
-        if TIMELINE:
-            gl.store(stamps + slot, gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
-                                                              is_pure=False, pack=1))
-
-    @gluon.jit
-    def _timeline_row(Timeline, row):
-        """Row ``row`` of a timeline, its first slots stamped: the SM, the global timer and the cycle counter."""
-        stamps = Timeline + row * _TIMELINE_SLOTS
-        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
-        gl.store(stamps, sm.to(gl.int64))
-        gl.store(stamps + 1, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
-                                                       is_pure=False, pack=1))
-        _stamp(stamps, 2, True)
-        return stamps
-
-    @gluon.jit
     def _attend(q_smem, q_bar, q_phase, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring, o_desc, Lse,
                 stride_lb, stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k, causal_offset, n_blocks,
-                n_full, n_loaded, stamps, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                D: gl.constexpr, TIMELINE: gl.constexpr):
+                n_full, n_loaded, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                D: gl.constexpr):
         """One warpgroup, one tile: query rows [start_m, start_m + BLOCK_M) over KV blocks [0, n_blocks), whose
         K and V come through the stages as blocks ``ring + j`` of the producer's walk; then it releases the
         stages of the blocks the producer loaded for the other warpgroups only (up to ``n_loaded``), so that
@@ -285,20 +256,15 @@ if AVAILABLE:
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW_S)
         acc = gl.zeros([BLOCK_M, D], gl.float32, layout=O_LAYOUT)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
-        _stamp(stamps, 0, TIMELINE)
         mbarrier.wait(q_bar, q_phase)
-        _stamp(stamps, 1, TIMELINE)
         if n_blocks > 0:
             mbarrier.wait(k_ready.index(ring % K_STAGES), (ring // K_STAGES) & 1)
-            _stamp(stamps, 2, TIMELINE)
             s = warpgroup_mma(q_tile, k_smem.index(ring % K_STAGES).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s, ))
-            _stamp(stamps, 3, TIMELINE)
             mbarrier.arrive(k_empty.index(ring % K_STAGES), count=1)
             s = _mask(s, 0, n_full, start_m, len_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, S_LAYOUT)
             p, alpha, m_i, mc_i, l_i = _softmax(s, m_i, mc_i, l_i, c, ROW_O, P_LAYOUT, dtype)
-            _stamp(stamps, 4, TIMELINE)
             for j in range(0, n_blocks - 1):
                 kn = (ring + j + 1) % K_STAGES
                 vj = (ring + j) % V_STAGES
@@ -314,14 +280,12 @@ if AVAILABLE:
                 p, alpha, m_i, mc_i, l_i = _softmax(s, m_i, mc_i, l_i, c, ROW_O, P_LAYOUT, dtype)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(vj), count=1)
-            _stamp(stamps, 5, TIMELINE)
             vj = (ring + n_blocks - 1) % V_STAGES
             acc = acc * gl.expand_dims(alpha, 1)
             mbarrier.wait(v_ready.index(vj), ((ring + n_blocks - 1) // V_STAGES) & 1)
             acc = warpgroup_mma(p, v_smem.index(vj).reshape([BLOCK_N, D]), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(vj), count=1)
-            _stamp(stamps, 6, TIMELINE)
         for i in range(ring + gl.maximum(n_blocks, 0), ring + n_loaded):
             mbarrier.wait(k_ready.index(i % K_STAGES), (i // K_STAGES) & 1)
             mbarrier.arrive(k_empty.index(i % K_STAGES), count=1)
@@ -329,11 +293,10 @@ if AVAILABLE:
             mbarrier.arrive(v_empty.index(i % V_STAGES), count=1)
 
         # Rows with no visible key: l = 0, acc = 0 -> out = 0, lse = -inf. One reciprocal a row, then a product an
-        # element: ``acc / l`` compiled to a full-range division an element (range tests and scalings around each
+        # element: ``acc / l`` compiles to a full-range division an element (range tests and scalings around each
         # product; bitwise the same result where l is a normal float, as it is here: l >= 1 or the row is empty).
         # Then the output's store is issued before the LSE's, so that the fence before it does not wait for them.
-        # The epilogue, compiled (Triton 3.6, sm_90a; from the last product's wait to the store's): 496 -> 287
-        # instructions at head dim 128 (the store issued after 191, was 494), 347 -> 233 at 64 (docs/benchmarks.md).
+        # Both shorten the epilogue, which no product of this warpgroup overlaps.
         l_o = gl.convert_layout(l_i, ROW_O)
         empty = l_o == 0.0
         l_safe = gl.where(empty, 1.0, l_o)
@@ -348,18 +311,16 @@ if AVAILABLE:
                  mask=rows < len_q)
         if start_m < len_q:
             tma.store_wait(pendings=0)
-        _stamp(stamps, 7, TIMELINE)
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, Lse, stride_lb,
                   stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k, causal_offset, n_blocks, n_full,
-                  n_loaded, stamps, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                  TIMELINE: gl.constexpr):
+                  n_loaded, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
         """One warpgroup of a program of one tile."""
         _after_prior_grids()
         _attend(q_smem, q_bar, 0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 0, o_desc, Lse, stride_lb,
                 stride_lh, stride_ln, c, off_b, off_h, start_m, len_q, len_k, causal_offset, n_blocks, n_full,
-                n_loaded, stamps, CAUSAL, BLOCK_M, BLOCK_N, D, TIMELINE)
+                n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)
 
     @gluon.jit
     def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, off_b, off_hkv, ring, n_loaded,
@@ -379,11 +340,10 @@ if AVAILABLE:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, off_b,
-                  off_h, off_hkv, start_m, n_loaded, stamps, WARPGROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, TIMELINE: gl.constexpr):
+                  off_h, off_hkv, start_m, n_loaded, WARPGROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
         """One warp: every warpgroup's Q tile, then K and V block by block into the stages as they are freed."""
         _after_prior_grids()
-        _stamp(stamps, 3, TIMELINE)
         for w in gl.static_range(WARPGROUPS):
             mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
             _tma_load(q_desc, [off_b, off_h, _wg_row(start_m, w, BLOCK_M), 0], q_bar.index(w), q_smem.index(w))
@@ -503,45 +463,29 @@ if AVAILABLE:
                 gl.sum(gl.where(i == 2, t, 0), 0), gl.sum(gl.where(i == 3, t, 0), 0))
 
     @gluon.jit
-    def _row(off_b, off_h, start_m, heads_q, tiles_m, len_q, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-             WARPGROUPS: gl.constexpr):
-        """A tile's row of a timeline in the persistent kernel: ``(b * Hq + h) * tiles_m + pid_m``, a head's Q
-        tiles in order (the per-tile kernel's rows are its programs', causal ones the longest rows first)."""
-        return (off_b * heads_q + off_h) * tiles_m + (start_m - _first_row(0, len_q, CAUSAL, BLOCK_M, WARPGROUPS)) \
-            // (WARPGROUPS * BLOCK_M)
-
-    @gluon.jit
     def _consume(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, Lse, stride_lb,
-                 stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m, Timeline, off_b, off_h, start_m, n_loaded,
-                 ring, i_t, W: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 D: gl.constexpr, WARPGROUPS: gl.constexpr, TIMELINE: gl.constexpr):
+                 stride_lh, stride_ln, c, len_q, len_k, off_b, off_h, start_m, n_loaded, ring, i_t, W: gl.constexpr,
+                 CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                 WARPGROUPS: gl.constexpr):
         """Consumer warpgroup ``W``'s rows of the program's ``i_t``-th tile, its K/V blocks from block ``ring`` of
         the ring on; then Q's buffer released."""
         row = _wg_row(start_m, W, BLOCK_M)
         n_blocks, n_full = _blocks(row, len_q, len_k, len_k - len_q, CAUSAL, BLOCK_M, BLOCK_N)
         buf = i_t % 2
-        if TIMELINE:
-            stamps = Timeline + _row(off_b, off_h, start_m, heads_q, tiles_m, len_q, CAUSAL, BLOCK_M, WARPGROUPS) \
-                * _TIMELINE_SLOTS + 4 + 8 * W
-        else:
-            stamps = Lse  # not written
         _attend(q_smem.index(buf * WARPGROUPS + W), q_ready.index(buf * WARPGROUPS + W), (i_t // 2) & 1, k_smem,
-                v_smem, k_ready, v_ready, k_empty, v_empty, ring, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b,
-                off_h, row, len_q, len_k, len_k - len_q, n_blocks, n_full, n_loaded, stamps, CAUSAL, BLOCK_M, BLOCK_N,
-                D, TIMELINE)
+                v_smem, k_ready, v_ready, k_empty, v_empty, ring, o_desc, Lse, stride_lb, stride_lh, stride_ln, c,
+                off_b, off_h, row, len_q, len_k, len_k - len_q, n_blocks, n_full, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)
         mbarrier.arrive(q_empty.index(buf), count=1)
 
     @gluon.jit
     def _consumer_persistent(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, slots,
                              o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m, n_tiles,
-                             Timeline, W: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                             BLOCK_N: gl.constexpr, D: gl.constexpr, WARPGROUPS: gl.constexpr,
-                             TIMELINE: gl.constexpr):
+                             W: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                             D: gl.constexpr, WARPGROUPS: gl.constexpr):
         """Consumer warpgroup ``W`` of a persistent program: its rows of each of the program's tiles
         (:func:`_consume`), Q from the buffer of the tile's parity, which it releases once its output is stored;
         the tiles of the walk (:func:`_walk`) or, ``CAUSAL``, each as the producer leaves it in ``slots``
-        (:func:`_put_tile`), slot of the tile's parity, ready with its Q. ``TIMELINE``: its events stamped in the
-        tile's row (:func:`_row`)."""
+        (:func:`_put_tile`), slot of the tile's parity, ready with its Q."""
         _after_prior_grids()
         ring = 0
         i_t = 0
@@ -550,8 +494,8 @@ if AVAILABLE:
             off_b, off_h, start_m, n_loaded = _take_tile(slots, 0)
             while off_b >= 0:
                 _consume(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, Lse,
-                         stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m, Timeline, off_b, off_h,
-                         start_m, n_loaded, ring, i_t, W, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS, TIMELINE)
+                         stride_lb, stride_lh, stride_ln, c, len_q, len_k, off_b, off_h, start_m, n_loaded, ring, i_t,
+                         W, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)
                 ring += n_loaded
                 i_t += 1
                 buf = i_t % 2
@@ -563,27 +507,20 @@ if AVAILABLE:
                                                            BLOCK_N, WARPGROUPS)
             if valid:
                 _consume(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, Lse,
-                         stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k, tiles_m, Timeline, off_b, off_h,
-                         start_m, n_loaded, ring, i_t, W, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS, TIMELINE)
+                         stride_lb, stride_lh, stride_ln, c, len_q, len_k, off_b, off_h, start_m, n_loaded, ring, i_t,
+                         W, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)
                 ring += n_loaded
                 i_t += 1
 
     @gluon.jit
     def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                 slots, heads_q, group, tiles_m, len_q, Timeline, off_b, off_h, start_m, n_loaded, ring, i_t,
-                 CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr,
-                 TIMELINE: gl.constexpr):
+                 slots, group, off_b, off_h, start_m, n_loaded, ring, i_t, CAUSAL: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr):
         """The producer's ``i_t``-th tile: its Q tiles into the buffer of its parity once free (two tiles back;
         ``CAUSAL``: the tile left in the slot of that parity, :func:`_put_tile`), then its K and V blocks into the
-        ring from block ``ring`` on. ``TIMELINE``: the tile's row gets the SM and the times it takes the tile up
-        (slots 0-2) and issues its Q (slot 3)."""
+        ring from block ``ring`` on."""
         buf = i_t % 2
-        if TIMELINE:
-            stamps = _timeline_row(Timeline, _row(off_b, off_h, start_m, heads_q, tiles_m, len_q, CAUSAL, BLOCK_M,
-                                                  WARPGROUPS))
         mbarrier.wait(q_empty.index(buf), ((i_t // 2) & 1) ^ 1, pred=i_t >= 2)
-        if TIMELINE:
-            _stamp(stamps, 3, TIMELINE)
         if CAUSAL:
             _put_tile(slots, buf, off_b, off_h, start_m, n_loaded)
         for w in gl.static_range(WARPGROUPS):
@@ -596,8 +533,8 @@ if AVAILABLE:
     @gluon.jit
     def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                              k_empty, v_empty, slots, Counter, heads_q, group, len_q, len_k, tiles_m, n_tiles,
-                             tail_heads, Timeline, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                             BLOCK_N: gl.constexpr, WARPGROUPS: gl.constexpr, TIMELINE: gl.constexpr):
+                             tail_heads, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                             WARPGROUPS: gl.constexpr):
         """The producer warp of a persistent program: its tiles' loads (:func:`_produce`), the tiles of the walk
         (:func:`_walk`) or, ``CAUSAL``, those of the units it takes one at a time: program p's first is unit p,
         each next one ``programs`` past the count of ``Counter`` (:func:`_claim`, issued before the unit's loads
@@ -619,8 +556,8 @@ if AVAILABLE:
                     off_b, off_h, start_m, n_loaded = _tile(pid_bh, pid_m, heads_q, len_q, len_k, CAUSAL, BLOCK_M,
                                                             BLOCK_N, WARPGROUPS)
                     _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, slots, heads_q, group, tiles_m, len_q, Timeline, off_b, off_h,
-                             start_m, n_loaded, ring, i_t, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS, TIMELINE)
+                             k_empty, v_empty, slots, group, off_b, off_h, start_m, n_loaded, ring, i_t, CAUSAL,
+                             BLOCK_M, BLOCK_N, WARPGROUPS)
                     ring += n_loaded
                     i_t += 1
                 u = _claimed(r) + programs
@@ -641,8 +578,8 @@ if AVAILABLE:
                                                            BLOCK_N, WARPGROUPS)
             if valid:
                 _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, slots, heads_q, group, tiles_m, len_q, Timeline, off_b, off_h, start_m, n_loaded,
-                         ring, i_t, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS, TIMELINE)
+                         v_empty, slots, group, off_b, off_h, start_m, n_loaded, ring, i_t, CAUSAL, BLOCK_M, BLOCK_N,
+                         WARPGROUPS)
                 ring += n_loaded
                 i_t += 1
 
@@ -664,14 +601,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, group, len_q,
-                     len_k, Timeline, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     D: gl.constexpr, WARPGROUPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, TIMELINE: gl.constexpr):
+                     len_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                     WARPGROUPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
-        if TIMELINE:  # this program's row of the timeline: SM, start (global timer, cycles), then the partitions'
-            _after_prior_grids()
-            stamps = _timeline_row(Timeline, gl.program_id(1) * gl.num_programs(0) + gl.program_id(0))
-        else:
-            stamps = Lse  # not written
         if CAUSAL:  # the longest rows first
             pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         else:
@@ -711,40 +643,34 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
                              o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, row0, len_q, len_k,
-                             causal_offset, n0, full0, n_loaded, stamps + 4, CAUSAL, BLOCK_M, BLOCK_N, D,
-                             TIMELINE)),
+                             causal_offset, n0, full0, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
                 (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty, v_empty,
                              o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, row1, len_q,
-                             len_k, causal_offset, n1, full1, n_loaded, stamps + 12, CAUSAL, BLOCK_M, BLOCK_N,
-                             D, TIMELINE)),
+                             len_k, causal_offset, n1, full1, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                             v_empty, off_b, off_h, off_h // group, start_m, n_loaded, stamps, WARPGROUPS, BLOCK_M,
-                             BLOCK_N, TIMELINE)),
+                             v_empty, off_b, off_h, off_h // group, start_m, n_loaded, WARPGROUPS, BLOCK_M, BLOCK_N)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
                              o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, row0, len_q, len_k,
-                             causal_offset, n0, full0, n_loaded, stamps + 4, CAUSAL, BLOCK_M, BLOCK_N, D,
-                             TIMELINE)),
+                             causal_offset, n0, full0, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
                 (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty, v_empty,
                              o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, row1, len_q,
-                             len_k, causal_offset, n1, full1, n_loaded, stamps + 12, CAUSAL, BLOCK_M, BLOCK_N,
-                             D, TIMELINE)),
+                             len_k, causal_offset, n1, full1, n_loaded, CAUSAL, BLOCK_M, BLOCK_N, D)),
                 (_consumer, (q_smem.index(2), k_smem, v_smem, q_bar.index(2), k_ready, v_ready, k_empty, v_empty,
                              o_desc, Lse, stride_lb, stride_lh, stride_ln, c, off_b, off_h, row2,
-                             len_q, len_k, causal_offset, n2, full2, n_loaded, stamps + 20, CAUSAL, BLOCK_M,
-                             BLOCK_N, D, TIMELINE)),
+                             len_q, len_k, causal_offset, n2, full2, n_loaded, CAUSAL, BLOCK_M, BLOCK_N,
+                             D)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                             v_empty, off_b, off_h, off_h // group, start_m, n_loaded, stamps, WARPGROUPS, BLOCK_M,
-                             BLOCK_N, TIMELINE)),
+                             v_empty, off_b, off_h, off_h // group, start_m, n_loaded, WARPGROUPS, BLOCK_M, BLOCK_N)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
     @gluon.jit
     def _attn_fwd_persistent(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q,
-                             group, len_q, len_k, tiles_m, n_tiles, Counter, tail_heads, Timeline,
-                             CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                             WARPGROUPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, TIMELINE: gl.constexpr):
+                             group, len_q, len_k, tiles_m, n_tiles, Counter, tail_heads, CAUSAL: gl.constexpr,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, WARPGROUPS: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr):
         """One program per SM: not causal over the tiles ``program_id, program_id + programs, ...`` of the walk
         (:func:`_walk`), causal over the units of the dynamic walk as it frees up (:func:`_unit`); Q in two
         buffers, so that the next tile's is loaded while this one runs, and the K/V ring runs on from tile to
@@ -775,35 +701,28 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                         slots, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k,
-                                        tiles_m, n_tiles, Timeline, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS,
-                                        TIMELINE)),
+                                        tiles_m, n_tiles, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)),
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                         slots, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k,
-                                        tiles_m, n_tiles, Timeline, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS,
-                                        TIMELINE)),
+                                        tiles_m, n_tiles, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                         v_ready, k_empty, v_empty, slots, Counter, heads_q, group, len_q, len_k,
-                                        tiles_m, n_tiles, tail_heads, Timeline, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS,
-                                        TIMELINE)),
+                                        tiles_m, n_tiles, tail_heads, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                         slots, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k,
-                                        tiles_m, n_tiles, Timeline, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS,
-                                        TIMELINE)),
+                                        tiles_m, n_tiles, 0, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)),
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                         slots, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k,
-                                        tiles_m, n_tiles, Timeline, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS,
-                                        TIMELINE)),
+                                        tiles_m, n_tiles, 1, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)),
                 (_consumer_persistent, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                                         slots, o_desc, Lse, stride_lb, stride_lh, stride_ln, c, heads_q, len_q, len_k,
-                                        tiles_m, n_tiles, Timeline, 2, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS,
-                                        TIMELINE)),
+                                        tiles_m, n_tiles, 2, CAUSAL, BLOCK_M, BLOCK_N, D, WARPGROUPS)),
                 (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                         v_ready, k_empty, v_empty, slots, Counter, heads_q, group, len_q, len_k,
-                                        tiles_m, n_tiles, tail_heads, Timeline, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS,
-                                        TIMELINE)),
+                                        tiles_m, n_tiles, tail_heads, CAUSAL, BLOCK_M, BLOCK_N, WARPGROUPS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
     _GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
@@ -826,7 +745,7 @@ if AVAILABLE:
         which must be :func:`readable` (every caller checks, or passes a contiguous copy) with no empty
         dimension. The first one of a tile shape and dtype goes through ``TensorDescriptor``'s checks; the
         next ones take its tile fields (block shape, layout, padding) and set their own base, shape and
-        strides, which ``readable`` has checked: the checks cost as much host time as the rest of a
+        strides, which ``readable`` has checked: the checks take as much host time as the rest of a
         launch's Python."""
         shape = list(t.shape)
         cols = shape[3] if cols is None else cols
@@ -845,24 +764,23 @@ if AVAILABLE:
 
 PERSISTENT_CAUSAL_MAX_KEYS = 16384
 # Launch the kernels programmatically (CUDA's programmatic dependent launch): a kernel may start while the one
-# before it on the stream ends (in a causal call, the zero fill of the walk's counter), its partitions waiting
-# for that one's writes before they touch global memory (_after_prior_grids). On an H200 1.005-1.006x at N = 1024
-# causal (docs/benchmarks.md, fifteenth session).
+# before it on the stream ends, its partitions waiting for that one's writes before they touch global memory
+# (_after_prior_grids), so that its launch and its setup (shared memory, barriers, its tile's indices) overlap
+# the end of the kernel before it.
 PROGRAMMATIC_LAUNCH = True
 
 
 def persistent(causal: bool, len_k: int) -> bool:
     """Whether :func:`forward` runs the persistent kernel (one program per SM walking the tiles) rather than one
-    program per tile: not causal, and causal up to :data:`PERSISTENT_CAUSAL_MAX_KEYS` keys. On an H200, with the
-    walk's fixed pairs, the persistent kernel ran causal attention 1.02-1.14x as fast at N = 1024 and 4096 and
-    0.975-0.99x at 16384, where the hardware's scheduling of one program per tile balanced their unequal work
-    better; with the dynamic walk (:func:`unit`) 1.008x (head dim 128) and 1.041x (64) at 16384 (beyond: not
-    measured)."""
+    program per tile: not causal, and causal up to :data:`PERSISTENT_CAUSAL_MAX_KEYS` keys, the longest rows the
+    bench times (``python -m flashverify_kernels.triton.bench``, N up to 16384), over which the dynamic walk
+    (:func:`unit`) balances the causal tiles' unequal work. Over longer rows, one program per tile, the longest
+    rows first, leaves that balancing to the hardware's scheduling of programs."""
     return not causal or len_k <= PERSISTENT_CAUSAL_MAX_KEYS
 
 
-# Single tiles at the walk's end, about this many a program (tail_heads). On an H200, 2 and 5 ran within the
-# noise of 3; 4, 5, 6 and 8 ran 0.96-1.006x of 3 at 1024-4096 causal keys (docs/benchmarks.md, sixteenth session).
+# Single tiles at the walk's end, about this many a program (tail_heads): the walk's shortest tiles, last, fill
+# in for the programs that free up first, so that the programs end together.
 TAIL_UNITS_PER_PROGRAM = 3
 
 
@@ -930,21 +848,12 @@ def programs(q, k, causal: bool) -> tuple:
     return -(-len_q // (warpgroups(d, causal, len_q, k.shape[2]) * BLOCK_M)), b * hq
 
 
-def forward(q, k, v, out, lse, *, causal: bool, scale: float, timeline: torch.Tensor | None = None) -> None:
+def forward(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
     """Write the FA2 forward of ``[B, H, N, D]`` float16/bfloat16 tensors into ``out`` and ``lse`` (``[B, Hq,
     Nq]`` float32, any strides); ``Hq`` a multiple of ``Hkv`` (GQA). A tensor no descriptor reads
-    (:func:`readable`) goes through a contiguous copy; no key at all gives ``out = 0``, ``lse = -inf``.
-    ``timeline``: an int64 tensor of ``[P, TIMELINE_SLOTS]`` on q's device, P the tiles of :func:`programs`,
-    that the kernel stamps as it runs (:data:`TIMELINE_SLOTS`; a kernel compiled apart, for profiling): the
-    per-tile kernel (:func:`persistent` false) on its program ``(i, j)``'s row ``j * grid[0] + i`` (causal, the
-    program ``i`` runs Q tile ``grid[0] - 1 - i``), the persistent one on tile ``(m, j)``'s row ``j * grid[0] +
-    m``, slots 0-3 then stamped by the producer as it takes the tile up."""
+    (:func:`readable`) goes through a contiguous copy; no key at all gives ``out = 0``, ``lse = -inf``."""
     b, hq, len_q, d = q.shape
     grid = programs(q, k, causal)
-    if timeline is not None and (timeline.dtype != torch.int64 or timeline.device != q.device
-                                 or tuple(timeline.shape) != (grid[0] * grid[1], TIMELINE_SLOTS)):
-        raise ValueError(f"timeline: an int64 tensor of shape {(grid[0] * grid[1], TIMELINE_SLOTS)} on {q.device} "
-                         f"expected, got {timeline.dtype} {tuple(timeline.shape)} on {timeline.device}")
     if b * hq * len_q == 0:
         return
     if k.shape[2] == 0:
@@ -964,8 +873,8 @@ def forward(q, k, v, out, lse, *, causal: bool, scale: float, timeline: torch.Te
         n_prog = min(n_tiles, _sm_count(q.device))
         counter = replay.provided(walk_counter, q.device) if causal else lse  # unread where not causal
         replay.launch(_attn_fwd_persistent, (n_prog, ), *args, grid[0], n_tiles, counter,
-                      tail_heads(n_prog, grid[0], grid[1]), timeline, TIMELINE=timeline is not None, **meta)
+                      tail_heads(n_prog, grid[0], grid[1]), **meta)
     else:
-        replay.launch(_attn_fwd_ws, grid, *args, timeline, TIMELINE=timeline is not None, **meta)
+        replay.launch(_attn_fwd_ws, grid, *args, **meta)
     if target is not out:
         out.copy_(target)

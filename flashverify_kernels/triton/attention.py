@@ -37,7 +37,7 @@ On Hopper (compute capability 9.0) the FA2 forward of a plain float16/bfloat16 c
 128 runs :mod:`flashverify_kernels.hopper.forward` instead, the same algorithm written in Gluon (each exponent one
 fused multiply-add there: its module's doc), with
 its products overlapped with the softmax (which Triton's compiler does not do) and, but for causal
-attention over more than 8192 keys, one program per SM walking the tiles
+attention over more than 16384 keys, one program per SM walking the tiles
 (:func:`flashverify_kernels.hopper.forward.persistent`), and the backward's dK/dV
 kernel runs :mod:`flashverify_kernels.hopper.backward`, which at head dim 128 also adds dQ (in a fixed order where the
 backward is deterministic, so that no dQ kernel runs: :func:`flashverify_kernels.hopper.backward.ordered_dq`);
@@ -73,7 +73,7 @@ read through ``[B, H, N, D]`` descriptors built once per launch on the host (TMA
 float16/bfloat16 rows with unit column stride and 16-byte aligned strides and a head dim that is a power of
 two up to 128. Masked tiles keep pointer loads (keys past a tile's last visible one read as 0), except in
 the backward at head dim 128, where they come through the descriptors too (rows past the end read as 0
-there as well; measured faster at 128, slower at 64: docs/benchmarks.md).
+there as well; at 64 the masked pointer loads are the faster).
 
 Block sizes are powers of two >= 16. With ``block_m=None, block_n=None`` the tiles, warps and pipeline
 stages are autotuned on the GPU (per padded head dim, dtype, causal flag and a coarse sequence-length
@@ -315,7 +315,7 @@ def _load_rows(ptrs, rows, row_end, offs_d, head_dim, BLOCK_D: tl.constexpr, EVE
                CHECK_ROWS: tl.constexpr):
     """Load a [rows, BLOCK_D] tile; rows >= row_end and columns >= head_dim read as 0. EVEN_D: every
     column is read, without a column mask (a mask against the runtime head dim, even one that is all
-    true, costs registers: the dK/dV kernel spilled with it)."""
+    true, costs registers: the dK/dV kernel spills with it)."""
     if CHECK_ROWS and EVEN_D:
         tile = tl.load(ptrs, mask=rows[:, None] < row_end, other=0.0)
     elif CHECK_ROWS:
@@ -748,13 +748,13 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, Slopes, desc_q, de
     """Add the Q blocks lo, lo + BLOCK_M, ... < hi of each of the ``group`` query heads of KV head
     ``off_hkv`` to a KV tile's dK, dV (:func:`_attn_bwd_dkdv_block`). GQA (group > 1): head by head in
     one loop over (head, block), so that no loop nested in another carries the accumulators (with one,
-    the compiled kernel spilled); otherwise a plain loop over the blocks (the combined loop's index
-    arithmetic measured 3-6% slower there: docs/benchmarks.md)."""
+    the compiled kernel spills); otherwise a plain loop over the blocks (without a group to step through, the
+    combined loop's index arithmetic would only add instructions)."""
     if GQA:
         blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
         # The divisor is kept >= 1: a pipelined loop computes its first iterations' addresses before it
-        # tests the trip count, and with no block, step // 0 (undefined on the GPU) made them point outside
-        # the tensor (an illegal memory access on the H100, non-causal, whose diagonal loop is empty).
+        # tests the trip count, and with no block, step // 0 (undefined on the GPU) would make them point
+        # outside the tensor (an illegal memory access where a loop has no block: the diagonal loop, not causal).
         blocks_nonzero = tl.maximum(blocks, 1)
         for step in range(0, group * blocks):
             g = step // blocks_nonzero
@@ -1052,8 +1052,8 @@ _attn_bwd_dq_tuned = triton.autotune(configs=_configs(_BWD_TILES), key=_bwd_key,
 # --------------------------------------------------------------------------------------------------
 
 # The autotuner's choice for each launch signature seen, so that later launches skip Triton's autotuning
-# wrapper, which rebuilds its key and argument dictionaries from the 40-odd arguments on every call: at
-# N = 1024 the host took about as long to launch a call as the GPU took to run it (docs/benchmarks.md).
+# wrapper, which rebuilds its key and argument dictionaries from the 40-odd arguments on every call: for a
+# short call that host time is about as long as the kernel's GPU time.
 # Keyed by a superset of the autotuner's own key (every constexpr passed, the sequence bucket, and the
 # dtype of every tensor argument), so a signature new here is resolved through the autotuner once.
 _CHOSEN: dict[tuple, triton.Config] = {}
@@ -1201,9 +1201,9 @@ def _gluon_plan(call: _Call, head_dim: int, tensors, *, inner_scaled: bool, fixe
                 backward: bool = False) -> bool:
     """Whether the forward (or, ``backward``, the backward's dK/dV kernel) runs the Gluon kernel of Hopper:
     ``gluon=None`` where it takes the call as it is (:func:`flashverify_kernels.hopper.forward.unsupported`,
-    :func:`flashverify_kernels.hopper.backward.unsupported`; tiles not fixed), ``False`` never, ``True`` always (the tiles
-    then fix the Triton dQ kernel's only; tensors no descriptor reads go through contiguous copies), or a
-    ValueError naming what rules the call out."""
+    :func:`flashverify_kernels.hopper.backward.unsupported`; tiles not fixed), ``False`` never, ``True`` always
+    (the tiles then fix the Triton dQ kernel's only; tensors no descriptor reads go through contiguous copies),
+    or a ValueError naming what rules the call out."""
     if gluon is False:
         return False
     variant = any(call.flags[name] for name in _VARIANT_KEY if name != "SINKS") or call.sinks is not None
@@ -1228,16 +1228,14 @@ _PLAIN = dict(window_size=(-1, -1), attention_chunk=0, softcap=0.0, alibi_slopes
               cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
 _SETTING_TYPES = (type(None), bool, int, float, str)
 _UNKNOWN = object()
-_PLAN_SCOPE = object()
 
 
 def _plan_key(name: str, tensors: tuple, settings: tuple, variant: dict) -> tuple | None:
-    """The signature under which :mod:`flashverify_kernels.triton.replay` keeps a launch plan of a plain dense call (every
-    tensor non-empty, no variant keyword, settings of plain types), None for a call that takes the full
+    """The signature under which :mod:`flashverify_kernels.triton.replay` keeps a launch plan of a plain dense call
+    (every tensor non-empty, no variant keyword, settings of plain types), None for a call that takes the full
     path every time (and with plans off: ``FLASHVERIFY_REPLAY=0``). Besides the tensors' metadata and the
     settings, what the full path's choices read: the Gluon switch of the environment and the device
-    Triton launches on; :data:`_PLAN_SCOPE` keeps apart the plans of two copies of this module
-    (docs/experiments load older ones beside it)."""
+    Triton launches on."""
     if not replay.enabled():
         return None
     for value in settings:
@@ -1250,7 +1248,7 @@ def _plan_key(name: str, tensors: tuple, settings: tuple, variant: dict) -> tupl
     for t in tensors:
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
             return None
-    return (_PLAN_SCOPE, name, *((type(value), value) for value in settings), os.environ.get(gluon_forward.ENV_OFF),
+    return (name, *((type(value), value) for value in settings), os.environ.get(gluon_forward.ENV_OFF),
             replay.current_device(), *map(replay.tensor_key, tensors))
 
 
@@ -1346,11 +1344,12 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     autotunes each kernel's tiles on the GPU. The variant keywords are the forward's.
 
     On Hopper the dK/dV kernel of a plain call runs the warp-specialized Gluon kernel of
-    :mod:`flashverify_kernels.hopper.backward` (same numerics; with ``deterministic=False`` it adds dQ by TMA reduces,
-    and so does the deterministic backward at head dim 128, in a fixed order, with no dQ kernel:
-    :func:`flashverify_kernels.hopper.backward.ordered_dq`); ``gluon`` decides it as it decides the forward's kernel in
-    :func:`fa2_forward` (``True``: the fixed tiles are the dQ kernel's only, where one runs).
-    A plain call replays the launch plan of its signature where one was recorded (:mod:`flashverify_kernels.triton.replay`).
+    :mod:`flashverify_kernels.hopper.backward` (same numerics; with ``deterministic=False`` it adds dQ by TMA
+    reduces, and so does the deterministic backward at head dim 128, in a fixed order, with no dQ kernel:
+    :func:`flashverify_kernels.hopper.backward.ordered_dq`); ``gluon`` decides it as it decides the forward's
+    kernel in :func:`fa2_forward` (``True``: the fixed tiles are the dQ kernel's only, where one runs).
+    A plain call replays the launch plan of its signature where one was recorded
+    (:mod:`flashverify_kernels.triton.replay`).
     """
     tensors = (q, k, v, out, lse, dout)
     key = None
@@ -1411,8 +1410,7 @@ def _backward_full(q, k, v, out, lse, dout, *, causal: bool, scale, block_m, blo
               *stride_lse, *stride_delta[:2], call.stride_sb)
     # Descriptors for the unmasked tiles (Q and dO in dK/dV, K and V in dQ): as in the forward; at head dim
     # 128 for the masked ones too (MASKED_TMA: rows past the end read as 0, as masked pointer loads read
-    # them). On the H100 that made the causal backward 2.5-7% faster at head dim 128 and up to 6% slower at
-    # 64, in three runs each (docs/benchmarks.md).
+    # them); at 64 the masked pointer loads are the faster.
     tma = _use_tma(call, d, block_d, q4, k4, v4, dout4)
     meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), "TMA": tma,
             "MASKED_TMA": tma and block_d == 128, **variant_meta}
@@ -1498,13 +1496,14 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     logits, float32) and packed variable-length sequences: ``q [total_q, Hq, D]``, ``k``, ``v [total_k,
     Hkv, D]`` with ``cu_seqlens_q``, ``cu_seqlens_k`` (int32) and ``max_seqlen_q``, ``max_seqlen_k``,
     returning ``out [total_q, Hq, D]`` and ``lse [Hq, total_q]``. ``deterministic=False``: the backward adds
-    dQ with atomics (see :func:`fa2_backward`): dQ not bitwise reproducible; faster on Hopper in most rows
-    measured (docs/benchmarks.md), not in all.
+    dQ with atomics (see :func:`fa2_backward`): fewer tile products and no dQ kernel, but dQ not bitwise
+    reproducible.
 
     On Hopper (compute capability 9.0) the forward of a plain call (no variant keyword; float16/bfloat16;
     head dim 64 or 128; ``scale > 0``; tiles not fixed) runs the warp-specialized Gluon kernel of
-    :mod:`flashverify_kernels.hopper.forward`, and its backward the Gluon dK/dV kernel of :mod:`flashverify_kernels.hopper.backward`
-    (the Delta kernel, and in the deterministic backward the dQ kernel, stay Triton ones): same numerics.
+    :mod:`flashverify_kernels.hopper.forward`, and its backward the Gluon dK/dV kernel of
+    :mod:`flashverify_kernels.hopper.backward` (the Delta kernel, and in the deterministic backward the dQ kernel,
+    stay Triton ones): same numerics.
     ``gluon=False`` keeps the Triton kernels; ``gluon=True`` requires the Gluon ones (a ValueError names
     what rules the call out; ``block_m``/``block_n`` then fix the dQ kernel's tiles only; inputs no
     descriptor reads are copied contiguous first).

@@ -96,10 +96,10 @@ def timed_interleaved(measurements: dict, rounds: int, times=_gpu_times, budget_
     cache flush (``times``: the calls' times in ms, in their order). Returns ``{key: median ms of all its
     calls}`` and, under ``"rounds_ms"``, ``{key: [each round's median]}``. The first pass of each round,
     which fixes the number of passes from the calls' times, is not counted. Call by call, not measurement
-    by measurement as ``do_bench`` one after another would: on an H200 a whole ``do_bench`` of ~100 ms read
-    up to 10% slow at times, and a kernel timed alone runs at the clock its own power draw leaves it under
-    the card's power limit, so that a kernel drawing less power a cycle read faster alone than among the
-    others (docs/benchmarks.md, thirteenth session)."""
+    by measurement as ``do_bench`` one after another would: a clock that drifts over a whole ``do_bench``
+    would slow one measurement and not another, and a kernel timed alone runs at the clock its own power
+    draw leaves it under the card's power limit, so that a kernel drawing less power a cycle reads faster
+    alone than among the others."""
     keys = list(measurements)
     samples: dict = {key: [] for key in keys}
     per_round: dict = {key: [] for key in keys}

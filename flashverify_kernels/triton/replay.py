@@ -2,8 +2,8 @@
 
 A call of :func:`flashverify_kernels.triton.attention.fa2_forward` or its backward spends most of its host time
 deciding what to run (validation, the Gluon and descriptor rules, tile choices) and in Triton's launch
-path, which re-specializes every argument of every kernel on every call; at N = 1024 on an H200 that cost
-more host time than the GPU spent on the kernels (docs/benchmarks.md). All of that is a function of the
+path, which re-specializes every argument of every kernel on every call; for a short call that can take
+longer on the host than its kernels take on the GPU. All of that is a function of the
 call's *signature*: the shapes, strides, dtypes, devices and 16-byte alignment of its tensors and the
 values of its other arguments. So the first call of a signature runs the full path while a :class:`Recorder`
 writes down what it did, in terms of the call's input tensors:
@@ -27,7 +27,7 @@ then takes the full path again next time. Under Triton's interpreter, and where 
 compiled kernel, the plan replays through ``kernel[grid](...)`` (the allocations and arguments still
 replayed), so the CPU suite runs the same plans. ``FLASHVERIFY_REPLAY=0`` turns plans off;
 :func:`clear` forgets them: a plan keeps the kernels its first call launched, so code that patches or
-swaps the functions or kernel modules a plan skips (tests, A/B experiments) clears plans or turns them off.
+swaps the functions or kernel modules a plan skips (as tests do) clears plans or turns them off.
 """
 from __future__ import annotations
 
