@@ -37,13 +37,15 @@ def check_softcap(softcap, *, kernel: str) -> float:
     return float(softcap)
 
 
-def check_alibi_slopes(alibi_slopes, q: torch.Tensor, *, kernel: str) -> torch.Tensor | None:
+def check_alibi_slopes(alibi_slopes, q: torch.Tensor, *, kernel: str,
+                       batch: int | None = None) -> torch.Tensor | None:
     """``alibi_slopes`` (flash_attn's convention): None, or a float32 tensor of finite slopes on ``q``'s
-    device, shaped ``[Hq]`` (one slope per query head) or ``[B, Hq]`` (per batch and head). Call it after
-    :func:`check_attention_inputs` (``q`` is a valid 4-D tensor)."""
+    device, shaped ``[Hq]`` (one slope per query head) or ``[B, Hq]`` (per batch and head; ``batch``: the
+    sequences of a packed batch, else ``q``'s batch). Call it after :func:`check_attention_inputs` (``q`` is a
+    valid 4-D tensor)."""
     if alibi_slopes is None:
         return None
-    b, hq = q.shape[0], q.shape[1]
+    b, hq = (q.shape[0] if batch is None else batch), q.shape[1]
     allowed = (f"a float32 torch.Tensor of shape [Hq]=[{hq}] or [B, Hq]=[{b}, {hq}] on q's device {q.device}, "
                "or None (no ALiBi)")
     if not isinstance(alibi_slopes, torch.Tensor):
@@ -258,13 +260,14 @@ class Variant:
 
 
 def variant(q: torch.Tensor, *, kernel: str, window_size=NO_WINDOW, attention_chunk=0, softcap=0.0,
-            alibi_slopes=None, sinks=None, num_splits=1) -> Variant:
+            alibi_slopes=None, sinks=None, num_splits=1, batch: int | None = None) -> Variant:
     """The call's :class:`Variant` from its keywords, each checked with a clear error (``q`` a valid query
-    tensor: ``[B, Hq, N, D]``, or ``[total, Hq, D]`` packed, for the slopes' and sinks' shapes)."""
+    tensor ``[B, Hq, N, D]`` for the slopes' and sinks' shapes; ``batch``: the sequences of a packed batch,
+    which per-sequence ``[S, Hq]`` slopes follow)."""
     return Variant(window=check_window(window_size, kernel=kernel),
                    chunk=check_attention_chunk(attention_chunk, kernel=kernel),
                    softcap=check_softcap(softcap, kernel=kernel),
-                   alibi_slopes=None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, q, kernel=kernel),
+                   alibi_slopes=check_alibi_slopes(alibi_slopes, q, kernel=kernel, batch=batch),
                    sinks=check_sinks(sinks, q, kernel=kernel),
                    splits=check_num_splits(num_splits, kernel=kernel))
 

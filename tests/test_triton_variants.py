@@ -90,7 +90,8 @@ def test_the_interpreter_s_tanh_is_within_the_rounding_model():
     (dict(window_size=(-3, 1)), r"window_size=\(-3, 1\), but should be a pair"),
     (dict(softcap=-2.0), "softcap=-2.0, but should be a finite number >= 0"),
     (dict(attention_chunk=-1), "attention_chunk=-1, but should be an int >= 0"),
-    (dict(alibi_slopes=torch.zeros(3)), r"alibi_slopes is float32 \(3,\) on cpu, but should be a float32"),
+    (dict(alibi_slopes=torch.zeros(3)), r"alibi_slopes.shape=\(3,\), but should be a float32 torch.Tensor of shape "
+                                          r"\[Hq\]=\[2\] or \[B, Hq\]=\[2, 2\]"),
     (dict(sinks=torch.zeros(2, dtype=torch.float64)), "sinks is a float64 tensor"),
     (dict(cu_seqlens_q=torch.tensor([0, 5, 4], dtype=torch.int32)), r"cu_seqlens_q=\[0, 5, 4\] decreases at entry 2"),
 ])

@@ -1129,9 +1129,6 @@ class _Call:
         self.scale = _check_inputs(q4, k4, v4, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
         self.q, self.k, self.v = q4, k4, v4
         self.causal, self.kernel = causal, kernel
-        self.window = _validate.check_window(window_size, kernel=kernel)
-        self.chunk = _validate.check_attention_chunk(attention_chunk, kernel=kernel)
-        self.softcap = _validate.check_softcap(softcap, kernel=kernel)
         if self.varlen:
             cq = _validate.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device,
                                             kernel=kernel)
@@ -1148,18 +1145,12 @@ class _Call:
             self.max_q, self.max_k = q.shape[2], k.shape[2]
             self.cu_q = self.cu_k = q  # never read without VARLEN
             self.batch = q.shape[0]
-        hq = q4.shape[1]
-        self.slopes = alibi_slopes
-        if alibi_slopes is not None:
-            allowed = f"a float32 torch.Tensor of shape [Hq]=[{hq}] or [B, Hq]=[{self.batch}, {hq}] on {q.device}"
-            if (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32
-                    or tuple(alibi_slopes.shape) not in ((hq,), (self.batch, hq)) or alibi_slopes.device != q.device
-                    or not bool(torch.isfinite(alibi_slopes).all())):
-                got = (f"{_validate.dtype_name(alibi_slopes.dtype)} {tuple(alibi_slopes.shape)} on "
-                       f"{alibi_slopes.device}" if isinstance(alibi_slopes, torch.Tensor) else repr(alibi_slopes))
-                raise ValueError(f"{kernel}: alibi_slopes is {got}, but should be {allowed} of finite slopes")
-        self.stride_sb = 0 if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes.stride(0)
-        self.sinks = _validate.check_sinks(sinks, q4, kernel=kernel)
+        self.variant = _validate.variant(q4, kernel=kernel, window_size=window_size,
+                                         attention_chunk=attention_chunk, softcap=softcap,
+                                         alibi_slopes=alibi_slopes, sinks=sinks, batch=self.batch)
+        self.window, self.chunk, self.softcap = self.variant.window, self.variant.chunk, self.variant.softcap
+        self.slopes, self.sinks = self.variant.alibi_slopes, self.variant.sinks
+        self.stride_sb = 0 if self.slopes is None or self.slopes.dim() == 1 else self.slopes.stride(0)
 
     @property
     def flags(self) -> dict:

@@ -23,7 +23,6 @@ and ALiBi follow flash_attn's keywords. There is no backward: decoding is infere
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -180,11 +179,9 @@ def decode_forward(q, k, v, *, block_table, seqlens_k, causal: bool = False, sca
                                    kernel=kernel)
     _validate.check_block_table(block_table, batch=s, num_pages=pages, page_size=page_size, seqlens_k=lens,
                                 device=q.device, kernel=kernel)
-    num_splits = _validate.check_num_splits(num_splits, kernel=kernel)
-    window = _validate.check_window(window_size, kernel=kernel)
-    softcap = _validate.check_softcap(softcap, kernel=kernel)
-    slopes = _validate.check_alibi_slopes(alibi_slopes, q, kernel=kernel)
-    sinks = _validate.check_sinks(sinks, q, kernel=kernel)
+    var = _validate.variant(q, kernel=kernel, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                            sinks=sinks, num_splits=num_splits)
+    num_splits, window, softcap, slopes, sinks = var.splits, var.window, var.softcap, var.alibi_slopes, var.sinks
     out = torch.empty((s, hq, len_q, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((s, hq, len_q), dtype=torch.float32, device=q.device)
     if s * hq == 0:
