@@ -23,7 +23,6 @@ and ALiBi follow flash_attn's keywords. There is no backward: decoding is infere
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
