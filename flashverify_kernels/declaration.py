@@ -436,7 +436,7 @@ class Implementation:
         elif isinstance(result, (tuple, list)) and len(result) in (1, 2):
             out_k, lse_k = result[0], (result[1] if len(result) == 2 else None)
         else:
-            raise TypeError(
+            raise conventions.ContractError(
                 f"{self.name} returned {type(result).__name__}"
                 f"{f' of length {len(result)}' if isinstance(result, (tuple, list)) else ''}, "
                 "but should return out or (out, lse)"
