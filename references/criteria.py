@@ -54,16 +54,22 @@ class Magnitudes:
     scores: float = 0.0
     lse: float = 0.0
     head_dim: int = 1  # the length of the score dot products
+    # The kernel's own stored LSE's largest error on a row (within that row's LSE bound): what a backward
+    # that recomputes P from it inherits (gradients; 0 when the kernel returns no LSE).
+    lse_error: float = 0.0
 
 
-def magnitudes(op: str, ref) -> Magnitudes:
+def magnitudes(op: str, ref, *, lse_error: float = 0.0) -> Magnitudes:
     """The floor's magnitudes of ``op`` from a float64 :class:`references.attention.Reference`:
-    the op's largest summand magnitude, the score magnitude (ops that depend on the scores) and the
-    largest finite |LSE| (gradients)."""
+    the op's largest summand magnitude, the score magnitude (ops that depend on the scores), the
+    largest finite |LSE| and ``lse_error``, the error of the LSE the kernel stored (gradients; see
+    :func:`floor`)."""
+    gradient = op in GRADIENTS
     return Magnitudes(summands=summand_magnitude(op, ref),
                       scores=score_magnitude(ref) if op != "delta" else 0.0,
-                      lse=max_finite_lse(ref) if op in GRADIENTS else 0.0,
-                      head_dim=int(ref.q64.shape[-1]))
+                      lse=max_finite_lse(ref) if gradient else 0.0,
+                      head_dim=int(ref.q64.shape[-1]),
+                      lse_error=float(lse_error) if gradient else 0.0)
 
 
 def stored_dtype(op: str, input_dtype: torch.dtype) -> torch.dtype:
@@ -137,7 +143,12 @@ def floor(op: str, input_dtype: torch.dtype, magnitude: Magnitudes) -> float:
 
     For the gradients it adds the price of the contract's float32 LSE: a backward that recomputes
     ``P = exp(s - lse)`` from the stored LSE (FlashAttention's backward does) sees every ``P`` with a
-    relative error of up to ``u32 * |lse|``, which eager autograd, keeping P, never pays.
+    relative error of the stored LSE's absolute error, which eager autograd, keeping P, never pays. That
+    error is at least one rounding, ``u32 |lse|``; a forward that merges partials through their LSEs
+    (split-KV, ring attention: ``references/bounds.py``, section 14) stores an LSE off by several, within
+    its own bound. So the price is the larger of one rounding and ``lse_error``, the kernel's measured LSE
+    error capped row by row at the LSE's bound (an LSE past its bound fails its own check and buys no slack
+    here), plus one rounding of the subtraction.
     """
     if not isinstance(magnitude, Magnitudes):
         raise TypeError(f"magnitude is a {type(magnitude).__name__}, but should be a "
@@ -157,7 +168,7 @@ def floor(op: str, input_dtype: torch.dtype, magnitude: Magnitudes) -> float:
     elif op == "lse":
         absolute += score_error
     if op in GRADIENTS:
-        relative += u_acc * (magnitude.lse + 1.0)
+        relative += max(u_acc * (magnitude.lse + 1.0), magnitude.lse_error + u_acc)
     return relative * magnitude.summands + absolute
 
 

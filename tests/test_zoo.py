@@ -17,6 +17,7 @@ import pytest
 
 from flashverify_kernels.registry import Implementation
 from references import bounds
+from references.spec import AttentionSpec
 from strategies.cases import DTYPES, AttentionCase
 from tests.zoo import ZOO, merges, run
 from tests.zoo.common import BLOCKS, fa2_backward, with_autograd
@@ -78,3 +79,23 @@ def test_the_sigmoid_ring_update_is_flagged_and_the_zoo_ring_is_not():
     with pytest.raises(PropertyFailure, match=r"criterion 2 FAILED") as failed:
         properties.PROPERTIES[prop](Context(impl=sigmoid, prop=prop, case=case), case)
     assert float(str(failed.value).split("max rel ")[1].split(",")[0]) > 1.0, str(failed.value)
+
+
+# Ring attention over 6 chunks, one query row that a dominant key decides: the folded float32 LSE is 4 roundings
+# of |lse| from the exact one (the LSE bound allows it), and the backward recomputes P = exp(s - lse) from it, so
+# dV inherits that relative error. Criterion 1 failed it while its floor priced the stored LSE at one rounding.
+RING_FOLDED_LSE = AttentionCase(batch=1, heads_q=2, heads_kv=1, len_q=1, len_k=18, head_dim=7, dtype="float32",
+                                magnitude="dominant_key", seed=184, block_m=1, block_n=2,
+                                spec=AttentionSpec(causal=True))
+
+
+def test_gradients_inherit_the_stored_lse_error():
+    prop = "gradients_match_reference"
+    properties.PROPERTIES[prop](Context(impl=ZOO["ring"], prop=prop, case=RING_FOLDED_LSE), RING_FOLDED_LSE)
+
+
+def test_the_ring_case_needs_the_lse_error_in_the_floor(monkeypatch):
+    monkeypatch.setattr(properties.measure.Truth, "lse_error", lambda self, lse: 0.0)
+    prop = "gradients_match_reference"
+    with pytest.raises(PropertyFailure, match=r"dv differs.*\n.*criterion 1 FAILED"):
+        properties.PROPERTIES[prop](Context(impl=ZOO["ring"], prop=prop, case=RING_FOLDED_LSE), RING_FOLDED_LSE)

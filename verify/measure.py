@@ -104,6 +104,20 @@ class Truth:
         """The rounding bounds of ``out`` and ``lse``."""
         return dict(zip(("out", "lse"), bounds.forward_bounds(self.ref, self.q, self.k, self.v, dtype=self.q.dtype)))
 
+    def lse_error(self, lse: torch.Tensor | None) -> float:
+        """The largest error of the kernel's stored ``lse`` on a row with keys, each row's capped at that
+        row's LSE bound (0 without an LSE, or with one of another shape): how far from the exact LSE a
+        backward that recomputes P from it starts (:func:`references.criteria.floor`)."""
+        if lse is None or lse.shape != self.ref.lse.shape:
+            return 0.0
+        exact = self.ref.lse
+        got = lse.detach().to(device=exact.device, dtype=torch.float64)
+        rows = torch.isfinite(exact) & torch.isfinite(got)
+        if not bool(rows.any()):
+            return 0.0
+        bound = self.forward_bounds["lse"].to(exact.device)
+        return float(torch.minimum((got - exact).abs(), bound)[rows].max())
+
     def gradient_bounds(self, impl, out: torch.Tensor) -> dict[str, torch.Tensor]:
         """The rounding bounds of ``dq``, ``dk``, ``dv`` and ``delta`` of ``impl``, whose forward gave ``out``.
 
@@ -120,16 +134,19 @@ class Truth:
         return dict(zip(BACKWARD, result))
 
 
-def check(ctx: Context, truth: Truth, op: str, actual: torch.Tensor, bounds_of: dict[str, torch.Tensor]) -> ErrorStats:
+def check(ctx: Context, truth: Truth, op: str, actual: torch.Tensor, bounds_of: dict[str, torch.Tensor], *,
+          lse: torch.Tensor | None = None) -> ErrorStats:
     """Both criteria for the kernel's ``op`` (``out``, ``lse``, ``dq``, ``dk`` or ``dv``) against ``truth``,
     with the bound ``bounds_of[op]`` (:attr:`Truth.forward_bounds` or :meth:`Truth.gradient_bounds`); the
-    measurement is recorded under ``ctx`` and a failed criterion fails ``ctx``."""
+    measurement is recorded under ``ctx`` and a failed criterion fails ``ctx``. ``lse``: for a gradient,
+    the LSE the kernel's forward stored (its backward inherits that LSE's error: :meth:`Truth.lse_error`)."""
     __tracebackhide__ = True
     if op not in PROPERTY_OF:
         raise ValueError(f"op={op!r}, but should be one of {tuple(PROPERTY_OF)} (delta: check_delta)")
     diagnose = (lambda: lse_convention(actual, truth.ref, bounds_of[op])) if op == "lse" else None
+    magnitude = magnitudes(op, truth.ref, lse_error=truth.lse_error(lse) if op != "lse" else 0.0)
     return assert_accurate(ctx, op=op, actual=actual, expected=getattr(truth.ref, op), baseline=truth.eager[op],
-                           bound=bounds_of[op], input_dtype=truth.q.dtype, magnitude=magnitudes(op, truth.ref),
+                           bound=bounds_of[op], input_dtype=truth.q.dtype, magnitude=magnitude,
                            diagnose=diagnose)
 
 
@@ -197,10 +214,11 @@ def sweep_case(impl, case, t, truth: Truth, *, device: str, backward: bool,
     def ctx(op: str) -> Context:
         return Context(impl=impl, prop=PROPERTY_OF[op], device=device, record=records.append, case=case)
 
-    def measure(op: str, actual: torch.Tensor, bounds_of: dict[str, torch.Tensor]) -> None:
+    def measure(op: str, actual: torch.Tensor, bounds_of: dict[str, torch.Tensor], *,
+                lse: torch.Tensor | None = None) -> None:
         before = len(records)
         try:
-            check(ctx(op), truth, op, actual, bounds_of)
+            check(ctx(op), truth, op, actual, bounds_of, lse=lse)
         except PropertyFailure as exc:
             if len(records) == before:  # failed before measuring: wrong dtype or shape
                 problems.append(f"{op}: {str(exc).splitlines()[0]}")
@@ -221,5 +239,5 @@ def sweep_case(impl, case, t, truth: Truth, *, device: str, backward: bool,
     outputs.update({op: got[op] for op in gradients_of(case)})
     grad_bounds = truth.gradient_bounds(impl, got["out"])
     for op in gradients_of(case):
-        measure(op, got[op], grad_bounds)
+        measure(op, got[op], grad_bounds, lse=got.get("lse"))
     return records, problems

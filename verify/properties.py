@@ -611,7 +611,7 @@ def gradients_match_reference(ctx: Context, case: AttentionCase) -> None:
     truth = _truth(ctx, case, t.q, t.k, t.v, dout=t.dout)
     bound = truth.gradient_bounds(ctx.impl, got["out"])
     for op in measure.gradients_of(case):
-        measure.check(ctx, truth, op, got[op], bound)
+        measure.check(ctx, truth, op, got[op], bound, lse=got.get("lse"))
 
 
 @prop

@@ -25,8 +25,8 @@ name                      what it does, and where real kernels do it
 ``split_kv``              split-KV chosen by the kernel (2 to 128 splits, some with no visible key), float32
                           partials merged through their LSEs in one pass (FlashAttention-2's split-KV combine,
                           FlashDecoding, flashinfer's ``merge_state``)
-``ring``                  per-chunk float32 partials folded in one at a time with sigmoid weights
-                          (ring attention: ring-flash-attention's ``update_out_and_lse``)
+``ring``                  per-chunk float32 partials folded in one at a time through their LSEs, 2 to 8
+                          chunks (ring attention across devices, as the ring attention paper's update)
 ``atomics``               gradients accumulated in a random order: dQ over key tiles, dK and dV over query
                           tiles and a group's heads (FlashAttention-2's atomic dQ, FlashAttention-3's GQA
                           backward); not deterministic
@@ -71,7 +71,7 @@ base2_exp = _zoo("base2", base2.forward, "exp2 of one FMA, the LSE in base 2",
                  backward=functools.partial(fa2_backward, probabilities=base2.probabilities))
 two_pass_softmax = _zoo("two_pass", two_pass.forward, "a max pass, then a sum pass")
 split_kv = _zoo("split_kv", merges.split_kv, "split-KV chosen by the kernel, merged through float32 LSEs")
-ring = _zoo("ring", merges.ring, "ring attention's chunk-by-chunk sigmoid merge")
+ring = _zoo("ring", merges.ring, "ring attention's chunk-by-chunk merge through float32 LSEs")
 atomics = _zoo("atomics", online.forward, "gradients summed in a random order",
                backward=functools.partial(fa2_backward, shuffle=True), deterministic=False)
 
