@@ -37,8 +37,11 @@ def command(profile: str, seed: int | None, report_dir: str | os.PathLike, *, wo
 
 def run_zoo(profile: str, seed: int | None, report_dir: str | os.PathLike, *, workers: int | None = None,
             names=None) -> subprocess.CompletedProcess:
-    """``pytest verify`` on the zoo in a subprocess (the same environment, one torch thread per process)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    """``pytest verify`` on the zoo in a subprocess (the same environment, one torch thread per process).
+    Hypothesis's example database lives in ``report_dir``, empty at the start: the dev profile's replayed
+    failures from earlier runs on this machine would change the examples a seed draws."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
+           "HYPOTHESIS_STORAGE_DIRECTORY": str(Path(report_dir) / ".hypothesis")}
     return subprocess.run(command(profile, seed, report_dir, workers=workers, names=names), cwd=ROOT,
                           capture_output=True, text=True, env=env)
 
