@@ -60,12 +60,36 @@ def _palette(present: set[str], order: Sequence[str]) -> tuple[list[str], dict[s
     return [n for n in everyone if n in present], colour
 
 
+# The fixed layout, in inches: matplotlib's constrained layout measures every tick label of every panel and
+# took most of a report's drawing time (5 s of a 28-panel grid on a 2-core machine).
+LEFT, RIGHT, WGAP = 0.8, 0.25, 0.6  # the y label and tick labels; the next panel's tick labels
+LINE = 0.19  # one line of small text
+XLABEL = 0.5  # the x tick labels and label under a panel
+
+
 def _figure(nrows: int, ncols: int, *, width: float = 3.4, height: float = 2.5):
+    """A grid of ``nrows x ncols`` panels of ``width x height`` inches; :func:`_finish` sizes the margins."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(max(4.0, width * ncols), height * nrows + 0.9), layout="constrained")
+    fig = Figure(figsize=(max(4.0, width * ncols), height * nrows + 0.9))
+    fig.panel_grid = (nrows, ncols, width, height)
     axes = fig.subplots(nrows, ncols, squeeze=False)
     return fig, axes
+
+
+def _arrange(fig, *, title_lines: int, legend_rows: int) -> None:
+    """Place the panels by hand: the title's lines above, the legend's rows below, room for each panel's
+    title (as many lines as the longest) and tick labels between them."""
+    nrows, ncols, width, height = fig.panel_grid
+    panel_title = max((len(ax.get_title().splitlines()) for ax in fig.axes), default=1) * LINE + 0.1
+    hgap = panel_title + XLABEL
+    top = title_lines * 1.3 * LINE + 0.2 + panel_title
+    bottom = XLABEL + (legend_rows + 1) * 1.3 * LINE + (0.25 if legend_rows else 0.0)
+    fig_w = max(4.0, LEFT + RIGHT + ncols * width + (ncols - 1) * WGAP)
+    fig_h = top + bottom + nrows * height + (nrows - 1) * hgap
+    fig.set_size_inches(fig_w, fig_h)
+    fig.subplots_adjust(left=LEFT / fig_w, right=1 - RIGHT / fig_w, bottom=bottom / fig_h, top=1 - top / fig_h,
+                        wspace=WGAP / width, hspace=hgap / height)
 
 
 def _png(fig) -> str:
@@ -77,11 +101,15 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _legend(fig, handles_by_name: dict, *, title: str, names: Sequence[str] = ()) -> None:
+def _legend(fig, handles_by_name: dict, *, title: str, names: Sequence[str] = ()) -> int:
+    """The legend under the panels; the number of its rows."""
     handles_by_name = {n: handles_by_name[n] for n in ordered(handles_by_name, names)}
-    if handles_by_name:
-        fig.legend(list(handles_by_name.values()), [label(n) for n in handles_by_name], loc="outside lower center",
-                   ncols=min(4, len(handles_by_name)), fontsize="small", title=title, title_fontsize="small")
+    if not handles_by_name:
+        return 0
+    ncols = min(4, len(handles_by_name))
+    fig.legend(list(handles_by_name.values()), [label(n) for n in handles_by_name], loc="lower center",
+               bbox_to_anchor=(0.5, 0.005), ncols=ncols, fontsize="small", title=title, title_fontsize="small")
+    return math.ceil(len(handles_by_name) / ncols)
 
 
 def _finite_positive(values: Iterable[float]) -> list[float]:
@@ -121,11 +149,12 @@ def scatter_panels(points: dict[tuple[str, str], dict[str, list[tuple]]], *, row
                                                 for *_, y in (p[:2] for p in pts)))
         for j, c in enumerate(cols):
             ax = axes[i][j]
-            ax.set_title(label(f"{r} / {c}"), fontsize="small")
+            ax.set_title(label(f"{r} / {c}"), fontsize="small", y=1.0)
             ax.set_yscale("log")
             if log_x:
                 ax.set_xscale("log", base=2)
-            ax.set_ylim(lo / 1.5, hi * 1.5)
+            ax.set_ylim(lo / 1.5, hi * 1.5)  # six decades or more: the major ticks label it
+            ax.minorticks_off()
             for name, pts in (points.get((r, c)) or {}).items():
                 normal = [(p[0], p[1]) for p in pts if lo <= p[1] < math.inf]
                 below = [(p[0], lo) for p in pts if p[1] < lo]
@@ -158,17 +187,22 @@ def _label_panel(ax, *, bottom: bool, left: bool, xlabel: str, ylabel: str) -> N
     ax.grid(True, which="major", alpha=0.3)
 
 
-def _suptitle(fig, title: str) -> None:
+def _suptitle(fig, title: str) -> int:
     """The figure's title, wrapped to the figure's width (about 11 characters an inch at this size), so that a
-    narrow figure (one panel) does not clip it."""
+    narrow figure (one panel) does not clip it; the number of its lines."""
     import textwrap
 
-    fig.suptitle(textwrap.fill(label(title, limit=160), max(24, int(fig.get_figwidth() * 11))), fontsize="medium")
+    nrows, ncols, width, _ = fig.panel_grid
+    fig_w = max(4.0, LEFT + RIGHT + ncols * width + (ncols - 1) * WGAP)
+    text = textwrap.fill(label(title, limit=160), max(24, int(fig_w * 11)))
+    fig.suptitle(text, fontsize="medium", y=0.995, va="top")
+    return len(text.splitlines())
 
 
 def _finish(fig, title: str, handles: dict, names) -> str:
-    _suptitle(fig, title)
-    _legend(fig, handles, title="implementation", names=names)
+    title_lines = _suptitle(fig, title)
+    legend_rows = _legend(fig, handles, title="implementation", names=names)
+    _arrange(fig, title_lines=title_lines, legend_rows=legend_rows)
     return _png(fig)
 
 
@@ -216,15 +250,13 @@ def ratio_histograms(values: dict[str, dict[str, list[float]]], *, panels: Seque
         extra = [f"{k}: {n}" for k, n in counts.items() if n]
         # Two counts a line: one line of all four is wider than a panel and was clipped at the figure's edge.
         lines = [", ".join(extra[i:i + 2]) for i in range(0, len(extra), 2)]
-        ax.set_title("\n".join([label(panel), *lines]), fontsize="small")
+        ax.set_title("\n".join([label(panel), *lines]), fontsize="small", y=1.0)
         ax.set_xlabel(xlabel, fontsize="small")
         ax.set_ylabel("measurements", fontsize="small")
         ax.tick_params(labelsize="x-small")
     for idx in range(len(panels), nrows * ncols):
         axes[idx // ncols][idx % ncols].set_visible(False)
-    _suptitle(fig, title)
-    _legend(fig, handles, title="implementation", names=names)
-    return _png(fig)
+    return _finish(fig, title, handles, names)
 
 
 def grouped_bars(values: dict[tuple[str, str], dict[str, dict[str, float]]], *, rows: Sequence[str],
@@ -260,14 +292,12 @@ def grouped_bars(values: dict[tuple[str, str], dict[str, dict[str, float]]], *, 
             ax.set_yscale("log")
             ax.set_ylim(lo / 1.5, hi)
             ax.set_xticks(range(len(groups)), [label(g, limit=14) for g in groups], fontsize="x-small")
-            ax.set_title(label(f"{r} / {c}"), fontsize="small")
+            ax.set_title(label(f"{r} / {c}"), fontsize="small", y=1.0)
             if j == 0:
                 ax.set_ylabel(label(ylabel), fontsize="small")
             ax.tick_params(axis="y", labelsize="x-small")
             ax.grid(True, axis="y", alpha=0.3)
-    _suptitle(fig, title)
-    _legend(fig, handles, title="implementation", names=names)
-    return _png(fig)
+    return _finish(fig, title, handles, names)
 
 
 def line_panels(series: dict[tuple[str, str], dict[str, list[tuple[float, float]]]], *, rows: Sequence[str],
@@ -289,6 +319,6 @@ def line_panels(series: dict[tuple[str, str], dict[str, list[tuple[float, float]
                     handles.setdefault(name, h)
             ax.set_yscale("log")
             ax.set_xscale("log", base=2)
-            ax.set_title(label(f"{r} / {c}"), fontsize="small")
+            ax.set_title(label(f"{r} / {c}"), fontsize="small", y=1.0)
             _label_panel(ax, bottom=i == len(rows) - 1, left=j == 0, xlabel=xlabel, ylabel=ylabel)
     return _finish(fig, title, handles, names)
