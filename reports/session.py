@@ -204,6 +204,10 @@ class ReportSession:
         """Append one test's peak device memory record to ``memory-<worker>.jsonl``."""
         self._append("memory", entry)
 
+    def timing(self, entry: dict[str, Any]) -> None:
+        """Append one test's wall time and its seconds per stage to ``timing-<worker>.jsonl``."""
+        self._append("timing", entry)
+
     def margin(self, entry: dict[str, Any]) -> None:
         """Append one metamorphic comparison (its difference over its tolerance) to ``margins-<worker>.jsonl``."""
         self._append("margins", entry)

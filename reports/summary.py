@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from reports import coverage, margins, memory
+from reports import coverage, margins, memory, timing
 from reports.session import read_runs, read_stream, replay_command
 
 # How many of the worst measurements the summary lists (with their replay commands).
@@ -256,6 +256,7 @@ def summarise(report_dir: str | Path, *, outcomes: dict | None = None, rows: lis
         "coverage": coverage.summary(report_dir),
         "metamorphic": margins.summary(report_dir),
         "peak_memory": memory.summary(report_dir),
+        "time": timing.summary(report_dir),
     }
 
 
@@ -364,6 +365,7 @@ def markdown(summary: dict) -> str:
             lines.append("| " + " | ".join(_md(w.get(k)) for k, _ in WORST_COLUMNS) + " |")
     lines += margins.markdown(summary.get("metamorphic") or [])
     lines += coverage.markdown(summary.get("coverage") or {}, partial=summary.get("status") != "complete")
+    lines += timing.markdown(summary.get("time") or {})
     lines += memory.markdown(summary.get("peak_memory") or {})
     not_run = tests_not_run(summary)
     if not_run:

@@ -19,7 +19,7 @@ from reports import cli, html, plots, summary, write
 from reports.progress import Progress
 from reports.session import ReportSession, clear_report_dir, write_atomic
 from strategies import sweep as sweeps
-from verify import accuracy as driver
+from verify import accuracy as driver, stages
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKEN = "tests/fixtures/outside_kernels.py:attention_broken_drops_last_key"
@@ -236,6 +236,13 @@ def test_xdist_workers_write_their_own_streams_and_one_merged_report(tmp_path):
     assert result["outcomes"]["failed"] == len(result["failures"]) >= 2
     assert {f["worker"] for f in result["failures"]} <= {"gw0", "gw1"}
     assert all(f["replay"] for f in result["failures"])
+    # Every test's time, from both workers, with the kernel's and the reference's share.
+    timed = [json.loads(line) for p in report.glob("timing-gw*.jsonl") for line in p.read_text().splitlines()]
+    ran_body = sum(result["outcomes"].get(k, 0) for k in ("passed", "failed"))  # skips in setup never start
+    assert ran_body <= len(timed) <= ran_body + result["outcomes"].get("skipped", 0)
+    ran = [t for t in timed if t["property"] == "out_matches_reference" and t["stages"]["reference"] > 0]
+    assert ran and all(t["stages"]["kernel"] > 0 and sum(t["stages"].values()) <= t["seconds"] for t in ran)
+    assert "## Time per property" in (report / "report.md").read_text()
 
 
 # ------------------------------------------------------------------------------------ accuracy
@@ -365,6 +372,36 @@ def test_the_implementations_table_says_how_each_gives_gradients(tmp_path):
     assert "<td>autograd and its backward function (dQ, dK, dV, Delta)</td>" in cells["triton"]
     assert "<td>none</td>" in cells["fwd_only"]
     assert "<td>no backward function</td>" in cells["old_record"]
+
+
+def test_a_nested_stage_is_charged_alone_and_the_time_is_folded_per_property(tmp_path, monkeypatch):
+    now = iter(range(100))
+    monkeypatch.setattr(stages, "_now", lambda: float(next(now)))
+    stages.start_test()  # kernel 0-1; bounds 2-3, then the reference inside them 3-6 (two steps), bounds 6-7
+    with stages.stage("kernel"):
+        pass
+    with stages.stage("bounds"):
+        with stages.stage("reference"):
+            next(now), next(now)
+    spent = stages.end_test()
+    assert spent == {"kernel": 1.0, "reference": 3.0, "bounds": 2.0, "baseline": 0.0}
+    with stages.stage("kernel"):  # no test timed: nothing is charged, nothing breaks
+        pass
+    with pytest.raises(ValueError, match="should be one of"):
+        with stages.stage("compile"):
+            pass
+    session = ReportSession(tmp_path, worker="gw0")
+    session.timing({"test": "a", "property": "p", "seconds": 10.0, "stages": spent})
+    session.timing({"test": "b", "property": "p", "seconds": 4.0, "stages": {"kernel": 4.0}})
+    session.timing({"test": "c", "property": "q", "seconds": 1.0, "stages": {}})
+    session.close()
+    result = write.write_summary(tmp_path, html=False)["time"]
+    p, q = result["by_property"]
+    assert (p["property"], p["tests"], p["seconds"], p["slowest_test"]) == ("p", 2, 14.0, "a")
+    assert p["stages"] == {"kernel": 5.0, "reference": 3.0, "bounds": 2.0, "baseline": 0.0, "rest": 4.0}
+    assert q["stages"]["rest"] == 1.0 and result["seconds"] == 15.0
+    text = (tmp_path / "report.md").read_text()
+    assert "| p | 2 | 14.0 | 10.0 | 5.0 (36%) | 3.0 (21%) | 2.0 (14%) | 0.0 (0%) | 4.0 (29%) |" in text
 
 
 def test_metamorphic_margins_are_streamed_and_folded_per_property(tmp_path):

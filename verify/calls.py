@@ -16,6 +16,8 @@ from flashverify_kernels.declaration import sinks_tensor
 from strategies.cases import dtype_name
 from verify.context import Context, NotForThisKernel, StickyDeviceError
 from verify.faults import OutOfMemoryError, release_out_of_memory, resource_failures_fail
+from verify.stages import stage
+
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -47,7 +49,7 @@ def run_forward(ctx: Context, case, q, k, v, *, sinks: torch.Tensor | None = Non
     out_of_memory = None
     contract = None
     try:
-        with resource_failures_fail(ctx, case, device=q.device, where="forward"):
+        with resource_failures_fail(ctx, case, device=q.device, where="forward"), stage("kernel"):
             out, lse = ctx.impl.call(q, k, v, spec=case.spec, scale=case.scale,
                                      block_m=case.block_m, block_n=case.block_n, sinks=sinks, handed=handed)
     except ContractError as exc:
@@ -79,7 +81,7 @@ def run_direct_backward(ctx: Context, case, q, k, v, out, lse, dout):
     shape fails ``ctx`` in words, as in :func:`run_backward`."""
     __tracebackhide__ = True
     contract = None
-    with resource_failures_fail(ctx, case, device=q.device, where="backward"):
+    with resource_failures_fail(ctx, case, device=q.device, where="backward"), stage("kernel"):
         try:
             return ctx.impl.call_backward(q, k, v, out, lse, dout, spec=case.spec, scale=case.scale,
                                           block_m=case.block_m, block_n=case.block_n)
@@ -103,7 +105,7 @@ def run_backward(ctx: Context, case, q, k, v, dout, *, handed=None) -> dict[str,
     out, lse = run_forward(ctx, case, q, k, v, sinks=sinks, handed=handed)
     if not out.requires_grad:
         ctx.fail("out does not require grad although q, k, v do: no gradient flows through out")
-    with resource_failures_fail(ctx, case, device=q.device, where="backward"):
+    with resource_failures_fail(ctx, case, device=q.device, where="backward"), stage("kernel"):
         out.backward(dout)
     results = {"out": out.detach(), **({"lse": lse.detach()} if lse is not None else {})}
     for label, x in (("dq", q), ("dk", k), ("dv", v), ("dsinks", sinks)):

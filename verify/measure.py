@@ -22,6 +22,7 @@ from verify.asserts import assert_accurate
 from verify.calls import run_backward, run_forward
 from verify.context import Context, NotForThisCase, NotForThisKernel, PropertyFailure
 from verify.faults import OutOfMemoryError, release_out_of_memory
+from verify.stages import stage
 
 # The ops the accuracy sweep measures, each recorded under the property that checks it (so that the
 # report's replay command reruns exactly that check).
@@ -77,7 +78,8 @@ class Truth:
     @cached_property
     def ref(self) -> reference.Reference:
         try:
-            ref = reference.attention(self.q, self.k, self.v, dout=self.dout, **self.options)
+            with stage("reference"):
+                ref = reference.attention(self.q, self.k, self.v, dout=self.dout, **self.options)
         except OutOfMemoryError as exc:
             # The suite's own float64 reference, not the kernel, ran out: the case is too large for this
             # device, which says nothing about the kernel. Skip with the reason (the memory is released).
@@ -92,17 +94,20 @@ class Truth:
     @cached_property
     def eager(self) -> dict[str, torch.Tensor]:
         """The eager baseline's ``out`` and ``lse`` and, with ``dout``, its ``dq``, ``dk``, ``dv``, ``delta``."""
-        out, lse = baseline.forward(self.q, self.k, self.v, **self.options)
-        results = {"out": out, "lse": lse}
-        if self.dout is not None:
-            grads = baseline.backward(self.q, self.k, self.v, self.dout, out=out, **self.options)
-            results.update(zip(BACKWARD, grads))
+        with stage("baseline"):
+            out, lse = baseline.forward(self.q, self.k, self.v, **self.options)
+            results = {"out": out, "lse": lse}
+            if self.dout is not None:
+                grads = baseline.backward(self.q, self.k, self.v, self.dout, out=out, **self.options)
+                results.update(zip(BACKWARD, grads))
         return results
 
     @cached_property
     def forward_bounds(self) -> dict[str, torch.Tensor]:
         """The rounding bounds of ``out`` and ``lse``."""
-        return dict(zip(("out", "lse"), bounds.forward_bounds(self.ref, self.q, self.k, self.v, dtype=self.q.dtype)))
+        ref = self.ref
+        with stage("bounds"):
+            return dict(zip(("out", "lse"), bounds.forward_bounds(ref, self.q, self.k, self.v, dtype=self.q.dtype)))
 
     def lse_error(self, lse: torch.Tensor | None) -> float:
         """The largest error of the kernel's stored ``lse`` on a row with keys, each row's capped at that
@@ -125,12 +130,13 @@ class Truth:
         describes (Delta from O, P recomputed from the LSE); for one differentiated by autograd through
         unknown code the bound also covers autograd's eager algorithm (Delta from P and dP, per-op
         rounding): the elementwise larger of the two."""
-        dtype = self.q.dtype
-        result = bounds.backward_bounds(self.ref, self.q, self.k, self.v, dtype=dtype, out=out)
-        if impl.backward is None:
-            autograd = bounds.backward_bounds(self.ref, self.q, self.k, self.v, dtype=dtype, out=out,
-                                              model=bounds.kernel_model(dtype, autograd_eager=True))
-            result = tuple(torch.maximum(a, b) for a, b in zip(result, autograd))
+        dtype, ref = self.q.dtype, self.ref
+        with stage("bounds"):
+            result = bounds.backward_bounds(ref, self.q, self.k, self.v, dtype=dtype, out=out)
+            if impl.backward is None:
+                autograd = bounds.backward_bounds(ref, self.q, self.k, self.v, dtype=dtype, out=out,
+                                                  model=bounds.kernel_model(dtype, autograd_eager=True))
+                result = tuple(torch.maximum(a, b) for a, b in zip(result, autograd))
         return dict(zip(BACKWARD, result))
 
 

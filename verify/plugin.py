@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from strategies.attention import Limits  # noqa: E402
 from strategies.cases import dtype_name  # noqa: E402
-from verify import failures, gpu, watchdog  # noqa: E402
+from verify import failures, gpu, stages, watchdog  # noqa: E402
 from verify.profiles import limits_for, profile_name  # noqa: E402
 
 DEFAULT_REPORT_DIR = "flashverify-report"
@@ -383,6 +383,7 @@ def pytest_runtest_call(item):
     item.stash[_FAILURES] = []
     budget = getattr(item.config, "_flashverify_budget", None)
     started = time.monotonic()
+    stages.start_test()
     if budget is not None:
         gpu.start_test(budget.device)
     try:
@@ -395,8 +396,27 @@ def pytest_runtest_call(item):
             item.stash[_FAILURES] = failures.explain_failure(item, exc, worker=_xdist_worker(item.config))
         raise
     finally:
+        seconds, spent = time.monotonic() - started, stages.end_test()
+        _record_time(item, seconds, spent)
         if budget is not None and getattr(item.config, "_flashverify_poisoned", None) is None:
-            _record_peak_memory(item, budget, time.monotonic() - started)
+            _record_peak_memory(item, budget, seconds)
+
+
+def _test_fields(item) -> dict:
+    """The implementation, property and dtype of a test of the suite (from its parameters)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    impl = params.get("impl") or params.get("softmax_impl")
+    return {"test": item.nodeid, "implementation": getattr(impl, "name", None),
+            "property": getattr(item, "originalname", item.name).removeprefix("test_"), "dtype": params.get("dtype")}
+
+
+def _record_time(item, seconds: float, spent: dict[str, float]) -> None:
+    """The test's wall time and the seconds of each stage (:mod:`verify.stages`) into ``timing-<worker>.jsonl``,
+    as the test ends."""
+    report = getattr(item.config, "_flashverify_report", None)
+    if report is None or not _collects_verify(item.config):
+        return
+    report.timing({**_test_fields(item), "seconds": round(seconds, 3), "stages": spent})
 
 
 def _record_peak_memory(item, budget, seconds: float) -> None:
@@ -411,11 +431,7 @@ def _record_peak_memory(item, budget, seconds: float) -> None:
     report = item.config._flashverify_report
     if report is None or peak is None:
         return
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    impl = params.get("impl") or params.get("softmax_impl")
-    report.memory({"test": item.nodeid, "implementation": getattr(impl, "name", None),
-                   "property": getattr(item, "originalname", item.name).removeprefix("test_"),
-                   "dtype": params.get("dtype"), "device": f"cuda:{budget.device}", "peak_bytes": peak,
+    report.memory({**_test_fields(item), "device": f"cuda:{budget.device}", "peak_bytes": peak,
                    "budget_bytes": budget.worker_bytes, "seconds": round(seconds, 3)})
 
 

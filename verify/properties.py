@@ -28,6 +28,7 @@ from verify import measure
 from verify.asserts import assert_close, assert_no_nan
 from verify.calls import check_tensor, lse_dtype, run_backward, run_direct_backward, run_forward
 from verify.context import Context, NotForThisCase, NotForThisKernel
+from verify.stages import stage
 
 PROPERTIES: dict[str, Callable[[Context, AttentionCase], None]] = {}
 
@@ -731,8 +732,9 @@ def gradcheck_float64(ctx: Context, case: AttentionCase) -> None:
     t = case.build(ctx.device)
 
     def fn(q, k, v):
-        out, _ = ctx.impl.call(q, k, v, spec=case.spec, scale=case.scale, block_m=case.block_m,
-                               block_n=case.block_n)
+        with stage("kernel"):
+            out, _ = ctx.impl.call(q, k, v, spec=case.spec, scale=case.scale, block_m=case.block_m,
+                                   block_n=case.block_n)
         return out
 
     inputs = tuple(x.detach().requires_grad_(True) for x in (t.q, t.k, t.v))
@@ -966,8 +968,9 @@ def outputs_stay_in_bounds(ctx: Context, case: AttentionCase) -> None:
                               pads=[(0, draw(0, 1)), heads, (draw(1, 3), draw(1, 3))]))
     given = {c.label: c.view for c in bufs}
     try:
-        result = ctx.impl.call(t.q, t.k, t.v, spec=case.spec, scale=case.scale, block_m=case.block_m,
-                               block_n=case.block_n, **given)
+        with stage("kernel"):
+            result = ctx.impl.call(t.q, t.k, t.v, spec=case.spec, scale=case.scale, block_m=case.block_m,
+                                   block_n=case.block_n, **given)
     except Exception as exc:  # noqa: BLE001 - any refusal of a valid strided view is the finding
         views = "; ".join(f"{c.label} {tuple(c.view.shape)} strides {c.view.stride()}" for c in bufs)
         ctx.fail(f"the forward raised {type(exc).__name__} when given out=/lse= views ({views}): {exc}")
@@ -1154,18 +1157,22 @@ def softmax_matches_reference(ctx: Context, case: SoftmaxCase) -> None:
     """Softmax and LSE of an online-softmax kernel vs float64 (vs 50-digit mpmath for small rows)."""
     x = case.build(ctx.device)
     kwargs = {"block_n": case.block_n} if case.block_n is not None else {}
-    y, lse = ctx.impl.forward(x, **kwargs)
+    with stage("kernel"):
+        y, lse = ctx.impl.forward(x, **kwargs)
     check_tensor(ctx, label="softmax", actual=y, shape=tuple(x.shape), dtype=x.dtype, device=x.device,
                  inputs=(x,))
     check_tensor(ctx, label="lse", actual=lse, shape=tuple(x.shape[:1]), dtype=lse_dtype(x.dtype),
                  device=x.device, inputs=(x,))
-    if x.numel() <= MPMATH_MAX_ELEMENTS:
-        rows = [mp.softmax(r) for r in x.tolist()]
-        expected_y = torch.tensor(rows, dtype=torch.float64, device=x.device)
-        expected_lse = torch.tensor([mp.logsumexp(r) for r in x.tolist()], dtype=torch.float64, device=x.device)
-    else:
-        expected_y, expected_lse = reference.softmax(x), reference.logsumexp(x)
-    y_bound, lse_bound = softmax_bounds(x, dtype=x.dtype)
+    with stage("reference"):
+        if x.numel() <= MPMATH_MAX_ELEMENTS:
+            rows = [mp.softmax(r) for r in x.tolist()]
+            expected_y = torch.tensor(rows, dtype=torch.float64, device=x.device)
+            expected_lse = torch.tensor([mp.logsumexp(r) for r in x.tolist()], dtype=torch.float64,
+                                        device=x.device)
+        else:
+            expected_y, expected_lse = reference.softmax(x), reference.logsumexp(x)
+    with stage("bounds"):
+        y_bound, lse_bound = softmax_bounds(x, dtype=x.dtype)
     for label, got, exp, bnd in (("softmax", y, expected_y, y_bound), ("lse", lse, expected_lse, lse_bound)):
         err = abs_error(got, exp)
         ratio, at = max_ratio(err, bnd)
