@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from strategies.attention import Limits  # noqa: E402
 from strategies.cases import dtype_name  # noqa: E402
-from verify import failures, gpu, stages, watchdog  # noqa: E402
+from verify import failures, gpu, interpreter, stages, watchdog  # noqa: E402
 from verify.profiles import limits_for, profile_name  # noqa: E402
 
 DEFAULT_REPORT_DIR = "flashverify-report"
@@ -221,6 +221,7 @@ def pytest_keyboard_interrupt(excinfo):
 
 
 def pytest_configure(config):
+    interpreter.skip_repatching()  # Triton's interpreter (TRITON_INTERPRET=1) patches its language once a launch
     if torch.device(_device(config)).type == "cpu":
         # The suite's tensors are small: one intra-op thread is several times faster than many
         # (thread start-up dominates), and pytest-xdist workers then share the cores cleanly.
