@@ -4,7 +4,6 @@ apply."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
