@@ -7,8 +7,8 @@ over every member of ``triton.language``, about a millisecond) took a quarter of
 interpreter (``verify/stages.py`` puts 89% of the README's command 1 in the kernels).
 
 :func:`skip_repatching` makes a helper's call skip the patching when the launch in progress has already
-patched every language module the helper sees; anything else (a helper called outside a launch, a helper
-that sees a language module the kernel did not) is patched as before. It changes nothing when Triton's
+patched every language module the helper sees (the kernel's, and those an earlier helper of the launch
+saw: ``triton.language.core`` for ``tl.sum`` and ``tl.max``); anything else is patched as before. It changes nothing when Triton's
 interpreter is not in use or does not have the pieces it wraps (another Triton version): then it says so
 and leaves Triton alone.
 """
@@ -60,7 +60,9 @@ def skip_repatching() -> str | None:
             return result
         if langs(fn) <= state["patched"]:  # a helper inside the launch: already patched
             return scope()
-        return patch(fn)
+        result = patch(fn)  # a helper that sees another module (triton.language.core for tl.sum, tl.max)
+        state["patched"] = state["patched"] | langs(fn)
+        return result
 
     run = executor.__call__
 
