@@ -1,5 +1,6 @@
 """``python -m reports summarise DIR``: (re)write the report of a directory, a pytest verify run's (finished or
-killed) or an accuracy sweep's. The sweep itself runs with ``python -m verify.accuracy``."""
+killed) or an accuracy sweep's; ``python -m reports merge OUT DIR...``: one report from the report folders of
+a run's shards (``pytest verify --shard K/N``). The sweep itself runs with ``python -m verify.accuracy``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from reports import accuracy
+from reports import accuracy, merge
 from reports.summary import status_line
 from reports.write import write_summary
 
@@ -50,9 +51,31 @@ def build_parser() -> argparse.ArgumentParser:
                                    "accuracy sweep's --out directory.")
     s.add_argument("dir", help="the report directory")
     s.add_argument("--no-html", action="store_true", help="write summary.json and report.md only")
+    s.set_defaults(run=_summarise)
+    m = sub.add_parser("merge", help="one report from the report folders of the shards of a run",
+                       description="Merge the report folders of a run split with pytest verify --shard K/N into "
+                                   "one report folder (summary.json, report.md, report.html).")
+    m.add_argument("out", help="the merged report folder (created)")
+    m.add_argument("dirs", nargs="+", help="the shards' report folders")
+    m.add_argument("--no-html", action="store_true", help="write summary.json and report.md only")
+    m.set_defaults(run=_merge)
     return parser
+
+
+def _merge(args) -> int:
+    try:
+        out = merge.merge(args.out, args.dirs)
+    except merge.MergeError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    summary = write_summary(out, html=not args.no_html)
+    print(f"merged {len(args.dirs)} report folders into {out}")
+    print(status_line(summary))
+    print(f"{summary['measurements']} measurements ({summary['failed_measurements']} failed), "
+          f"{len(summary['failures'])} failing tests")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    return _summarise(args)
+    return args.run(args)

@@ -145,7 +145,8 @@ def _run_info(runs: list[dict]) -> dict:
             "profile": main.get("profile"), "versions": main.get("versions") or {},
             "triton_interpret": main.get("triton_interpret"), "started": main.get("started"),
             "finished": main.get("finished"), "implementations": main.get("implementations") or [],
-            "specs": specs, "workers": [r.get("worker") for r in runs]}
+            "specs": specs, "workers": [r.get("worker") for r in runs],
+            "shard": main.get("shard"), "shards": main.get("shards")}
 
 
 def _replay_for(row: dict, specs: dict[str, str], device_of: dict[str, str]) -> str | None:

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from strategies.attention import Limits  # noqa: E402
 from strategies.cases import dtype_name  # noqa: E402
-from verify import failures, gpu, interpreter, stages, watchdog  # noqa: E402
+from verify import failures, gpu, interpreter, shards, stages, watchdog  # noqa: E402
 from verify.profiles import limits_for, profile_name  # noqa: E402
 
 DEFAULT_REPORT_DIR = "flashverify-report"
@@ -49,6 +49,11 @@ def pytest_addoption(parser):
     group.addoption("--gpu-memory", type=float, default=None, metavar="GIB",
                     help="use at most GIB of each GPU's memory (emulates a smaller card); the workers of "
                          "pytest -n on one GPU share it (default: the GPU's free memory at the start)")
+    group.addoption("--shard", default=None, metavar="K/N",
+                    help="run only the K-th of N disjoint slices of the selected tests (one per CI runner; "
+                         "python -m reports merge joins their report folders into one report)")
+    group.addoption("--shard-times", default=None, metavar="DIR",
+                    help="balance the --shard slices by the test times in an earlier run's report folder")
 
 
 def _profile(config) -> str:
@@ -272,6 +277,7 @@ def _header_data(config) -> dict:
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
         "memory_budget": (budget.to_dict() if _collects_verify(config) and (budget := gpu_budget(config))
                           else None),
+        "shard": config.getoption("--shard"),
     }
 
 
@@ -337,6 +343,25 @@ def pytest_collection_modifyitems(session, config, items):
     for item in items:
         item.user_properties.extend(outcomes.tags(getattr(getattr(item, "callspec", None), "params", {})))
     items.sort(key=lambda item: outcomes.module_rank(item.path))  # stable: each module keeps its order
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_shard(session, config, items):
+    """With ``--shard K/N``: keep the K-th slice of what is selected (verify/shards.py), deselect the rest."""
+    spec = config.getoption("--shard")
+    if spec is None:
+        return
+    try:
+        index, count = shards.parse(spec)
+        slice_of = shards.assign([item.nodeid for item in items], count,
+                                 shards.recorded_times(config.getoption("--shard-times")))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    keep = [item for item in items if slice_of[item.nodeid] == index]
+    dropped = [item for item in items if slice_of[item.nodeid] != index]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = keep
 
 
 def pytest_sessionstart(session):
