@@ -141,16 +141,16 @@ class Truth:
 
 
 def check(ctx: Context, truth: Truth, op: str, actual: torch.Tensor, bounds_of: dict[str, torch.Tensor], *,
-          lse: torch.Tensor | None = None) -> ErrorStats:
+          lse_error: float = 0.0) -> ErrorStats:
     """Both criteria for the kernel's ``op`` (``out``, ``lse``, ``dq``, ``dk`` or ``dv``) against ``truth``,
     with the bound ``bounds_of[op]`` (:attr:`Truth.forward_bounds` or :meth:`Truth.gradient_bounds`); the
-    measurement is recorded under ``ctx`` and a failed criterion fails ``ctx``. ``lse``: for a gradient,
-    the LSE the kernel's forward stored (its backward inherits that LSE's error: :meth:`Truth.lse_error`)."""
+    measurement is recorded under ``ctx`` and a failed criterion fails ``ctx``. ``lse_error``: for a
+    gradient, :meth:`Truth.lse_error` of the LSE the kernel's forward stored (its backward inherits it)."""
     __tracebackhide__ = True
     if op not in PROPERTY_OF:
         raise ValueError(f"op={op!r}, but should be one of {tuple(PROPERTY_OF)} (delta: check_delta)")
     diagnose = (lambda: lse_convention(actual, truth.ref, bounds_of[op])) if op == "lse" else None
-    magnitude = magnitudes(op, truth.ref, lse_error=truth.lse_error(lse) if op != "lse" else 0.0)
+    magnitude = magnitudes(op, truth.ref, lse_error=lse_error)
     return assert_accurate(ctx, op=op, actual=actual, expected=getattr(truth.ref, op), baseline=truth.eager[op],
                            bound=bounds_of[op], input_dtype=truth.q.dtype, magnitude=magnitude,
                            diagnose=diagnose)
@@ -221,10 +221,10 @@ def sweep_case(impl, case, t, truth: Truth, *, device: str, backward: bool,
         return Context(impl=impl, prop=PROPERTY_OF[op], device=device, record=records.append, case=case)
 
     def measure(op: str, actual: torch.Tensor, bounds_of: dict[str, torch.Tensor], *,
-                lse: torch.Tensor | None = None) -> None:
+                lse_error: float = 0.0) -> None:
         before = len(records)
         try:
-            check(ctx(op), truth, op, actual, bounds_of, lse=lse)
+            check(ctx(op), truth, op, actual, bounds_of, lse_error=lse_error)
         except PropertyFailure as exc:
             if len(records) == before:  # failed before measuring: wrong dtype or shape
                 problems.append(f"{op}: {str(exc).splitlines()[0]}")
@@ -244,6 +244,7 @@ def sweep_case(impl, case, t, truth: Truth, *, device: str, backward: bool,
         return records, problems
     outputs.update({op: got[op] for op in gradients_of(case)})
     grad_bounds = truth.gradient_bounds(impl, got["out"])
+    lse_error = truth.lse_error(got.get("lse"))
     for op in gradients_of(case):
-        measure(op, got[op], grad_bounds, lse=got.get("lse"))
+        measure(op, got[op], grad_bounds, lse_error=lse_error)
     return records, problems
