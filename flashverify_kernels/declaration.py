@@ -148,6 +148,7 @@ class Implementation:
     contiguous_only: bool = False  # contiguous q, k, v (and dout) only
     max_batch_heads: int | None = None  # B * Hq at most
     max_len_q: int | None = None  # Nq at most this (a decoding kernel's few queries)
+    max_splits: int | None = None  # num_splits at most this (with splits=True; a workspace sized for so many)
     # Part of the default selection (shipped kernels); adapters to peers run when named.
     in_default: bool = True
     # A plain callable given to --impl with no declaration: what it leaves out was assumed, not declared.
@@ -209,6 +210,8 @@ class Implementation:
             positive_int("max_batch_heads", self.max_batch_heads)
         if self.max_len_q is not None:
             positive_int("max_len_q", self.max_len_q)
+        if self.max_splits is not None:
+            positive_int("max_splits", self.max_splits)
         if self.scales is not None and self.scales != "power_of_two":
             ok = isinstance(self.scales, (tuple, list)) and len(self.scales) > 0 and all(
                 s is None or (not isinstance(s, bool) and isinstance(s, (int, float)) and math.isfinite(s))
@@ -281,6 +284,8 @@ class Implementation:
             out.append(f"lengths below {self.min_len}: {why}")
         if self.max_len_q is not None:
             out.append(f"more than {self.max_len_q} queries per sequence: {why}")
+        if self.splits and self.max_splits is not None:
+            out.append(f"more than {self.max_splits} KV splits: {why}")
         if not self.causal:
             out.append(f"causal masks: {why}")
         if not self.non_causal:

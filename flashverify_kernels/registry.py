@@ -181,6 +181,11 @@ if triton_attention is not None and triton_softmax is not None:
     _ENVIRONMENT_LIMITS = _BF16_DOT_LIMIT if _INTERPRET else ()
     # The interpreter runs every program instance in Python: cap the examples per property there.
     _MAX_EXAMPLES = 10 if _INTERPRET else None
+    # Each query head (and each KV split of the decode kernel) is a program instance, which the interpreter
+    # runs in Python: past 4 heads in all (B * Hq; groups up to 16 and 128 splits on a GPU) a case costs
+    # seconds there. The blocked kernels draw them on a CPU, and a GPU run draws them for these.
+    _MAX_BATCH_HEADS = 4 if _INTERPRET else None
+    _MAX_SPLITS = 8 if _INTERPRET else None
     # Tile sizes the suite draws. The launchers accept powers of two from 16 to 256, but float32 tiles of
     # 128 rows do not fit a GPU's shared memory for large head dims, and every dtype must run every tile.
     _ATTENTION_BLOCKS = (16, 32) if _INTERPRET else (16, 32, 64)
@@ -202,7 +207,7 @@ if triton_attention is not None and triton_softmax is not None:
             "devices": triton_attention.DEVICES, "head_dims": triton_attention.HEAD_DIMS, "gqa": True,
             "windows": True, "chunks": True, "softcap": True, "alibi": True, "sinks": True,
             "sequences": ("dense", "packed"), "out_buffers": True, "environment_limits": _ENVIRONMENT_LIMITS,
-            **fields})
+            "max_batch_heads": _MAX_BATCH_HEADS, **fields})
 
     TRITON_FA2 = _triton_attention(
         name="triton_fa2", forward=triton_attention.fa2_forward, sibling="triton_fa1",
@@ -234,7 +239,7 @@ if triton_attention is not None and triton_softmax is not None:
         name="triton_decode", forward=triton_decode.decode_forward, dtypes=triton_decode.DTYPES,
         devices=triton_decode.DEVICES, head_dims=triton_decode.HEAD_DIMS, gqa=True, windows=True, softcap=True,
         alibi=True, sinks=True, splits=True, sequences=("paged",), max_len_q=triton_decode.MAX_QUERIES,
-        autograd=False, deterministic=True, environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
+        max_splits=_MAX_SPLITS, max_batch_heads=_MAX_BATCH_HEADS, autograd=False, deterministic=True, environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
         description="Triton split-KV decoding from a paged KV cache (1..16 queries per sequence) and its combine",
     )
     # The FA2 kernels as Hopper runs them by default (flashverify_kernels/hopper/forward.py and gluon_backward.py: the forward

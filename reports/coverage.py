@@ -19,6 +19,13 @@ from strategies.attention import BOUNDARY_CLASSES
 # (None: any property).
 REQUIRED: dict[str, str | None] = {
     "decode_causal_gqa": None,
+    # the groups production models use (strategies/attention.py, GROUPS), in decode and prefill
+    "group_4": None,
+    "group_5_or_7": None,
+    "group_8": None,
+    "group_16": None,
+    "decode_causal_group_over_4": None,
+    "prefill_group_over_4": None,
     "no_keys": None,
     "kv_tiles_wider": None,
     "k_aligned_q_ragged": None,
@@ -46,6 +53,8 @@ REQUIRED: dict[str, str | None] = {
     "sinks_on_rows_without_keys": None,
     "split_kv": None,
     "split_kv_more_splits_than_keys": None,
+    "split_kv_more_splits_than_key_tiles": None,
+    "split_kv_over_64": None,
     "varlen_packed": None,
     "varlen_padded": None,
     "varlen_empty_sequence": None,

@@ -42,6 +42,18 @@ NOMINAL_BLOCKS = (16, 32, 64, 128)
 PAGE_SIZES = (1, 3, 16, 5, 256)
 # Variable-length sequences after the first: at most this many more.
 MORE_SEQUENCES = 3
+# Query heads per KV head past the small ones (1 .. 3, drawn from a range): the groups production models
+# use, where decode kernels switch code paths (a group packed as rows of one tile past 4): 4 (Llama-3-8B,
+# Mistral-7B), 5 and 7 (not powers of two: Qwen2.5-7B has 7), 8 (Llama-3-70B), 16, and multi-query
+# attention's dozens where the profile allows them (``Limits.max_group``).
+GROUPS = (4, 5, 7, 8, 16, 32, 64)
+# Split counts past the few (2 .. 5, drawn from a range): up to FlashAttention-2's heuristic's 128, more
+# splits than key tiles (and than keys) at short contexts.
+SPLITS = (8, 16, 32, 64, 128)
+# ``Limits.max_len`` holds for up to this many heads (B * Hq); a case with more has its lengths cut in
+# proportion, so that its rows (B * Hq * N, what q, k, v and the outputs hold) stay within those of
+# ROW_HEADS heads at max_len (verify/gpu.py budgets a worker's memory for them).
+ROW_HEADS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +64,10 @@ class Limits:
     max_head_dim: int = 48
     max_batch: int = 2
     max_heads_kv: int = 2
-    max_group: int = 3
+    max_group: int = 16
+    # Cap on B * Hq: a large group is drawn with fewer batches and KV heads, not more heads in all.
+    max_batch_heads: int = 16
+    max_splits: int = 128
     # Cap on (query tiles) x (key tiles), keeps Python-level blocked kernels fast with tiny blocks.
     max_tiles: int = 160
     # Cap on B * Hq * Nq * Nk, keeps the float64 reference's score matrices in memory.
@@ -119,6 +134,21 @@ def _blocks_for(blocks: Sequence[int], per_axis: int, long_class: bool) -> list[
     return ([b for b in ordered if per_axis * b > 64] or ordered) if long_class else ordered
 
 
+def _groups(lo: int, hi: int):
+    """Query heads per KV head in ``[lo, hi]``: 1 .. 3 from a range (what failures shrink to) or one of
+    :data:`GROUPS`."""
+    small = st.integers(lo, max(lo, min(3, hi)))
+    large = [g for g in GROUPS if lo <= g <= hi and g > 3]
+    return st.one_of(small, st.sampled_from(large)) if large else small
+
+
+def _splits(hi: int):
+    """``num_splits``: 1 first, else 2 .. 5 or one of :data:`SPLITS` up to ``hi``."""
+    many = [n for n in SPLITS if n <= hi]
+    return st.one_of(st.just(1), st.integers(2, min(5, hi)) if hi >= 2 else st.just(1),
+                     *([st.sampled_from(many)] if many else []))
+
+
 def scales():
     """Return a strategy for the ``scale`` argument: None (the contract's ``1/sqrt(D)``) half the time,
     else one of :data:`strategies.cases.SCALES`, which holds 0, negative scales, scales above 1, a tiny
@@ -155,13 +185,14 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                     max_batch_heads: int | None = None, windows: bool = False, softcap: bool = False,
                     alibi: bool = False, chunks: bool = False, sinks: bool = False, splits: bool = False,
                     sequences: Sequence[str] = ("dense",), page_sizes: Sequence[int] | None = None,
-                    max_len_q: int | None = None):
+                    max_len_q: int | None = None, min_len: int = 0):
     """Return a strategy for :class:`AttentionCase` values.
 
     dtype          the dtype name (``"float16"`` ...), fixed by the test's parametrisation
     limits         size limits (lengths, head dim, batch, heads, tiles)
     head_dims      head dims the kernel accepts (None: any up to ``limits.max_head_dim``)
-    gqa            whether to draw grouped-query cases (Hkv < Hq)
+    gqa            whether to draw grouped-query cases (Hkv < Hq): 1 .. 3 query heads per KV head or one of
+                   :data:`GROUPS` up to ``limits.max_group``, ``B * Hq`` within ``limits.max_batch_heads``
     block_m/n      tile sizes the kernel accepts (None: not tunable; the case carries no blocks)
     causal         fix the causal flag (None: draw it; the tile classes and ``decode`` then choose causal)
     alignment      the kernel's causal alignment (``bottom_right`` or ``top_left``): the case's spec carries it
@@ -180,6 +211,10 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     equal_lengths     Nq == Nk (Nk is the drawn Nq)
     len_q/k_multiple  Nq (Nk) a multiple of this: the drawn length rounded up to one (a monotone map, so
                       failures shrink to the smallest conforming length), at least one multiple
+    min_len           every sequence's Nq and Nk at least this (the first one's come from ``min_len_q``
+                      and ``min_len_k``)
+    Variable-length sequences keep all three per sequence: every sequence's lengths equal, multiples and at
+    least ``min_len`` (an empty sequence, 0 queries and 0 keys, is a multiple of anything).
     scale_choices     the scales to draw from (the first is what failures shrink to; None: the default)
     max_batch_heads   B * Hq at most
     max_len_q         Nq at most this (a decoding kernel's few queries): the drawn Nq capped (monotone)
@@ -193,7 +228,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     chunks            also draw chunked local attention (none first; else chunks of 1 .. 4 or up to N + 1)
     sinks             also draw attention sinks, one logit per query head (none first; else all 0, one that
                       dominates every score, or any float32 in [-8, 8])
-    splits            also draw split-KV (one split first; else 2 .. 5 splits)
+    splits            also draw split-KV (one split first; else 2 .. 5 splits or one of :data:`SPLITS`, up
+                      to ``limits.max_splits``: 128, more splits than key tiles and than keys)
     sequences         the sequence conventions to draw from (``dense`` first when listed: failures shrink to
                       one dense batch): ``packed``, ``padded`` or ``paged`` cases keep the drawn lengths as
                       their first sequence and add up to ``MORE_SEQUENCES`` more (each length 0 .. a short
@@ -229,6 +265,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         raise ValueError("scale_choices should not be empty (None: any scale)")
     if max_len_q is not None and max_len_q < min_len_q:
         raise ValueError(f"max_len_q={max_len_q} is below min_len_q={min_len_q}")
+    if limits.max_batch_heads < min_group:
+        raise ValueError(f"min_group={min_group}, but limits.max_batch_heads={limits.max_batch_heads}")
     if max_batch_heads is not None and max_batch_heads < min_group:
         raise ValueError(f"max_batch_heads={max_batch_heads} leaves no room for min_group={min_group}")
     if equal_lengths:
@@ -253,22 +291,25 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     one_head = long_class or tile_class  # long sequences stay cheap with B = Hkv = 1
     batch = draw(st.integers(1, limits.max_batch), label="batch")
     heads_kv = draw(st.integers(1, limits.max_heads_kv), label="heads_kv")
-    group = draw(st.integers(min_group, limits.max_group), label="group") if gqa else 1
+    group = draw(_groups(min_group, limits.max_group), label="group") if gqa else 1
     if one_head:
         batch, heads_kv = 1, 1
     if kind == "decode" and gqa:  # decode fast paths are grouped-query paths
         group = max(group, min(2, limits.max_group))
-    if max_batch_heads is not None:  # B * Hq within the declared cap (monotone: smaller draws stay smaller)
-        batch = min(batch, max(1, max_batch_heads // (heads_kv * group)))
-        heads_kv = min(heads_kv, max(1, max_batch_heads // (batch * group)))
-        group = max(min_group, min(group, max_batch_heads // (batch * heads_kv)))
+    # B * Hq within the declared cap and the limits' (monotone: smaller draws stay smaller; the group
+    # is kept and the batch and KV heads give way)
+    cap = min(max_batch_heads or limits.max_batch_heads, limits.max_batch_heads)
+    batch = min(batch, max(1, cap // (heads_kv * group)))
+    heads_kv = min(heads_kv, max(1, cap // (batch * group)))
+    group = max(min_group, min(group, cap // (batch * heads_kv)))
     heads = batch * heads_kv * group
+    row_len = limits.max_len if heads <= ROW_HEADS else max(1, limits.max_len * ROW_HEADS // heads)
     # The longest length of this class that keeps B * Hq * N * N within max_scores.
-    max_len = limits.plain_len
+    max_len = min(limits.plain_len, row_len)
     if long_class or tile_class:
-        max_len = max(1, min(limits.max_len, math.isqrt(limits.max_scores // heads)))
+        max_len = max(1, min(row_len, math.isqrt(limits.max_scores // heads)))
     elif kind == "decode":  # one query against a KV cache of any length
-        max_len = max(1, min(limits.max_len, limits.max_scores // heads))
+        max_len = max(1, min(row_len, limits.max_scores // heads))
 
     top_d = limits.max_head_dim if wide else limits.plain_head_dim
     if head_dims is None:
@@ -338,7 +379,7 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     chunk = draw(st.one_of(st.just(0), st.one_of(st.integers(1, 4), st.integers(1, max(len_q, len_k) + 1))),
                  label="attention_chunk") if chunks else 0
     sink = draw(_sink_logits(heads_kv * group), label="sinks") if sinks else None
-    num_splits = draw(st.one_of(st.just(1), st.integers(2, 5)), label="num_splits") if splits else 1
+    num_splits = draw(_splits(limits.max_splits), label="num_splits") if splits else 1
     sequence_fields: dict = {}
     conventions = _conventions(sequences)
     if conventions != ["dense"]:
@@ -349,8 +390,10 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
             # The scores the references hold grow with the totals: the sequences after the first stay short.
             short = max(0, min(limits.plain_len, math.isqrt(limits.max_scores // heads) // (MORE_SEQUENCES + 1)))
             # the further sequences keep the lengths' lower limits (0 queries allowed unless one is asked for)
-            sequence_fields = _sequence_fields(draw, convention, len_q, len_k, short=short, page_sizes=page_sizes,
-                                               least_q=min_len_q if min_len_q > 1 else 0, least_k=min_len_k)
+            sequence_fields = _sequence_fields(
+                draw, convention, len_q, len_k, short=short, page_sizes=page_sizes,
+                least_q=max(min_len_q if min_len_q > 1 else 0, min_len), least_k=max(min_len_k, min_len),
+                multiples=(len_q_multiple, len_k_multiple), equal=equal_lengths)
             batch = 1
             len_q, len_k = sum(sequence_fields["seqlens_q"]), sum(sequence_fields["seqlens_k"])
     seed = draw(st.integers(0, 2 ** 16), label="seed")
@@ -373,17 +416,24 @@ def _conventions(sequences: Sequence[str]) -> list[str]:
 
 
 def _sequence_fields(draw, convention: str, len_q: int, len_k: int, *, short: int,
-                     page_sizes: Sequence[int] | None, least_q: int = 0, least_k: int = 0) -> dict:
+                     page_sizes: Sequence[int] | None, least_q: int = 0, least_k: int = 0,
+                     multiples: tuple[int, int] = (1, 1), equal: bool = False) -> dict:
     """The spec's sequence fields: the drawn lengths as the first sequence, then up to MORE_SEQUENCES more
     of lengths ``least .. short``, empty and length-1 ones as often as any other (a paged cache: one query
-    length for all; its page size and order)."""
+    length for all; its page size and order), each mapped onto the declared ``multiples`` (rounded up, at
+    least ``least``: monotone) and with ``equal`` its keys as many as its queries."""
     def lengths(least: int):
         top = max(least, short)
         edges = [n for n in (0, 1) if n >= least]
         return st.one_of(st.sampled_from(edges), st.integers(least, top)) if edges else st.integers(least, top)
 
+    def conform(n: int, axis: int, least: int) -> int:
+        m = multiples[axis]
+        return n if m == 1 else conform_length(n, m, low=least, cap=max(short, -(-max(least, 1) // m) * m))
+
     if convention == "paged":
         more_k = draw(st.lists(lengths(least_k), max_size=MORE_SEQUENCES), label="more cache lengths")
+        more_k = [len_q if equal else conform(n, 1, least_k) for n in more_k]
         lens_k = (len_k, *more_k)
         fields = {"seqlens_q": (len_q,) * len(lens_k), "seqlens_k": lens_k}
         fields["page_size"] = draw(st.sampled_from(sorted(page_sizes) if page_sizes else PAGE_SIZES),
@@ -392,6 +442,10 @@ def _sequence_fields(draw, convention: str, len_q: int, len_k: int, *, short: in
     else:
         more = draw(st.lists(st.tuples(lengths(least_q), lengths(least_k)), max_size=MORE_SEQUENCES),
                     label="more sequences (Nq, Nk)")
+        if equal:  # one length per sequence, within both axes' least
+            more = [(n, n) for n in (conform(a, 0, max(least_q, least_k)) for a, _ in more)]
+        else:
+            more = [(conform(a, 0, least_q), conform(b, 1, least_k)) for a, b in more]
         fields = {"seqlens_q": (len_q, *(a for a, _ in more)), "seqlens_k": (len_k, *(b for _, b in more))}
     return {"sequences": convention, **fields}
 
@@ -456,6 +510,7 @@ def boundary_classes(case: AttentionCase) -> list[str]:
         "decode_causal_gqa": nq == 1 and causal and case.group > 1,
         "no_keys": nk == 0,
         "gqa": case.group > 1,
+        **_group_classes(case),
         "len_over_64": max(lens) > 64,
         "len_over_128": max(lens) > 128,
         "len_at_power_of_two_edge": any(n in _POW2_EDGES for n in lens),
@@ -485,6 +540,14 @@ def boundary_classes(case: AttentionCase) -> list[str]:
     return [name for name, hit in checks.items() if hit]
 
 
+def _group_classes(case: AttentionCase) -> dict[str, bool]:
+    """The classes of the query heads per KV head real models use (:data:`GROUPS`)."""
+    g, nq = case.group, case.len_q
+    return {"group_4": g == 4, "group_5_or_7": g in (5, 7), "group_8": g == 8, "group_16": g == 16,
+            "group_over_16": g > 16, "decode_causal_group_over_4": nq == 1 and case.causal and g > 4,
+            "prefill_group_over_4": nq > 1 and g > 4}
+
+
 def _variant_classes(case: AttentionCase) -> dict[str, bool]:
     """The boundary classes of chunks, sinks, split-KV and variable-length sequences."""
     spec = case.spec
@@ -502,6 +565,10 @@ def _variant_classes(case: AttentionCase) -> dict[str, bool]:
         "split_kv": spec.num_splits > 1,
         "split_kv_more_splits_than_keys": spec.num_splits > 1 and any(
             n < spec.num_splits for n in (lens_k or (case.len_k,))),
+        "split_kv_more_splits_than_key_tiles": spec.num_splits > 1 and any(
+            -(-n // bn) < spec.num_splits <= n for n in (lens_k or (case.len_k,))
+            for bn in ((case.block_n,) if case.block_n else NOMINAL_BLOCKS)),
+        "split_kv_over_64": spec.num_splits > 64,
         "varlen_packed": spec.sequences == "packed",
         "varlen_padded": spec.sequences == "padded",
         "varlen_empty_sequence": spec.varlen and 0 in lens,
@@ -528,7 +595,7 @@ def allowed_classes(limits: Limits, *, head_dims: Sequence[int] | None = None, g
                     windows: bool = False, softcap: bool = False, alibi: bool = False, chunks: bool = False,
                     sinks: bool = False, splits: bool = False, sequences: Sequence[str] = ("dense",),
                     page_sizes: Sequence[int] | None = None, max_len_q: int | None = None,
-                    **_other) -> list[str]:
+                    max_batch_heads: int | None = None, min_len: int = 0, **_other) -> list[str]:
     """The boundary classes :func:`attention_cases` can draw with these arguments (a declaration's draws:
     ``verify.runner.declared_draws``): a class a declaration rules out (GQA without ``gqa``, a window without
     ``windows``, a head dim above 128 past its limit) is not owed by a run of that kernel."""
@@ -540,11 +607,15 @@ def allowed_classes(limits: Limits, *, head_dims: Sequence[int] | None = None, g
     any_scale = scale_choices is None
     decode = min_len_q <= 1 and len_q_multiple == 1 and (not equal_lengths or len_k_multiple == 1)
     unequal = not equal_lengths
+    top_group = min(limits.max_group, limits.max_batch_heads, max_batch_heads or limits.max_batch_heads) if gqa else 1
     facts = {
         "decode": decode,
         "decode_causal_gqa": decode and can_causal and gqa,
         "no_keys": min_len_k == 0 and unequal,
         "gqa": gqa,
+        "group_4": top_group >= 4, "group_5_or_7": top_group >= 5, "group_8": top_group >= 8,
+        "group_16": top_group >= 16, "group_over_16": top_group >= 32,
+        "decode_causal_group_over_4": decode and can_causal and top_group >= 5, "prefill_group_over_4": top_group >= 5,
         "len_over_64": limits.max_len > 64,
         "len_over_128": limits.max_len > 128,
         "len_at_power_of_two_edge": limits.max_len >= 15,
@@ -567,8 +638,12 @@ def allowed_classes(limits: Limits, *, head_dims: Sequence[int] | None = None, g
         "chunks": chunks, "chunks_narrower_than_n": chunks,
         "sinks": sinks, "sinks_on_rows_without_keys": sinks and (can_causal or windows or chunks or varlen),
         "split_kv": splits, "split_kv_more_splits_than_keys": splits,
+        "split_kv_more_splits_than_key_tiles": splits and limits.max_splits >= 8,
+        "split_kv_over_64": splits and limits.max_splits > 64,
         "varlen_packed": "packed" in sequences, "varlen_padded": "padded" in sequences,
-        "varlen_empty_sequence": varlen, "varlen_length_one": varlen,
+        "varlen_empty_sequence": varlen and min_len == 0 and (min_len_k == 0 or (min_len_q <= 1 and unequal)),
+        "varlen_length_one": varlen and min_len <= 1 and ((len_q_multiple == 1 and min_len_q <= 1)
+                                                          or (len_k_multiple == 1 and min_len_k <= 1)),
         "varlen_nq_differs_from_nk": varlen and unequal, "varlen_total_below_sequences_gqa": varlen and gqa,
         "paged": paged,
         "paged_page_size_1": paged and (page_sizes is None or 1 in page_sizes),
@@ -584,13 +659,15 @@ def _not_float16(x: float) -> bool:
 
 
 _POW2_EDGES = frozenset(_near_powers_of_two(16, 2 ** 16))
-BOUNDARY_CLASSES = ("decode", "decode_causal_gqa", "no_keys", "gqa", "len_over_64", "len_over_128",
+BOUNDARY_CLASSES = ("decode", "decode_causal_gqa", "no_keys", "gqa", "group_4", "group_5_or_7", "group_8",
+                    "group_16", "group_over_16", "decode_causal_group_over_4", "prefill_group_over_4", "len_over_64", "len_over_128",
                     "len_at_power_of_two_edge", "head_dim_over_64", "head_dim_over_128",
                     "head_dim_not_power_of_two", "kv_tiles_wider", "k_aligned_q_ragged", "masked_q_tiles",
                     "fully_masked_rows", "storage_offset", "scale_zero", "scale_negative", "scale_above_one",
                     "scale_tiny", "scale_not_float16", "window_zero", "window_narrow", "window_at_least_n",
                     "softcap", "softcap_below_one", "alibi", "alibi_causal_gqa", "chunks", "chunks_narrower_than_n",
                     "sinks", "sinks_on_rows_without_keys", "split_kv", "split_kv_more_splits_than_keys",
+                    "split_kv_more_splits_than_key_tiles", "split_kv_over_64",
                     "varlen_packed", "varlen_padded", "varlen_empty_sequence", "varlen_length_one",
                     "varlen_nq_differs_from_nk", "varlen_total_below_sequences_gqa", "paged", "paged_page_size_1",
                     "paged_page_not_power_of_two", "paged_pages_permuted", "paged_decode", "paged_speculative")

@@ -144,6 +144,20 @@ MUTATIONS = (
     Mutation("chunks_top_left", "chunked attention: chunks placed around the top-left diagonal (i, not i + Nk - Nq)",
              "position = torch.arange(m0, m1, device=device)[:, None] + len_k - len_q",
              "position = torch.arange(m0, m1, device=device)[:, None]"),
+    # Bugs of the shapes production models run, which only the draws past the few reach: a group above 4
+    # query heads per KV head, and more than 64 splits.
+    Mutation("gqa_large_group_packed_by_4", "GQA: a group above 4 heads is packed 4 query heads to a tile and each "
+             "tile reads the K/V head of its first query head as if the group were a multiple of 4",
+             "    return t.repeat_interleave(group, dim=1) if group > 1 else t",
+             "    if group > 4:\n"
+             "        return t[:, torch.arange(heads_q, device=t.device) // 4 * 4 // group]\n"
+             "    return t.repeat_interleave(group, dim=1) if group > 1 else t"),
+    Mutation("split_partials_in_64_slots", "split-KV: the partials live in 64 slots indexed by split % 64 (a "
+             "workspace sized for 64 splits): past 64 splits the later, empty ones overwrite the first",
+             "            parts.append((acc / torch.where(empty, 1.0, l_i)[..., None],\n"
+             "                          torch.where(empty, NEG_INF, m_i + torch.log(l_i))))",
+             "            parts[run % 64:run % 64 + 1] = [(acc / torch.where(empty, 1.0, l_i)[..., None],\n"
+             "                                            torch.where(empty, NEG_INF, m_i + torch.log(l_i)))]"),
     Mutation("second_head_dim_half_not_rescaled", "for D > 64 the accumulator's second half is not rescaled",
              "acc = acc * alpha[..., None] + pv",
              "acc = torch.cat([acc[..., :64] * alpha[..., None], acc[..., 64:]], dim=-1) + pv"),

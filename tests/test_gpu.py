@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from strategies.attention import Limits
+from strategies.attention import ROW_HEADS, Limits
 from verify import gpu
 from verify import plugin
 
@@ -70,7 +70,7 @@ def test_workers_share_the_device_they_are_spread_to():
 
 
 def _largest_case_bytes(limits: Limits) -> int:
-    heads = limits.max_batch * limits.max_heads_kv * limits.max_group
+    heads = min(limits.max_batch * limits.max_heads_kv * limits.max_group, limits.max_batch_heads, ROW_HEADS)
     return (gpu.BYTES_PER_SCORE * limits.max_scores
             + gpu.BYTES_PER_ROW_ELEMENT * heads * 2 * limits.max_len * limits.max_head_dim)
 

@@ -24,7 +24,8 @@ from verify.runner import declared_draws, longest_case
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = "tests/fixtures/constrained_kernels.py"
-CORRECT = ("equal_lengths_only", "multiple_of_64_only", "causal_only", "fixed_scale", "tutorial_like")
+CORRECT = ("equal_lengths_only", "multiple_of_64_only", "causal_only", "fixed_scale", "tutorial_like",
+           "varlen_tiles_of_16")
 LIMITS = Limits(max_len=200, max_head_dim=80, max_tiles=64, max_scores=2 ** 18)
 
 
@@ -44,6 +45,7 @@ def _impl(name: str) -> Implementation:
     ({"max_head_dim": {"float32": 64}}, "max_head_dim has key 'float32'"),
     ({"head_dims": (64, 128), "max_head_dim": 32}, r"head_dims \[64, 128\] are all above max_head_dim=32"),
     ({"max_batch_heads": 0}, "max_batch_heads=0, but should be an int >= 1"),
+    ({"max_splits": 0}, "max_splits=0, but should be an int >= 1"),
     ({"equal_lengths": 1}, "equal_lengths=1, but should be a bool"),
 ])
 def test_a_nonsensical_declaration_is_refused_with_its_field(fields, words):
@@ -72,6 +74,25 @@ def test_a_decorated_callable_carries_its_limits_and_the_report_words_them():
     assert _impl("fixed_scale").not_covered()[0] == "scales other than 1/sqrt(D): not covered, declared unsupported"
 
 
+def test_a_split_cap_narrows_the_draws_and_the_report_words_it():
+    from verify.runner import limits_of
+
+    impl = Implementation(name="k", forward=lambda *a, **k: None, splits=True, max_splits=16)
+    assert "more than 16 KV splits: not covered, declared unsupported" in impl.not_covered()
+    limits = limits_of(impl, LIMITS)
+    assert limits.max_splits == 16
+
+    @settings(max_examples=200, database=None, derandomize=True)
+    @given(attention_cases(dtype="float32", limits=limits, splits=True))
+    def check(case):
+        seen.add(case.spec.num_splits)
+        assert case.spec.num_splits <= 16, case.describe()
+
+    seen = set()
+    check()
+    assert {1, 8, 16} <= seen, seen  # the cap bounds the draws; it does not stop them
+
+
 # --- the strategies ---------------------------------------------------------------------------------
 
 def _conforms(impl: Implementation, case) -> list[str]:
@@ -95,10 +116,14 @@ def _conforms(impl: Implementation, case) -> list[str]:
         bad.append("layout")
     if impl.max_batch_heads is not None and case.batch * case.heads_q > impl.max_batch_heads:
         bad.append("B x Hq")
+    spec = case.spec
+    for nq, nk in zip(spec.seqlens_q or (), spec.seqlens_k or ()):  # every sequence keeps the limits
+        if (impl.equal_lengths and nq != nk) or nq % mq or nk % mk or min(nq, nk) < impl.min_len:
+            bad.append(f"sequence of {nq} queries and {nk} keys")
     return bad
 
 
-@pytest.mark.parametrize("name", CORRECT + ("tile_multiple_wrong",))
+@pytest.mark.parametrize("name", CORRECT + ("tile_multiple_wrong", "varlen_tiles_of_16_wrong"))
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_every_drawn_case_conforms_without_filtering(name, dtype):
     impl = _impl(name)
@@ -182,3 +207,17 @@ def test_a_constrained_wrong_kernel_fails_with_the_smallest_conforming_case(tmp_
     case = failure["case"]
     assert (case["len_q"], case["len_k"]) == (32, 32), case
     assert "FailedHealthCheck" not in failure["message"] and failure["replay"]
+
+
+@pytest.mark.slow
+def test_a_varlen_kernel_wrong_past_its_first_sequence_fails_with_whole_tiles(tmp_path):
+    # Every sequence within the per-sequence limits (multiples of 16, at least 16): the failure is a wrong
+    # value, never the kernel refusing a sequence, and it shrinks to a second sequence of 32 keys.
+    proc, report = _verify(tmp_path, "--impl", f"{FIXTURE}:varlen_tiles_of_16_wrong", "-k",
+                           "test_out_matches_reference and float32")
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
+    (failure,) = [json.loads(p.read_text()) for p in (report / "failures").glob("*.json")]
+    spec = failure["case"]["spec"]
+    assert "refuse" not in failure["message"] and "supports" not in failure["message"], failure["message"]
+    assert spec["sequences"] == "packed" and len(spec["seqlens_k"]) == 2 and spec["seqlens_k"][1] == 32, spec
+    assert all(n % 16 == 0 and n >= 16 for n in spec["seqlens_q"] + spec["seqlens_k"]), spec

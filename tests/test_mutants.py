@@ -5,6 +5,8 @@ also held to the shape of their shrunk case (``MINIMAL``)."""
 
 import json
 
+import torch
+
 import pytest
 
 from tests import mutants
@@ -13,8 +15,10 @@ from tests import mutants
 # What the shrunk case of each variant mutant must look like: the variant's field present (the bug lives only
 # there) and the fewest, shortest sequences, the smallest page, the fewest splits, the narrowest window. Every
 # failure file the run wrote is held to it.
-def _small(case: dict, most: int = 3) -> bool:
-    return max(case["len_q"], case["len_k"], case["batch"], case["heads_q"], case["head_dim"]) <= most
+def _small(case: dict, most: int = 3, *, heads: bool = True) -> bool:
+    """Every length, the batch, the head dim and (``heads``) the query head count at most ``most``."""
+    return max(case["len_q"], case["len_k"], case["batch"], case["head_dim"],
+               case["heads_q"] if heads else 1) <= most
 
 
 def _narrow_window(spec: dict) -> bool:
@@ -30,6 +34,10 @@ MINIMAL = {
                             lambda c, s: s.get("sequences") == "paged" and len(s["seqlens_k"]) <= 2
                             and max(s["seqlens_k"]) <= 2 and s["page_size"] == 1),
     "split_merge_log2": ("2 splits of at most 3 keys", lambda c, s: s.get("num_splits") == 2 and c["len_k"] <= 3),
+    "gqa_large_group_packed_by_4": ("a group of 5 on 2 KV heads (10 query heads)",
+                                    lambda c, s: c["heads_q"] == 10 and c["heads_kv"] == 2),
+    "split_partials_in_64_slots": ("128 splits of at most 2 keys", lambda c, s: s.get("num_splits") == 128
+                                   and c["len_k"] <= 2),
     "sink_missing_from_denominator": ("one sink, one query, at most 2 keys",
                                       lambda c, s: len(s.get("sinks") or ()) == 1 and c["len_q"] == 1
                                       and c["len_k"] <= 2),
@@ -44,6 +52,10 @@ MINIMAL = {
                               lambda c, s: s.get("softcap", 0) > 0 and (s["causal"] or "window_left" in s
                                                                         or "window_right" in s)),
 }
+
+
+# Mutants whose bug needs a group of more than 3 query heads: their head count is MINIMAL's alone to judge.
+LARGE_GROUPS = {"gqa_large_group_packed_by_4"}
 
 
 # Seconds a mutant's run takes on one core of a 2-core CPU machine, where it is well above the ~12 s most take
@@ -88,7 +100,7 @@ def test_mutant_fails_the_suite(name, tmp_path):
         case = json.loads(path.read_text(encoding="utf-8"))["case"]
         if name in MINIMAL:
             what, holds = MINIMAL[name]
-            assert _small(case) and holds(case, case.get("spec") or {}), (
+            assert _small(case, heads=name not in LARGE_GROUPS) and holds(case, case.get("spec") or {}), (
                 f"mutant {name}: {path.name} holds a case that is not minimal (expected {what}, and every length, "
                 f"the batch, the head count and the head dim at most 3): {json.dumps(case)}")
 
@@ -105,3 +117,33 @@ def test_scale_rounded_to_float16_fails_in_half_precision(dtype, tmp_path):
     out = mutants.run_variant("scale_rounded_to_float16", report_dir=tmp_path, extra=("-k", _ONLY[dtype]))
     assert out.returncode == 1, f"expected a failure in {dtype}, got exit {out.returncode}:\n{out.output[-4000:]}"
     assert f"-{dtype}]" in out.output
+
+
+@pytest.mark.parametrize(("name", "before"), [("gqa_large_group_packed_by_4", {"max_group": 3}),
+                                              ("split_partials_in_64_slots", {"max_splits": 5})])
+def test_only_the_real_shape_draws_catch_these_mutants(name, before):
+    """Drawn as before groups above 3 and splits above 5 were (``before``), every case gives the mutant's
+    out and LSE bit for bit the unchanged kernel's: only the new draws can catch it (and the suite does,
+    ``test_mutant_fails_the_suite``)."""
+    import dataclasses
+
+    from hypothesis import given, settings
+
+    from strategies.attention import attention_cases
+    from verify import calls
+    from verify.context import Context
+    from verify.profiles import limits_for
+
+    impl, good = mutants.VARIANTS[name], mutants.unmutated
+    limits = dataclasses.replace(limits_for("cpu", "ci"), **before)
+
+    @settings(max_examples=150, database=None, derandomize=True, deadline=None)
+    @given(attention_cases(dtype="float32", limits=limits, gqa=True, splits=True, block_m=(1, 2, 4, 8, 16),
+                           block_n=(1, 2, 4, 8, 16), min_len_k=1))
+    def same(case):
+        t = case.build()
+        got = calls.run_forward(Context(impl=impl, prop="mutant", case=case), case, t.q, t.k, t.v)
+        want = calls.run_forward(Context(impl=good, prop="mutant", case=case), case, t.q, t.k, t.v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), case
+
+    same()

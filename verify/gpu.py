@@ -27,7 +27,7 @@ import math
 import re
 from collections.abc import Iterator
 
-from strategies.attention import Limits
+from strategies.attention import ROW_HEADS, Limits
 
 GIB = 2 ** 30
 MIB = 2 ** 20
@@ -139,7 +139,7 @@ def workers_on_device(*, device: int, workers: int, device_count: int, spread: b
 def max_scores_within(worker_bytes: int, limits: Limits) -> int:
     """The largest ``B*Hq*Nq*Nk`` whose :func:`suite_peak_bytes` fits in ``worker_bytes`` with the
     largest row term ``limits`` allow (every batch and head at ``max_len`` and ``max_head_dim``)."""
-    heads = limits.max_batch * limits.max_heads_kv * limits.max_group
+    heads = min(limits.max_batch * limits.max_heads_kv * limits.max_group, limits.max_batch_heads, ROW_HEADS)
     rows = suite_peak_bytes(batch=1, heads_q=heads, len_q=limits.max_len, len_k=limits.max_len,
                             head_dim=limits.max_head_dim) - BYTES_PER_SCORE * heads * limits.max_len ** 2
     return max(0, (worker_bytes - rows) // BYTES_PER_SCORE)

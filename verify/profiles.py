@@ -60,8 +60,9 @@ LIMITS = {
     # max_scores: the float64 reference and its bound hold about twenty [B, H, Nq, Nk] tensors. Under
     # the gpu profile max_scores and max_len are replaced by what the worker's budget holds
     # (verify/gpu.py: limits_within); the values here are used only where no budget is known.
+    # Multi-query attention's large groups (up to 64 query heads on one KV head) under the gpu profile.
     ("cuda", "gpu"): Limits(max_len=8192, max_head_dim=256, short_len=8192, short_head_dim=256,
-                            max_tiles=2 ** 20, max_scores=2 ** 25),
+                            max_tiles=2 ** 20, max_scores=2 ** 25, max_group=64, max_batch_heads=64),
 }
 
 

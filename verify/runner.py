@@ -145,7 +145,8 @@ def skip_reason(impl: Implementation, dtype: str, env: Env, requires: Iterable[s
 
 
 def limits_of(impl: Implementation, limits: Limits, dtype: str | None = None) -> Limits:
-    """``limits`` narrowed by what ``impl`` declares: its longest sequence, its tile cap (``max_tiles``),
+    """``limits`` narrowed by what ``impl`` declares: its longest sequence, its tile cap (``max_tiles``), its
+    most splits (``max_splits``),
     its largest head dim in ``dtype`` (``max_head_dim``), and a head dim it accepts when the profile's
     largest is below its smallest."""
     top_d = impl.head_dim_limit(DTYPES[dtype]) if dtype is not None else None
@@ -155,6 +156,8 @@ def limits_of(impl: Implementation, limits: Limits, dtype: str | None = None) ->
         limits = dataclasses.replace(limits, max_len=impl.max_seq_len)
     if impl.max_tiles is not None and impl.max_tiles < limits.max_tiles:
         limits = dataclasses.replace(limits, max_tiles=impl.max_tiles)
+    if impl.max_splits is not None and impl.max_splits < limits.max_splits:
+        limits = dataclasses.replace(limits, max_splits=impl.max_splits)
     if impl.head_dims is not None:
         smallest = min(impl.head_dims)
         if smallest > limits.max_head_dim:
@@ -205,6 +208,7 @@ def declared_draws(impl: Implementation, causal: bool | None, draw: dict[str, An
     if impl.min_len:
         out["min_len_q"] = max(out.get("min_len_q", 1), impl.min_len)
         out["min_len_k"] = max(out.get("min_len_k", 0), impl.min_len)
+        out["min_len"] = impl.min_len  # every sequence's, with variable-length sequences
     return out
 
 
