@@ -81,10 +81,17 @@ def by_property(records: list[dict]) -> list[dict]:
     rows: dict[str, dict] = {}
     for r in records:
         row = rows.setdefault(str(r.get("property")), {"property": str(r.get("property")), "tests": 0,
-                                                       "examples": 0, "classes": collections.Counter()})
+                                                       "examples": 0, "classes": collections.Counter(),
+                                                       "longest": None, "max_group": 0, "max_splits": 0})
         row["tests"] += 1
         row["examples"] += int(r.get("examples") or 0)
         row["classes"].update({str(k): int(v) for k, v in r["classes"].items()})
+        longest = r.get("longest")
+        if isinstance(longest, dict) and (row["longest"] is None or (longest["len_k"], longest["len_q"]) > (
+                row["longest"]["len_k"], row["longest"]["len_q"])):
+            row["longest"] = {"len_k": int(longest["len_k"]), "len_q": int(longest["len_q"])}
+        row["max_group"] = max(row["max_group"], int(r.get("max_group") or 0))
+        row["max_splits"] = max(row["max_splits"], int(r.get("max_splits") or 0))
     return [{**row, "classes": dict(sorted(row["classes"].items(), key=lambda kv: BOUNDARY_CLASSES.index(kv[0])
                                           if kv[0] in BOUNDARY_CLASSES else len(BOUNDARY_CLASSES)))}
             for _, row in sorted(rows.items())]
@@ -141,6 +148,15 @@ def missing_line(cov: dict, *, partial: bool) -> str:
         f" {PARTIAL_NOTE}" if partial else "")
 
 
+def shapes_cell(row: dict) -> str:
+    """The extremes of a property's drawn shapes: its longest sequence, largest group and most splits."""
+    longest = row.get("longest")
+    if not longest:
+        return "-"
+    return (f"Nk={longest['len_k']} Nq={longest['len_q']}, group {row.get('max_group') or 1}, "
+            f"{row.get('max_splits') or 1} split(s)")
+
+
 def markdown(cov: dict, *, partial: bool = False) -> list[str]:
     """The report's coverage section (Markdown lines); ``partial``: the run did not finish."""
     rows = cov.get("by_property") or []
@@ -148,11 +164,13 @@ def markdown(cov: dict, *, partial: bool = False) -> list[str]:
         return []
     lines = ["", "## Coverage: boundary classes reached", "",
              "Examples each property ran, and how many of them reached each boundary class (classes are "
-             "facts of the case: `strategies/attention.py`, `boundary_classes`).", "",
-             "| property | tests | examples | classes reached (examples) |", "|---|---|---|---|"]
+             "facts of the case: `strategies/attention.py`, `boundary_classes`); the longest sequence drawn "
+             "(by its keys), the largest group (query heads per KV head) and the most KV splits.", "",
+             "| property | tests | examples | longest, group, splits | classes reached (examples) |",
+             "|---|---|---|---|---|"]
     for row in rows:
         classes = ", ".join(f"{k} {v}" for k, v in row["classes"].items()) or "none"
-        lines.append(f"| {row['property']} | {row['tests']} | {row['examples']} | {classes} |")
+        lines.append(f"| {row['property']} | {row['tests']} | {row['examples']} | {shapes_cell(row)} | {classes} |")
     if cov.get("required_missing"):
         lines += ["", missing_line(cov, partial=partial)]
     return lines

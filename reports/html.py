@@ -302,9 +302,10 @@ def _coverage_section(cov: dict, *, partial: bool) -> list[str]:
         return []
     out = ["<h2>Coverage: boundary classes reached</h2>",
            '<p class="muted">Examples each property ran, and how many of them reached each boundary class '
-           "(a fact of the case: <code>strategies/attention.py</code>, <code>boundary_classes</code>).</p>",
-           table(("property", "tests", "examples", "classes reached (examples)"),
-                 ([r["property"], r["tests"], r["examples"],
+           "(a fact of the case: <code>strategies/attention.py</code>, <code>boundary_classes</code>); the "
+           "longest sequence drawn (by its keys), the largest group and the most KV splits.</p>",
+           table(("property", "tests", "examples", "longest, group, splits", "classes reached (examples)"),
+                 ([r["property"], r["tests"], r["examples"], coverage.shapes_cell(r),
                    ", ".join(f"{k} {v}" for k, v in r["classes"].items()) or "none"] for r in rows))]
     if cov.get("required_missing"):
         out.append(f"<p class=\"fail\">{esc(coverage.missing_line(cov, partial=partial))}</p>")

@@ -92,6 +92,13 @@ def test_a_ci_run_reaches_every_required_class_and_draws_distinct_cases(tmp_path
     assert summary["coverage"]["required_missing"] == []
     text = markdown(summary)
     assert "## Coverage: boundary classes reached" in text and "| outputs_stay_in_bounds |" in text
+    # The extremes of the drawn shapes, per property: the long class, the groups of 16, the 128 splits.
+    rows = {r["property"]: r for r in summary["coverage"]["by_property"]}
+    assert max(r["longest"]["len_k"] for r in rows.values() if r["longest"]) > 64
+    assert max(r["max_group"] for r in rows.values()) == 16 and max(r["max_splits"] for r in rows.values()) == 128
+    shapes = rows["out_matches_reference"]
+    assert (f"| Nk={shapes['longest']['len_k']} Nq={shapes['longest']['len_q']}, group {shapes['max_group']}, "
+            f"{shapes['max_splits']} split(s) |") in text
     assert "masked_q_tiles" in (report / "report.md").read_text()
 
 

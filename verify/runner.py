@@ -88,21 +88,33 @@ def _aim(observations: dict[str, float]) -> None:
 
 
 class _Coverage:
-    """Counts, over one test's examples, the boundary classes reached."""
+    """Counts, over one test's examples, the boundary classes reached; and the extremes of the shapes
+    drawn: the longest sequence (by its keys, then its queries), the largest group, the most splits."""
 
     def __init__(self) -> None:
         self.examples = 0
         self.classes: collections.Counter[str] = collections.Counter()
+        self.longest: tuple[int, int] | None = None  # (Nk, Nq) of one sequence
+        self.max_group = 0
+        self.max_splits = 0
 
     def add(self, case: AttentionCase) -> None:
         self.examples += 1
         for name in boundary_classes(case):
             self.classes[name] += 1
             event(name)
+        spec = case.spec
+        pairs = list(zip(spec.seqlens_k, spec.seqlens_q)) if spec.seqlens_k else [(case.len_k, case.len_q)]
+        self.longest = max(pairs + ([self.longest] if self.longest else []))
+        self.max_group = max(self.max_group, case.group)
+        self.max_splits = max(self.max_splits, spec.num_splits)
 
     def emit(self, env: Env, *, impl: Implementation, prop: str, dtype: str) -> None:
+        shapes = {} if self.longest is None else {
+            "longest": {"len_k": self.longest[0], "len_q": self.longest[1]}, "max_group": self.max_group,
+            "max_splits": self.max_splits}
         env.coverage({"kind": "coverage", "implementation": impl.name, "property": prop, "dtype": dtype,
-                      "examples": self.examples, "classes": dict(sorted(self.classes.items()))})
+                      "examples": self.examples, "classes": dict(sorted(self.classes.items())), **shapes})
 
 
 def _declares(impl: Implementation, *, field: str) -> bool:
