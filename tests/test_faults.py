@@ -471,14 +471,19 @@ def test_ctrl_c_ends_the_run_with_a_partial_report_naming_the_tests_not_run(tmp_
     assert summary["status"] == "partial", summary["status"]
     (stop,) = summary["stopped"]
     assert stop["test"] is None and stop["reason"] == "interrupted (SIGINT: Ctrl-C, or a time limit)", stop
-    # the test it interrupted, then the two longest cases (full and causal) it never got to
-    assert stop["not_run"][0] == first and len(stop["not_run"]) == 3, stop
+    # the test it interrupted, then the two longest cases (full and causal) it never got to; or, where the
+    # interrupt did not reach the test body and only the check before the next test ended the run
+    # (verify/watchdog.py, end_if_interrupted), the test ends first and the two longest are not run. The
+    # second was seen in two of three full `pytest tests -n 2` runs on a 2-core machine, never alone.
+    longest = [t for t in stop["not_run"] if "test_longest" in t]
+    assert len(longest) == 2 and stop["not_run"] in ([first, *longest], longest), stop
+    n = len(stop["not_run"])
     md = (tmp_path / "report" / "report.md").read_text()
     status = md.splitlines()[2]
-    assert status == ('Status: PARTIAL: interrupted (SIGINT: Ctrl-C, or a time limit); 3 test(s) not run '
+    assert status == (f'Status: PARTIAL: interrupted (SIGINT: Ctrl-C, or a time limit); {n} test(s) not run '
                       '(listed under "Tests not run").'), status
-    assert "## Tests not run (3)" in md and all(f"- `{t}`" in md for t in stop["not_run"])
-    assert "Tests not run (3)" in (tmp_path / "report" / "report.html").read_text()
+    assert f"## Tests not run ({n})" in md and all(f"- `{t}`" in md for t in stop["not_run"])
+    assert f"Tests not run ({n})" in (tmp_path / "report" / "report.html").read_text()
     assert "flashverify report: PARTIAL: interrupted (SIGINT" in out, out[-2000:]
 
 
