@@ -285,3 +285,16 @@ def test_a_sticky_error_is_found_where_it_was_raised_from_and_in_groups():
 ])
 def test_other_errors_are_not_sticky(exc):
     assert gpu.sticky_cuda_error(exc) is None
+
+
+def test_gpu_workers_share_the_cores_and_a_cpu_run_keeps_one_thread(fake_cuda, monkeypatch):
+    monkeypatch.delenv("FLASHVERIFY_CPU_THREADS", raising=False)
+    monkeypatch.setattr(plugin.os, "cpu_count", lambda: 16)
+    worker = {"workerid": "gw3", "workercount": 16}
+    assert plugin.cpu_threads(_Config(workerinput=worker)) == 1
+    assert plugin.cpu_threads(_Config(workerinput={"workerid": "gw0", "workercount": 4})) == 4
+    assert plugin.cpu_threads(_Config(workerinput={"workerid": "gw0", "workercount": 32})) == 1
+    assert plugin.cpu_threads(_Config()) == 16  # one process on the GPU: every core
+    assert plugin.cpu_threads(_Config(device="cpu", workerinput=worker)) == 1
+    monkeypatch.setenv("FLASHVERIFY_CPU_THREADS", "3")
+    assert plugin.cpu_threads(_Config(workerinput=worker)) == 3

@@ -112,6 +112,19 @@ def _workers(config) -> int:
     return int(config.option.numprocesses) if _xdist_controller(config) else 1
 
 
+def cpu_threads(config) -> int:
+    """Torch's intra-op threads in this process (``FLASHVERIFY_CPU_THREADS`` overrides). On the CPU: one,
+    since the suite's tensors are small and thread start-up dominates. With a GPU, the host's work (building
+    inputs, the checks, Triton's compiles) runs beside the other workers': the cores shared out among the
+    processes, at least one each, so that 16 workers on 16 cores do not start 16 threads each."""
+    given = os.environ.get("FLASHVERIFY_CPU_THREADS")
+    if given:
+        return max(1, int(given))
+    if torch.device(_device(config)).type == "cpu":
+        return 1
+    return max(1, (os.cpu_count() or 1) // max(1, _workers(config)))
+
+
 def _spread(config) -> bool:
     """Whether pytest-xdist workers are spread over the GPUs, one GPU each (:func:`xdist_worker_device`)."""
     return (config.getoption("--device") in (None, "cuda") and torch.cuda.is_available()
@@ -227,10 +240,7 @@ def pytest_keyboard_interrupt(excinfo):
 
 def pytest_configure(config):
     interpreter.skip_repatching()  # Triton's interpreter (TRITON_INTERPRET=1) patches its language once a launch
-    if torch.device(_device(config)).type == "cpu":
-        # The suite's tensors are small: one intra-op thread is several times faster than many
-        # (thread start-up dominates), and pytest-xdist workers then share the cores cleanly.
-        torch.set_num_threads(int(os.environ.get("FLASHVERIFY_CPU_THREADS", "1")))
+    torch.set_num_threads(cpu_threads(config))
     if _collects_verify(config):
         gpu_budget(config)  # validates --gpu-memory; caps this process's allocator before any test
     config._flashverify_report = None

@@ -37,7 +37,7 @@ from strategies.softmax import softmax_cases
 from verify import properties
 from verify.gpu import sticky_cuda_error
 from verify.context import Context, Recorder, StickyDeviceError, running
-from verify.faults import free_device_memory
+from verify.faults import release_example_memory
 from verify.properties import NotForThisCase, NotForThisKernel
 from verify.watchdog import end_if_interrupted
 
@@ -274,8 +274,9 @@ def run_example(fn, ctx: Context, case, env: Env) -> None:
     """Run one example of a property. On a GPU: a sticky CUDA error raised anywhere in it (the kernel's
     backward, or the suite's own work after the kernel broke the context) ends the test with this case
     (:class:`verify.context.StickyDeviceError`, which Hypothesis does not shrink: every later example in
-    this process would fail the same way); and the memory the example cached is released, so that the
-    next one starts from what the worker's budget allows.
+    this process would fail the same way); and what the example left allocated is collected
+    (:func:`verify.faults.release_example_memory`), so that the next one starts from what the worker's
+    budget allows.
 
     Any exception leaving the example carries its context (:func:`verify.context.failing_context`): the
     failure file names the case that ran, exactly as drawn, and its replay command. A run a signal asked to
@@ -291,7 +292,7 @@ def run_example(fn, ctx: Context, case, env: Env) -> None:
         raise
     finally:
         if on_gpu:
-            free_device_memory()
+            release_example_memory(env.device)
 
 
 def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bool) -> AttentionCase:
