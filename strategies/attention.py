@@ -13,6 +13,10 @@ uniform draws almost never reach, each built by construction (no filtering):
 ``kv_tiles_wider``      causal, block_n > block_m and at least two key tiles
 ``k_aligned_q_ragged``  causal, Nk a multiple of block_n, Nq not a multiple of block_m
 ``masked_q_tiles``      causal with Nq - Nk >= block_m: whole query tiles see no key
+``long_context``        one query against more keys than ``max_len`` (a decode step on a long KV cache), up
+                        to ``Limits.max_context`` (128k keys under the gpu profile), its rows (B * Hq * Nk *
+                        D) within those the worker's budget holds; drawn only where ``max_context`` is
+                        above ``max_len``
 
 For a kernel that declares no block sizes the tile classes use the tile sizes real kernels use
 (:data:`NOMINAL_BLOCKS`, as far as ``max_len`` allows), and are judged against any pair of them. Everything shrinks towards the ``plain`` class,
@@ -34,7 +38,7 @@ from references.spec import SEQUENCES, AttentionSpec
 from strategies.cases import LAYOUTS, MAGNITUDES, SCALES, AttentionCase
 
 SHAPE_CLASSES = ("plain", "decode", "no_keys", "long", "wide_head", "kv_tiles_wider", "k_aligned_q_ragged",
-                 "masked_q_tiles")
+                 "masked_q_tiles", "long_context")
 # Tile sizes of real kernels, for the tile classes of a kernel that declares none.
 NOMINAL_BLOCKS = (16, 32, 64, 128)
 # Page sizes of a paged KV cache (the smallest first: failures shrink to it): one key per page, sizes that
@@ -75,11 +79,20 @@ class Limits:
     # Lengths and head dims of the ``plain`` class (the other classes go up to max_len / max_head_dim).
     short_len: int = 40
     short_head_dim: int = 40
+    # Keys of a one-query case past max_len (the ``long_context`` class): a decode step on a long KV
+    # cache; 0, or anything up to max_len: no such class.
+    max_context: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 1:
-                raise ValueError(f"Limits.{f.name}={getattr(self, f.name)}, but should be at least 1")
+            least = 0 if f.name == "max_context" else 1
+            if getattr(self, f.name) < least:
+                raise ValueError(f"Limits.{f.name}={getattr(self, f.name)}, but should be at least {least}")
+
+    @property
+    def context_len(self) -> int:
+        """The most keys a one-query case may have: ``max_context`` where it is above ``max_len``."""
+        return max(self.max_len, self.max_context)
 
     @property
     def tiles_per_axis(self) -> int:
@@ -111,7 +124,7 @@ def _near_blocks(blocks: Sequence[int] | None, max_len: int) -> list[int]:
 
 def _near_powers_of_two(lo: int, hi: int) -> list[int]:
     """``2^k - 1``, ``2^k`` and ``2^k + 1`` for the powers of two from 16, within ``[lo, hi]``."""
-    values = {p + o for k in range(4, 16) for p in (2 ** k,) for o in (-1, 0, 1)}
+    values = {p + o for k in range(4, 18) for p in (2 ** k,) for o in (-1, 0, 1)}
     return sorted(v for v in values if lo <= v <= hi)
 
 
@@ -273,8 +286,10 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         len_q_multiple = len_k_multiple = math.lcm(len_q_multiple, len_k_multiple)
     length_limited = equal_lengths or len_q_multiple > 1 or len_k_multiple > 1
     classes = list(shape_classes)
+    no_decode = min_len_q > 1 or longer == "len_q" or len_q_multiple > 1
     for name, excluded in (("no_keys", min_len_k > 0 or longer == "len_k" or equal_lengths),
-                           ("decode", min_len_q > 1 or longer == "len_q" or len_q_multiple > 1),
+                           ("decode", no_decode),
+                           ("long_context", no_decode or equal_lengths or limits.context_len <= limits.max_len),
                            ("kv_tiles_wider", length_limited), ("k_aligned_q_ragged", length_limited),
                            ("masked_q_tiles", length_limited)):
         if excluded and name in classes and len(classes) > 1:
@@ -294,7 +309,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     group = draw(_groups(min_group, limits.max_group), label="group") if gqa else 1
     if one_head:
         batch, heads_kv = 1, 1
-    if kind == "decode" and gqa:  # decode fast paths are grouped-query paths
+    decode_like = kind in ("decode", "long_context")
+    if decode_like and gqa:  # decode fast paths are grouped-query paths
         group = max(group, min(2, limits.max_group))
     # B * Hq within the declared cap and the limits' (monotone: smaller draws stay smaller; the group
     # is kept and the batch and KV heads give way)
@@ -310,6 +326,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         max_len = max(1, min(row_len, math.isqrt(limits.max_scores // heads)))
     elif kind == "decode":  # one query against a KV cache of any length
         max_len = max(1, min(row_len, limits.max_scores // heads))
+    elif kind == "long_context":  # past max_len; the rows are capped once the head dim is drawn
+        max_len = max(1, min(limits.context_len, limits.max_scores // heads))
 
     top_d = limits.max_head_dim if wide else limits.plain_head_dim
     if head_dims is None:
@@ -326,21 +344,29 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     per_axis = limits.tiles_per_axis
     bm = draw(st.sampled_from(_blocks_for(block_m, per_axis, long_class)), label="block_m") if block_m else None
     bn = draw(st.sampled_from(_blocks_for(block_n, per_axis, long_class)), label="block_n") if block_n else None
-    edges = _near_powers_of_two(1, max_len) if (long_class or kind == "decode") else []
+    if kind == "long_context":
+        # B * Hq * (1 + Nk) * D within the rows of ROW_HEADS heads at max_len, max_len keys and the largest
+        # head dim (what verify/gpu.py budgets a worker's memory for)
+        rows = ROW_HEADS * 2 * limits.max_len * limits.max_head_dim
+        max_len = max(1, min(max_len, rows // (heads * head_dim) - 1))
+    edges = _near_powers_of_two(1, max_len) if (long_class or decode_like) else []
     top_q = min(max_len, per_axis * bm) if bm else max_len
     len_q = draw(_lengths(near=sorted(set(_near_blocks(block_m, top_q) + edges)), max_len=top_q), label="len_q")
     top_k = max(1, min(max_len, limits.max_scores // (heads * max(1, len_q))))
-    if kind == "decode":
+    if decode_like:
         top_k = max_len
     top_k = min(top_k, per_axis * bn) if bn else top_k
+    least_k = max(1, min_len_k)
+    if kind == "long_context":  # past max_len where the rows and the tiles leave room
+        least_k = max(least_k, min(top_k, limits.max_len + 1))
     len_k = draw(_lengths(near=sorted(set(_near_blocks(block_n, top_k) + edges)), max_len=top_k,
-                          min_len=max(1, min_len_k)), label="len_k")
+                          min_len=least_k), label="len_k")
     is_causal = causal
     if is_causal is None:
         is_causal = draw(st.booleans(), label="causal")
-        if kind == "decode" or tile_class:
+        if decode_like or tile_class:
             is_causal = True
-    if kind == "decode":
+    if decode_like:
         len_q = 1
     elif kind == "no_keys":
         len_k = 0
@@ -514,6 +540,8 @@ def boundary_classes(case: AttentionCase) -> list[str]:
         "len_over_64": max(lens) > 64,
         "len_over_128": max(lens) > 128,
         "len_at_power_of_two_edge": any(n in _POW2_EDGES for n in lens),
+        "context_over_8k": nq <= 16 and nk > 8192,
+        "context_over_64k": nq <= 16 and nk > 65536,
         "head_dim_over_64": case.head_dim > 64,
         "head_dim_over_128": case.head_dim > 128,
         "head_dim_not_power_of_two": case.head_dim & (case.head_dim - 1) != 0,
@@ -619,6 +647,8 @@ def allowed_classes(limits: Limits, *, head_dims: Sequence[int] | None = None, g
         "len_over_64": limits.max_len > 64,
         "len_over_128": limits.max_len > 128,
         "len_at_power_of_two_edge": limits.max_len >= 15,
+        "context_over_8k": decode and not equal_lengths and limits.context_len > 8192,
+        "context_over_64k": decode and not equal_lengths and limits.context_len > 65536,
         "head_dim_over_64": top_d > 64,
         "head_dim_over_128": top_d > 128,
         "head_dim_not_power_of_two": head_dims is None or any(not _power_of_two(d) for d in head_dims),
@@ -661,7 +691,7 @@ def _not_float16(x: float) -> bool:
 _POW2_EDGES = frozenset(_near_powers_of_two(16, 2 ** 16))
 BOUNDARY_CLASSES = ("decode", "decode_causal_gqa", "no_keys", "gqa", "group_4", "group_5_or_7", "group_8",
                     "group_16", "group_over_16", "decode_causal_group_over_4", "prefill_group_over_4", "len_over_64", "len_over_128",
-                    "len_at_power_of_two_edge", "head_dim_over_64", "head_dim_over_128",
+                    "len_at_power_of_two_edge", "context_over_8k", "context_over_64k", "head_dim_over_64", "head_dim_over_128",
                     "head_dim_not_power_of_two", "kv_tiles_wider", "k_aligned_q_ragged", "masked_q_tiles",
                     "fully_masked_rows", "storage_offset", "scale_zero", "scale_negative", "scale_above_one",
                     "scale_tiny", "scale_not_float16", "window_zero", "window_narrow", "window_at_least_n",

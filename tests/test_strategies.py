@@ -13,6 +13,7 @@ from hypothesis import find, given, settings
 from references import attention as reference
 from references.spec import AttentionSpec
 from strategies.attention import BOUNDARY_CLASSES, SHAPE_CLASSES, Limits, attention_cases, boundary_classes
+from verify.profiles import limits_for
 from strategies.cases import LAYOUTS, MAGNITUDES, SCALES, AttentionCase, CaseError
 from strategies.softmax import SOFTMAX_MAGNITUDES, softmax_cases
 
@@ -59,6 +60,8 @@ TARGETS = ([_field_is("magnitude", m) for m in MAGNITUDES] + [_field_is("layout"
            + SHAPE_FEATURES)
 WIDE = Limits(max_len=136, max_head_dim=136, short_len=40, short_head_dim=40)
 MQA = dataclasses.replace(WIDE, max_group=64, max_batch_heads=64)  # the gpu profile's large groups
+# The gpu profile's KV caches past max_len (a kernel without declared tiles: no tile cap on the keys).
+CONTEXT = dataclasses.replace(MQA, max_len=1024, max_context=2 ** 17, max_tiles=2 ** 20)
 
 
 def test_targets_are_distinct_predicates():
@@ -70,8 +73,13 @@ def test_targets_are_distinct_predicates():
 
 @pytest.mark.parametrize("target", TARGETS, ids=[name for name, _ in TARGETS])
 def test_every_class_and_shape_feature_is_reachable(target):
-    _, predicate = target
-    find(attention_cases(dtype="float16", limits=MQA, gqa=True, block_m=BLOCKS, block_n=BLOCKS, windows=True,
+    name, predicate = target
+    long_context = name.startswith("class context_")
+    blocks = None if long_context else BLOCKS
+    # The gpu profile's limits (KV caches of up to 128k keys) for the long-context classes.
+    limits = limits_for("cuda", "gpu") if long_context else MQA
+    find(attention_cases(dtype="float16", limits=limits, gqa=True, block_m=blocks,
+                         block_n=blocks, windows=True,
                          softcap=True, alibi=True, chunks=True, sinks=True, splits=True,
                          sequences=("dense", "packed", "padded", "paged")),
          predicate, settings=settings(max_examples=2000, database=None, derandomize=True))
@@ -84,7 +92,7 @@ def test_each_shape_class_builds_what_it_names(shape_class, blocks):
     # are judged with the case's blocks, or 64 x 64 for a kernel that declares none).
     expected = {"decode": "decode", "no_keys": "no_keys", "long": "len_over_64", "wide_head": "head_dim_over_64",
                 "kv_tiles_wider": "kv_tiles_wider", "k_aligned_q_ragged": "k_aligned_q_ragged",
-                "masked_q_tiles": "masked_q_tiles"}.get(shape_class)
+                "masked_q_tiles": "masked_q_tiles", "long_context": "decode"}.get(shape_class)
     strategy = attention_cases(dtype="float32", limits=WIDE, gqa=True, block_m=blocks, block_n=blocks,
                                shape_classes=[shape_class])
     seen = []
@@ -291,3 +299,25 @@ def test_softmax_cases(case):
 def test_softmax_classes_reachable():
     for m in SOFTMAX_MAGNITUDES:
         find(softmax_cases(dtype="float16"), lambda c, m=m: c.magnitude == m)
+
+
+@pytest.mark.parametrize("blocks", [BLOCKS, None], ids=["declared blocks", "no blocks"])
+def test_long_context_cases_pass_max_len_within_the_rows_and_tiles(blocks):
+    """One query against more keys than max_len, as far as the rows of ROW_HEADS heads at max_len and
+    the largest head dim hold, and (with declared blocks) the key tiles' cap."""
+    from strategies.attention import ROW_HEADS
+
+    seen = []
+
+    @settings(max_examples=80, database=None, derandomize=True)
+    @given(attention_cases(dtype="float32", limits=CONTEXT, gqa=True, block_m=blocks, block_n=blocks,
+                           shape_classes=["long_context"]))
+    def check(case):
+        rows = case.batch * case.heads_q * (case.len_q + case.len_k) * case.head_dim
+        assert case.len_q == 1 and rows <= ROW_HEADS * 2 * CONTEXT.max_len * CONTEXT.max_head_dim, case
+        if blocks:
+            assert math.ceil(case.len_k / case.block_n) <= CONTEXT.tiles_per_axis, case
+        seen.append(case.len_k > CONTEXT.max_len)
+
+    check()
+    assert sum(seen) >= len(seen) // 2, (sum(seen), len(seen))

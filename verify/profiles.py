@@ -6,7 +6,8 @@ the default):
 ``ci``        derandomized, no example database, bounded: the same examples every run
 ``dev``       random examples, remembered failures (the local example database)
 ``thorough``  many more examples and larger shapes, for nightly runs
-``gpu``       derandomized, shapes as large as each worker's GPU memory budget holds (Nk up to 8192)
+``gpu``       derandomized, shapes as large as each worker's GPU memory budget holds (Nk up to 8192,
+              and decode steps on KV caches of up to 128k keys)
 
 Every profile keeps Hypothesis's health checks on. A case is a handful of drawn scalars (shapes,
 flags, a seed) and its tensors are built from the seed inside the property, so drawing stays fast at
@@ -52,7 +53,8 @@ LIMITS = {
     ("cpu", "ci"): Limits(**_CPU),
     ("cpu", "dev"): Limits(**_CPU),
     ("cpu", "thorough"): Limits(max_len=256, max_head_dim=256, short_len=96, short_head_dim=72, max_tiles=400),
-    ("cpu", "gpu"): Limits(max_len=256, max_head_dim=256, short_len=96, short_head_dim=72, max_tiles=400),
+    ("cpu", "gpu"): Limits(max_len=256, max_head_dim=256, short_len=96, short_head_dim=72, max_tiles=400,
+                           max_context=2 ** 17),
     ("cuda", "ci"): Limits(max_len=256, max_head_dim=256, short_len=256, short_head_dim=128, max_tiles=4096),
     ("cuda", "dev"): Limits(max_len=256, max_head_dim=256, short_len=256, short_head_dim=128, max_tiles=4096),
     ("cuda", "thorough"): Limits(max_len=2048, max_head_dim=256, short_len=2048, short_head_dim=256,
@@ -61,8 +63,11 @@ LIMITS = {
     # the gpu profile max_scores and max_len are replaced by what the worker's budget holds
     # (verify/gpu.py: limits_within); the values here are used only where no budget is known.
     # Multi-query attention's large groups (up to 64 query heads on one KV head) under the gpu profile.
+    # Decode steps on KV caches of up to 128k keys (the ``long_context`` class), as many as the budget's
+    # rows hold.
     ("cuda", "gpu"): Limits(max_len=8192, max_head_dim=256, short_len=8192, short_head_dim=256,
-                            max_tiles=2 ** 20, max_scores=2 ** 25, max_group=64, max_batch_heads=64),
+                            max_tiles=2 ** 20, max_scores=2 ** 25, max_group=64, max_batch_heads=64,
+                            max_context=2 ** 17),
 }
 
 

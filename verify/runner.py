@@ -31,7 +31,7 @@ from hypothesis import event, given, reject, seed, settings, strategies as st, t
 
 from flashverify_kernels.declaration import CAPABILITIES, Implementation
 from references.spec import AttentionSpec
-from strategies.attention import Limits, attention_cases, boundary_classes, conform_length
+from strategies.attention import ROW_HEADS, Limits, attention_cases, boundary_classes, conform_length
 from strategies.cases import DTYPES, AttentionCase
 from strategies.softmax import softmax_cases
 from verify import properties
@@ -98,11 +98,13 @@ class _Coverage:
         self.max_group = 0
         self.max_splits = 0
 
-    def add(self, case: AttentionCase) -> None:
+    def add(self, case: AttentionCase, *, drawn: bool = True) -> None:
+        """Count ``case``; a drawn one also as Hypothesis's ``event()`` (which only a drawn example has)."""
         self.examples += 1
         for name in boundary_classes(case):
             self.classes[name] += 1
-            event(name)
+            if drawn:
+                event(name)
         spec = case.spec
         pairs = list(zip(spec.seqlens_k, spec.seqlens_q)) if spec.seqlens_k else [(case.len_k, case.len_q)]
         self.longest = max(pairs + ([self.longest] if self.longest else []))
@@ -164,8 +166,9 @@ def limits_of(impl: Implementation, limits: Limits, dtype: str | None = None) ->
     top_d = impl.head_dim_limit(DTYPES[dtype]) if dtype is not None else None
     if top_d is not None and top_d < limits.max_head_dim:
         limits = dataclasses.replace(limits, max_head_dim=top_d)
-    if impl.max_seq_len is not None and impl.max_seq_len < limits.max_len:
-        limits = dataclasses.replace(limits, max_len=impl.max_seq_len)
+    if impl.max_seq_len is not None and impl.max_seq_len < limits.context_len:
+        limits = dataclasses.replace(limits, max_len=min(limits.max_len, impl.max_seq_len),
+                                     max_context=min(limits.max_context, impl.max_seq_len))
     if impl.max_tiles is not None and impl.max_tiles < limits.max_tiles:
         limits = dataclasses.replace(limits, max_tiles=impl.max_tiles)
     if impl.max_splits is not None and impl.max_splits < limits.max_splits:
@@ -295,22 +298,24 @@ def run_example(fn, ctx: Context, case, env: Env) -> None:
             release_example_memory(env.device)
 
 
-def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bool) -> AttentionCase:
+def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bool,
+                 context: bool = False) -> AttentionCase:
     """The largest case the limits allow, for one fixed example that drawing may never reach: Nk at
     ``max_len``, as many queries as ``max_scores`` leaves (at most Nk), one head, the largest head dim
-    up to 128 the implementation accepts, N(0, 1) inputs, the implementation's own block sizes.
+    up to 128 the implementation accepts, N(0, 1) inputs, the implementation's own block sizes. With
+    ``context``: one query against the longest KV cache the limits allow (``Limits.context_len``).
 
     A tunable kernel that declares ``max_tiles`` (its tile loop runs in Python) runs its largest
     declared tiles instead, and the lengths stop where the tile count would pass ``max_tiles``.
     Declared limits hold here too: lengths rounded down to the declared multiples (equal when declared),
     at least ``min_len``, the first declared scale."""
     limits = limits_of(impl, limits, dtype)
-    len_k = limits.max_len
+    len_k = limits.context_len if context else limits.max_len
     block_m = block_n = None
     if impl.max_tiles is not None and impl.tunable:
         block_m, block_n = max(impl.block_m), max(impl.block_n)
         len_k = min(len_k, limits.tiles_per_axis * block_n)
-    len_q = max(1, min(len_k, limits.max_scores // len_k))
+    len_q = 1 if context else max(1, min(len_k, limits.max_scores // len_k))
     if block_m is not None:
         len_q = min(len_q, limits.tiles_per_axis * block_m)
     mq, mk = impl.length_multiples
@@ -323,6 +328,9 @@ def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bo
     len_k = len_q if impl.equal_lengths else conform_length(len_k, mk, low=impl.min_len, cap=len_k)
     dims = [d for d in (impl.head_dims or range(1, limits.max_head_dim + 1))
             if d <= min(128, limits.max_head_dim) and d % 8 == 0] or sorted(impl.head_dims or [8])[:1]
+    if context:  # its rows within those the worker's budget holds (as the long_context class draws them)
+        len_k = max(1, min(len_k, ROW_HEADS * 2 * limits.max_len * limits.max_head_dim // max(dims) - 1))
+        len_k = conform_length(len_k, mk, low=impl.min_len, cap=len_k)
     # A kernel that takes no dense batch gets the case as one sequence of its first convention.
     sequences = {} if "dense" in impl.sequences else dict(
         sequences=impl.sequences[0], seqlens_q=(len_q,), seqlens_k=(len_k,),
@@ -335,16 +343,29 @@ def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bo
 
 
 def check_longest(prop: str, impl: Implementation, dtype: str, env: Env, *, causal: bool,
-                  requires: Iterable[str] = ()) -> None:
-    """Check attention property ``prop`` on :func:`longest_case` (no drawing: one fixed example)."""
+                  requires: Iterable[str] = (), context: bool = False) -> None:
+    """Check attention property ``prop`` on :func:`longest_case` (no drawing: one fixed example), and
+    with ``context`` also on the one query against the longest KV cache, where the limits draw one
+    past ``max_len`` (the gpu profile's ``long_context``) and the kernel takes a single query."""
     __tracebackhide__ = True
     _skip_unless_runnable(impl, dtype, env, requires, causal=causal)
-    case = longest_case(impl, dtype, env.limits, causal=causal)
-    ctx = env.context(impl, prop, case)
+    cases = [longest_case(impl, dtype, env.limits, causal=causal)]
+    limits = limits_of(impl, env.limits, dtype)
+    if (context and limits.context_len > limits.max_len and not impl.equal_lengths
+            and impl.length_multiples[0] == 1 and impl.min_len <= 1):
+        cases.append(longest_case(impl, dtype, env.limits, causal=causal, context=True))
+    coverage = _Coverage()  # the longest cases count in the property's coverage (its longest sequence)
     try:
-        run_example(properties.PROPERTIES[prop], ctx, case, env)
-    except (NotForThisKernel, NotForThisCase) as exc:
-        pytest.skip(f"{case.describe()}: {exc}")
+        for case in cases:
+            coverage.add(case, drawn=False)
+            ctx = env.context(impl, prop, case)
+            try:
+                run_example(properties.PROPERTIES[prop], ctx, case, env)
+            except (NotForThisKernel, NotForThisCase) as exc:
+                pytest.skip(f"{case.describe()}: {exc}")
+    finally:
+        if coverage.examples:
+            coverage.emit(env, impl=impl, prop=prop, dtype=dtype)
 
 
 def check_softmax(prop: str, impl: Implementation, dtype: str, env: Env) -> None:
