@@ -386,6 +386,14 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         len_k = len_q if equal_lengths else conform_length(len_k, len_k_multiple, low=min_len_k, cap=top_k)
     if longer is not None:
         extra = draw(st.integers(1, max_extra), label=f"{longer} longer by")
+        # The other length leaves room for the longer one within max_scores (B * Hq * Nq * Nk): the
+        # longer one is set from it, past the class's own cap on the product.
+        mult = len_q_multiple if longer == "len_q" else len_k_multiple
+        room = max(1, math.isqrt(limits.max_scores // heads) - max_extra * mult)
+        if longer == "len_q" and len_k > room:
+            len_k = conform_length(room, len_k_multiple, low=min_len_k, cap=room)
+        if longer == "len_k" and len_q > room:
+            len_q = conform_length(room, len_q_multiple, low=max(1, min_len_q), cap=room)
         # the next multiple above the other length, then ``extra - 1`` multiples more (multiple 1: + extra)
         if longer == "len_q":
             if max_len_q is not None:  # room for Nq > Nk under the cap
@@ -420,6 +428,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                 draw, convention, len_q, len_k, short=short, page_sizes=page_sizes,
                 least_q=max(min_len_q if min_len_q > 1 else 0, min_len), least_k=max(min_len_k, min_len),
                 multiples=(len_q_multiple, len_k_multiple), equal=equal_lengths)
+            sequence_fields = _sequences_within(sequence_fields, heads=heads_kv * group, head_dim=head_dim,
+                                                limits=limits)
             batch = 1
             len_q, len_k = sum(sequence_fields["seqlens_q"]), sum(sequence_fields["seqlens_k"])
     seed = draw(st.integers(0, 2 ** 16), label="seed")
@@ -474,6 +484,30 @@ def _sequence_fields(draw, convention: str, len_q: int, len_k: int, *, short: in
             more = [(conform(a, 0, least_q), conform(b, 1, least_k)) for a, b in more]
         fields = {"seqlens_q": (len_q, *(a for a, _ in more)), "seqlens_k": (len_k, *(b for _, b in more))}
     return {"sequences": convention, **fields}
+
+
+def _sequences_within(fields: dict, *, heads: int, head_dim: int, limits: Limits) -> dict:
+    """``fields`` with the sequences after the first dropped, the last first, until the tensors the
+    convention lays out fit the limits as a dense case's do: ``heads * Q * K`` within ``max_scores`` and
+    ``heads * (Q + K) * head_dim`` within the rows of ROW_HEADS heads at ``max_len`` and the largest head
+    dim, where Q and K are the totals (a padded batch: the sequences times the longest). A paged cache
+    repeats its query length for every sequence, and a long first sequence beside others pads them all
+    to its length: without this, large groups and long caches would pass what a worker's budget holds.
+    The first sequence alone is a drawn dense case, which fits."""
+    rows_cap = ROW_HEADS * 2 * limits.max_len * limits.max_head_dim
+    lens_q, lens_k = list(fields["seqlens_q"]), list(fields["seqlens_k"])
+
+    def fits() -> bool:
+        if fields["sequences"] == "padded":
+            total_q, total_k = len(lens_q) * max(lens_q), len(lens_k) * max(lens_k)
+        else:
+            total_q, total_k = sum(lens_q), sum(lens_k)
+        return heads * total_q * total_k <= limits.max_scores and heads * (total_q + total_k) * head_dim <= rows_cap
+
+    while len(lens_q) > 1 and not fits():
+        lens_q.pop()
+        lens_k.pop()
+    return {**fields, "seqlens_q": tuple(lens_q), "seqlens_k": tuple(lens_k)}
 
 
 def _sink_logits(heads: int):

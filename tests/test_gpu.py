@@ -298,3 +298,40 @@ def test_gpu_workers_share_the_cores_and_a_cpu_run_keeps_one_thread(fake_cuda, m
     assert plugin.cpu_threads(_Config(device="cpu", workerinput=worker)) == 1
     monkeypatch.setenv("FLASHVERIFY_CPU_THREADS", "3")
     assert plugin.cpu_threads(_Config(workerinput=worker)) == 3
+
+
+@pytest.mark.parametrize("name", ["eager", "fa2_blocked", "triton_fa2", "triton_decode"])
+@pytest.mark.parametrize(("total_gib", "workers"), [(139.8, 16), (16, 4)])
+def test_every_drawn_case_fits_the_worker_budget(name, total_gib, workers):
+    """The gpu profile's draws of a shipped kernel's declaration (variable-length batches, a length
+    longer than the other, groups up to 64, KV caches up to 128k keys) stay within the worker's
+    budget by the suite's own estimate: a paged cache repeats its query length per sequence and a
+    padded batch pads every sequence to the longest, so the further sequences give way where needed."""
+    from hypothesis import HealthCheck, given, settings
+
+    from flashverify_kernels.registry import registry
+    from strategies.attention import attention_cases
+    from verify.profiles import limits_for
+    from verify.runner import declared_draws, limits_of
+
+    budget = gpu.plan_budget(device=0, total_bytes=int(total_gib * GIB), free_bytes=int(total_gib * GIB),
+                             workers=workers)
+    limits = gpu.limits_within(limits_for("cuda", "gpu"), budget, from_budget=True)
+    impl = registry()[name]
+    over = []
+    for draw in ({}, {"min_group": 2}, {"longer": "len_k", "causal": True}, {"longer": "len_q", "causal": True}):
+        if "min_group" in draw and not impl.gqa:
+            continue
+
+        @settings(max_examples=300, database=None, derandomize=True, deadline=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(attention_cases(dtype="float64", limits=limits_of(impl, limits, "float64"),
+                               **declared_draws(impl, draw.pop("causal", None), dict(draw))))
+        def check(case):
+            peak = gpu.suite_peak_bytes(batch=case.batch, heads_q=case.heads_q, len_q=case.len_q,
+                                        len_k=case.len_k, head_dim=case.head_dim)
+            if peak > budget.worker_bytes:
+                over.append((peak / GIB, case.describe()))
+
+        check()
+    assert not over, over[:3]
