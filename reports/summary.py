@@ -167,7 +167,10 @@ def worst_cases(rows: list[dict], *, limit: int = WORST_CASES, specs: dict[str, 
         ratio = num(r.get("error_over_bound"))
         ratio = math.inf if math.isnan(ratio) else ratio
         err = num(r.get("max_abs"))
-        return (r.get("pass") is False, ratio, math.inf if math.isnan(err) else err)
+        # Ties (two infinite ratios) in an order of their own, not the workers' files': a run and the
+        # merge of its shards list the same cases.
+        return (r.get("pass") is False, ratio, math.inf if math.isnan(err) else err,
+                json.dumps(r, sort_keys=True, default=str))
 
     seen, per_check, out = set(), defaultdict(int), []
     for r in sorted(rows, key=key, reverse=True):

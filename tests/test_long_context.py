@@ -28,11 +28,11 @@ def _fitted(total_gib: float, workers: int, limits: Limits | None = None) -> tup
     return gpu.limits_within(limits, budget, from_budget=True), budget.worker_bytes
 
 
-def _draws(limits: Limits, n: int = 300):
+def _draws(limits: Limits, n: int = 300, **kwargs):
     cases = []
 
     @settings(max_examples=n, database=None, derandomize=True, deadline=None)
-    @given(attention_cases(dtype="float16", limits=limits, gqa=True))
+    @given(attention_cases(dtype="float16", limits=limits, gqa=True, **kwargs))
     def collect(case):
         cases.append(case)
 
@@ -40,14 +40,17 @@ def _draws(limits: Limits, n: int = 300):
     return cases
 
 
-@pytest.mark.parametrize(("total_gib", "workers"), [(141, 16), (80, 16), (16, 4)])
-def test_the_gpu_profile_draws_kv_caches_past_64k_keys_within_the_worker_budget(total_gib, workers):
+@pytest.mark.parametrize(("total_gib", "workers", "past"), [(141, 16, 2 ** 16), (80, 16, 2 ** 15), (16, 4, 2 ** 15)])
+def test_the_gpu_profile_draws_kv_caches_past_max_len_within_the_worker_budget(total_gib, workers, past):
+    """An H200's 16 workers reach past 64k keys; smaller budgets hold fewer rows, and so shorter caches."""
     limits, worker_bytes = _fitted(total_gib, workers)
     assert limits.context_len == 2 ** 17
-    cases = _draws(limits)
-    longest = max(c.len_k for c in cases if c.len_q == 1)
-    assert longest > 2 ** 16, longest
-    assert any("context_over_64k" in boundary_classes(c) for c in cases)
+    contexts = _draws(limits, 100, shape_classes=["long_context"])
+    longest = max(c.len_k for c in contexts)
+    assert all(c.len_q == 1 for c in contexts) and longest > max(past, limits.max_len), (longest, limits.max_len)
+    if past == 2 ** 16:
+        assert any("context_over_64k" in boundary_classes(c) for c in contexts)
+    cases = contexts + _draws(limits)  # and every class beside it
     for c in cases:
         peak = gpu.suite_peak_bytes(batch=c.batch, heads_q=c.heads_q, len_q=c.len_q, len_k=c.len_k,
                                     head_dim=c.head_dim)
