@@ -95,6 +95,13 @@ class Limits:
         return max(self.max_len, self.max_context)
 
     @property
+    def max_rows(self) -> int:
+        """The most ``B * Hq * (Nq + Nk) * D`` (what q, k, v and the outputs hold) a case may have: that of
+        ROW_HEADS heads at ``max_len`` queries and keys and the largest head dim (what verify/gpu.py
+        budgets a worker's memory for)."""
+        return ROW_HEADS * 2 * self.max_len * self.max_head_dim
+
+    @property
     def tiles_per_axis(self) -> int:
         """Query (or key) tiles per head allowed along one axis: ``max_tiles`` split evenly."""
         return tiles_per_axis(self.max_tiles)
@@ -345,10 +352,7 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     bm = draw(st.sampled_from(_blocks_for(block_m, per_axis, long_class)), label="block_m") if block_m else None
     bn = draw(st.sampled_from(_blocks_for(block_n, per_axis, long_class)), label="block_n") if block_n else None
     if kind == "long_context":
-        # B * Hq * (1 + Nk) * D within the rows of ROW_HEADS heads at max_len, max_len keys and the largest
-        # head dim (what verify/gpu.py budgets a worker's memory for)
-        rows = ROW_HEADS * 2 * limits.max_len * limits.max_head_dim
-        max_len = max(1, min(max_len, rows // (heads * head_dim) - 1))
+        max_len = max(1, min(max_len, limits.max_rows // (heads * head_dim) - 1))  # B * Hq * (1 + Nk) * D
     edges = _near_powers_of_two(1, max_len) if (long_class or decode_like) else []
     top_q = min(max_len, per_axis * bm) if bm else max_len
     len_q = draw(_lengths(near=sorted(set(_near_blocks(block_m, top_q) + edges)), max_len=top_q), label="len_q")
@@ -489,12 +493,11 @@ def _sequence_fields(draw, convention: str, len_q: int, len_k: int, *, short: in
 def _sequences_within(fields: dict, *, heads: int, head_dim: int, limits: Limits) -> dict:
     """``fields`` with the sequences after the first dropped, the last first, until the tensors the
     convention lays out fit the limits as a dense case's do: ``heads * Q * K`` within ``max_scores`` and
-    ``heads * (Q + K) * head_dim`` within the rows of ROW_HEADS heads at ``max_len`` and the largest head
-    dim, where Q and K are the totals (a padded batch: the sequences times the longest). A paged cache
-    repeats its query length for every sequence, and a long first sequence beside others pads them all
-    to its length: without this, large groups and long caches would pass what a worker's budget holds.
-    The first sequence alone is a drawn dense case, which fits."""
-    rows_cap = ROW_HEADS * 2 * limits.max_len * limits.max_head_dim
+    ``heads * (Q + K) * head_dim`` within ``limits.max_rows``, where Q and K are the totals (a padded
+    batch: the sequences times the longest). A paged cache repeats its query length for every sequence,
+    and a long first sequence beside others pads them all to its length: without this, large groups and
+    long caches would pass what a worker's budget holds. The first sequence alone is a drawn dense case,
+    which fits."""
     lens_q, lens_k = list(fields["seqlens_q"]), list(fields["seqlens_k"])
 
     def fits() -> bool:
@@ -502,7 +505,8 @@ def _sequences_within(fields: dict, *, heads: int, head_dim: int, limits: Limits
             total_q, total_k = len(lens_q) * max(lens_q), len(lens_k) * max(lens_k)
         else:
             total_q, total_k = sum(lens_q), sum(lens_k)
-        return heads * total_q * total_k <= limits.max_scores and heads * (total_q + total_k) * head_dim <= rows_cap
+        return (heads * total_q * total_k <= limits.max_scores
+                and heads * (total_q + total_k) * head_dim <= limits.max_rows)
 
     while len(lens_q) > 1 and not fits():
         lens_q.pop()

@@ -31,7 +31,7 @@ from hypothesis import event, given, reject, seed, settings, strategies as st, t
 
 from flashverify_kernels.declaration import CAPABILITIES, Implementation
 from references.spec import AttentionSpec
-from strategies.attention import ROW_HEADS, Limits, attention_cases, boundary_classes, conform_length
+from strategies.attention import Limits, attention_cases, boundary_classes, conform_length
 from strategies.cases import DTYPES, AttentionCase
 from strategies.softmax import softmax_cases
 from verify import properties
@@ -329,7 +329,7 @@ def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bo
     dims = [d for d in (impl.head_dims or range(1, limits.max_head_dim + 1))
             if d <= min(128, limits.max_head_dim) and d % 8 == 0] or sorted(impl.head_dims or [8])[:1]
     if context:  # its rows within those the worker's budget holds (as the long_context class draws them)
-        len_k = max(1, min(len_k, ROW_HEADS * 2 * limits.max_len * limits.max_head_dim // max(dims) - 1))
+        len_k = max(1, min(len_k, limits.max_rows // max(dims) - 1))
         len_k = conform_length(len_k, mk, low=impl.min_len, cap=len_k)
     # A kernel that takes no dense batch gets the case as one sequence of its first convention.
     sequences = {} if "dense" in impl.sequences else dict(
