@@ -594,3 +594,47 @@ def test_an_example_that_leaves_nothing_allocated_skips_the_full_collection(monk
     allocated["bytes"] = 1 << 10
     faults.release_example_memory("cuda:0")
     assert calls == ["collect", "empty_cache"] * 2
+
+
+def test_a_failing_example_on_a_gpu_lets_go_of_its_tensors_before_the_failure_is_kept(monkeypatch):
+    """Hypothesis keeps an example's failure while it shrinks, pytest keeps the test's last one after it
+    (``sys.last_value``): the frames of their tracebacks must not keep the failing case's tensors on the
+    device, or every later example of the test, and the worker's next tests, run out of memory for it.
+    On CPU the frames stay (pytest shows their locals with ``--showlocals``)."""
+    import gc
+    import weakref
+
+    from flashverify_kernels import registry
+    from strategies.attention import Limits
+    from strategies.cases import AttentionCase
+    from verify import runner
+    from verify.context import Context
+    from verify.runner import Env, run_example
+
+    monkeypatch.setattr(runner, "release_example_memory", lambda device: None)
+    case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=3, len_k=5, head_dim=4, dtype="float16",
+                         spec=AttentionSpec(causal=False))
+    impl = registry.load("fa2_blocked", device="cpu")
+    held = []
+
+    def fails_holding_a_tensor(ctx, case):
+        scores = torch.zeros(1 << 16)
+        held.append(weakref.ref(scores))
+        try:
+            raise RuntimeError("the kernel failed")  # chained: the context's frames are let go too
+        except RuntimeError:
+            assert scores.sum() == 1, "the property failed"
+
+    def run(device):
+        env = Env(device=device, profile="ci", limits=Limits(), record=lambda _m: None)
+        with pytest.raises(AssertionError, match="the property failed") as info:
+            run_example(fails_holding_a_tensor, Context(impl=impl, prop="x", case=case), case, env)
+        gc.collect()
+        return info.value
+
+    kept = run("cuda:0")
+    assert held[-1]() is None, "the failure kept the example's tensor alive"
+    assert "the kernel failed" in str(kept.__context__)  # the failure itself is intact
+    kept_on_cpu = run("cpu")
+    assert held[-1]() is not None
+    del kept_on_cpu

@@ -57,10 +57,10 @@ def out_of_memory(exc):
 
 def release_after_report(exc, oom) -> None:
     """The report is written: drop the tensors the tracebacks of ``exc`` hold, then the device cache."""
-    from verify.faults import release_out_of_memory
+    from verify.faults import clear_frames, release_out_of_memory
 
     if exc is not oom:
-        traceback.clear_frames(exc.__traceback__)
+        clear_frames(exc.__traceback__)
     release_out_of_memory(oom)
 
 
@@ -190,11 +190,11 @@ def skip_if_the_suite_ran_out_of_memory(item, exc) -> None:
     ooms = [out_of_memory(leaf) for leaf in leaves]
     if not ooms or not all(o is not None and raised_in_references(o) for o in ooms):
         return
-    from verify.faults import release_out_of_memory
+    from verify.faults import clear_frames, release_out_of_memory
 
     fields = other_failure(item, leaves[0])
     reason = out_of_memory_message(item, ooms[0], fields)
-    traceback.clear_frames(exc.__traceback__)
+    clear_frames(exc.__traceback__)
     for o in ooms:
         release_out_of_memory(o)
     raise pytest.skip.Exception(reason, _use_item_location=True) from None

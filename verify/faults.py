@@ -11,7 +11,6 @@ import contextlib
 import gc
 import re
 import sys
-import traceback
 from typing import Any
 
 import torch
@@ -63,6 +62,34 @@ def release_example_memory(device: str) -> None:
     _SETTLED[device] = torch.cuda.memory_allocated(device)
 
 
+def clear_frames(tb) -> None:
+    """``traceback.clear_frames``, and the snapshot of each frame's locals that Python before 3.13 keeps
+    past ``frame.clear()`` (taken by whatever read ``frame.f_locals``): the locals' tensors are let go."""
+    while tb is not None:
+        try:
+            tb.tb_frame.clear()
+        except RuntimeError:  # a frame still running (the caller's)
+            pass
+        else:
+            tb.tb_frame.f_locals  # noqa: B018 - read after clear(), the snapshot drops the cleared names
+        tb = tb.tb_next
+
+
+def release_failed_example(exc: BaseException) -> None:
+    """Drop the locals of the frames a failing example's exception unwound (and of the exceptions chained
+    to it): its tensors. Hypothesis keeps the first failure while it shrinks, and pytest keeps the last one
+    after the test (``sys.last_value``): with its frames, a failure on a large case would hold its inputs,
+    outputs and references on the device, and every later example of the test, and the next tests of the
+    worker, would run out of memory for that. The message and the lines of the traceback stay."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        clear_frames(exc.__traceback__)
+        for inner in getattr(exc, "exceptions", ()) or ():  # an ExceptionGroup's members
+            release_failed_example(inner)
+        exc = exc.__cause__ or exc.__context__
+
+
 def exception_line(exc: BaseException) -> str:
     """``module.Type: first line of the message`` (a CUDA out-of-memory message goes on for lines)."""
     kind = type(exc).__name__ if type(exc).__module__ == "builtins" else f"{type(exc).__module__}.{type(exc).__name__}"
@@ -74,7 +101,7 @@ def release_out_of_memory(exc: BaseException) -> str:
     """Drop the tensors an out-of-memory exception keeps alive through its traceback (the locals of
     the frames it unwound), free the device memory, and return :func:`exception_line`."""
     text = exception_line(exc)
-    traceback.clear_frames(exc.__traceback__)
+    clear_frames(exc.__traceback__)
     free_device_memory()
     return text
 
@@ -237,5 +264,5 @@ def resource_failures_fail(ctx, case, *, device, where: str):
         words = resource_failure(exc, case, device=device, where=where)
         if words is None:
             raise
-        traceback.clear_frames(exc.__traceback__)  # the kernel's tensors need not live as long as the failure
+        clear_frames(exc.__traceback__)  # the kernel's tensors need not live as long as the failure
         ctx.fail(words)

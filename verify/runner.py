@@ -37,7 +37,7 @@ from strategies.softmax import softmax_cases
 from verify import properties
 from verify.gpu import sticky_cuda_error
 from verify.context import Context, Recorder, StickyDeviceError, running
-from verify.faults import release_example_memory
+from verify.faults import release_example_memory, release_failed_example
 from verify.properties import NotForThisCase, NotForThisKernel
 from verify.watchdog import end_if_interrupted
 
@@ -279,7 +279,7 @@ def run_example(fn, ctx: Context, case, env: Env) -> None:
     (:class:`verify.context.StickyDeviceError`, which Hypothesis does not shrink: every later example in
     this process would fail the same way); and what the example left allocated is collected
     (:func:`verify.faults.release_example_memory`), so that the next one starts from what the worker's
-    budget allows.
+    budget allows, also after a failure (:func:`verify.faults.release_failed_example`).
 
     Any exception leaving the example carries its context (:func:`verify.context.failing_context`): the
     failure file names the case that ran, exactly as drawn, and its replay command. A run a signal asked to
@@ -292,6 +292,8 @@ def run_example(fn, ctx: Context, case, env: Env) -> None:
     except Exception as exc:
         if on_gpu and sticky_cuda_error(exc) is not None:
             raise StickyDeviceError(ctx, exc, where="property (its backward, or the checks after it)") from exc
+        if on_gpu:  # the failure outlives the example (Hypothesis keeps it while it shrinks, pytest after
+            release_failed_example(exc)  # the test): not the device memory its frames' tensors hold
         raise
     finally:
         if on_gpu:
