@@ -310,7 +310,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     tile_class = kind in ("kv_tiles_wider", "k_aligned_q_ragged", "masked_q_tiles")
     long_class = kind == "long"
     wide = kind == "wide_head"
-    one_head = long_class or tile_class  # long sequences stay cheap with B = Hkv = 1
+    # long sequences stay cheap with B = Hkv = 1 (a long KV cache: one KV head and its group)
+    one_head = long_class or tile_class or kind == "long_context"
     batch = draw(st.integers(1, limits.max_batch), label="batch")
     heads_kv = draw(st.integers(1, limits.max_heads_kv), label="heads_kv")
     group = draw(_groups(min_group, limits.max_group), label="group") if gqa else 1
@@ -351,8 +352,9 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     per_axis = limits.tiles_per_axis
     bm = draw(st.sampled_from(_blocks_for(block_m, per_axis, long_class)), label="block_m") if block_m else None
     bn = draw(st.sampled_from(_blocks_for(block_n, per_axis, long_class)), label="block_n") if block_n else None
-    if kind == "long_context":
-        max_len = max(1, min(max_len, limits.max_rows // (heads * head_dim) - 1))  # B * Hq * (1 + Nk) * D
+    if kind == "long_context":  # B * Hq * (1 + Nk) * D within half the rows, as the decode class's (Nk at
+        # row_len): K and V, their gradients and a group's copies of them are what a decode step holds
+        max_len = max(1, min(max_len, limits.max_rows // (2 * heads * head_dim) - 1))
     edges = _near_powers_of_two(1, max_len) if (long_class or decode_like) else []
     top_q = min(max_len, per_axis * bm) if bm else max_len
     len_q = draw(_lengths(near=sorted(set(_near_blocks(block_m, top_q) + edges)), max_len=top_q), label="len_q")
@@ -436,6 +438,9 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                                                 limits=limits)
             batch = 1
             len_q, len_k = sum(sequence_fields["seqlens_q"]), sum(sequence_fields["seqlens_k"])
+    if num_splits > 1:
+        num_splits = _splits_within(num_splits, queries=batch * _laid_out_queries(sequence_fields, len_q),
+                                    heads=heads_kv * group, head_dim=head_dim, limits=limits)
     seed = draw(st.integers(0, 2 ** 16), label="seed")
     return AttentionCase(batch=batch, heads_q=heads_kv * group, heads_kv=heads_kv, len_q=len_q,
                          len_k=len_k, head_dim=head_dim, dtype=dtype,
@@ -512,6 +517,22 @@ def _sequences_within(fields: dict, *, heads: int, head_dim: int, limits: Limits
         lens_q.pop()
         lens_k.pop()
     return {**fields, "seqlens_q": tuple(lens_q), "seqlens_k": tuple(lens_k)}
+
+
+def _laid_out_queries(fields: dict, len_q: int) -> int:
+    """The query rows a convention lays out per head: a padded batch pads every sequence to the longest."""
+    if fields.get("sequences") == "padded":
+        return len(fields["seqlens_q"]) * max(fields["seqlens_q"])
+    return len_q
+
+
+def _splits_within(num_splits: int, *, queries: int, heads: int, head_dim: int, limits: Limits) -> int:
+    """``num_splits`` cut (to 2 at least) so that the split-KV partial outputs, one ``[B, Hq, Nq, D]`` per
+    split, hold no more than ``limits.max_rows`` elements: a split-KV kernel keeps them all until it merges
+    them (FlashAttention-2's ``out_accum``), and a worker's budget holds that beside the suite's own work
+    (``verify/gpu.py``). A decode step (one query) keeps every split count up to 128; a long prefill keeps
+    a few."""
+    return max(2, min(num_splits, limits.max_rows // max(1, heads * queries * head_dim)))
 
 
 def _sink_logits(heads: int):

@@ -41,16 +41,25 @@ MIN_WORKER_BUDGET = 256 * MIB
 # tensors alive at once (reference probabilities and their gradient, baseline, bounds, masks).
 BYTES_PER_SCORE = 8 * 20
 # Bytes per row element (B * Hq * (Nq + Nk) * D): q, k, v, out, dout and their gradients in float64,
-# the kernel's copies, the reference's accumulators.
-BYTES_PER_ROW_ELEMENT = 8 * 16
+# the kernel's copies, the reference's accumulators. The most measured: a float64 decode step of a group
+# of 64 query heads on one KV head (gqa_gradients_sum_over_group on the eager kernel, which copies K and
+# V per query head, twice over, with their gradients) holds about 31 such float64 tensors, 248 bytes per
+# element of its rows; such a case, one query against many keys, is drawn within half the rows
+# (``strategies.attention``: the decode and long_context classes), 124 bytes per element of the most.
+BYTES_PER_ROW_ELEMENT = 8 * 24
+# Bytes per element of a split-KV kernel's partial outputs (num_splits * B * Hq * Nq * D, float64 at most),
+# which it holds until it merges them; the strategies keep them within ``Limits.max_rows`` elements.
+BYTES_PER_PARTIAL = 8
 # The longest length a budget allows is at most this (a time limit, not a memory one: the gpu profile's
 # tests must finish in minutes).
 MAX_LEN_CEILING = 8192
 
 
-def suite_peak_bytes(*, batch: int, heads_q: int, len_q: int, len_k: int, head_dim: int) -> int:
+def suite_peak_bytes(*, batch: int, heads_q: int, len_q: int, len_k: int, head_dim: int,
+                     num_splits: int = 1) -> int:
     """Estimated peak device memory (bytes) of the suite's own work on one example of this shape:
-    ``BYTES_PER_SCORE * B*Hq*Nq*Nk + BYTES_PER_ROW_ELEMENT * B*Hq*(Nq+Nk)*D``.
+    ``BYTES_PER_SCORE * B*Hq*Nq*Nk + BYTES_PER_ROW_ELEMENT * B*Hq*(Nq+Nk)*D``, and with split-KV
+    ``BYTES_PER_PARTIAL * num_splits * B*Hq*Nq*D`` for the kernel's partial outputs.
 
     A documented over-estimate for the whole example, the kernel's own memory included (a kernel that
     is not fused, like the eager one checked as a kernel, holds its score matrices; the references work in
@@ -62,7 +71,9 @@ def suite_peak_bytes(*, batch: int, heads_q: int, len_q: int, len_k: int, head_d
         if value < 0:
             raise ValueError(f"{name}={value}, but should be at least 0")
     rows = batch * heads_q
-    return BYTES_PER_SCORE * rows * len_q * len_k + BYTES_PER_ROW_ELEMENT * rows * (len_q + len_k) * head_dim
+    partials = BYTES_PER_PARTIAL * num_splits * rows * len_q * head_dim if num_splits > 1 else 0
+    return (BYTES_PER_SCORE * rows * len_q * len_k + BYTES_PER_ROW_ELEMENT * rows * (len_q + len_k) * head_dim
+            + partials)
 
 
 class BudgetError(ValueError):
@@ -142,6 +153,7 @@ def max_scores_within(worker_bytes: int, limits: Limits) -> int:
     heads = min(limits.max_batch * limits.max_heads_kv * limits.max_group, limits.max_batch_heads, ROW_HEADS)
     rows = suite_peak_bytes(batch=1, heads_q=heads, len_q=limits.max_len, len_k=limits.max_len,
                             head_dim=limits.max_head_dim) - BYTES_PER_SCORE * heads * limits.max_len ** 2
+    rows += BYTES_PER_PARTIAL * limits.max_rows  # the most split-KV partial outputs a case may hold
     return max(0, (worker_bytes - rows) // BYTES_PER_SCORE)
 
 
