@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 
 import pytest
 
@@ -95,29 +96,43 @@ RING_FOLDED_LSE = AttentionCase(batch=1, heads_q=2, heads_kv=1, len_q=1, len_k=8
 RING_RECOMPUTED_SCORE = AttentionCase(batch=1, heads_q=4, heads_kv=2, len_q=1, len_k=21, head_dim=23,
                                       dtype="float32", magnitude="dominant_key", seed=12189, block_m=1,
                                       block_n=32, spec=AttentionSpec(causal=True))
+# Which inputs land on such roundings depends on the CPU's float32 kernels (its exp, its dot products' order):
+# the seeds above were found on one CPU, these on another (an AVX2 AMD EPYC). Every one passes with the
+# terms; without a term, at least one fails on each of them.
+RING_FOLDED_LSE_CASES = [dataclasses.replace(RING_FOLDED_LSE, seed=s) for s in (8315, 230, 448)]
+RING_RECOMPUTED_SCORE_CASES = [dataclasses.replace(RING_RECOMPUTED_SCORE, seed=s) for s in (12189, 3, 14)]
+
+
+def _verdicts(prop: str, cases) -> list[str]:
+    """``pass``, or the failure's first line, of the ring kernel on each case."""
+    out = []
+    for case in cases:
+        try:
+            properties.PROPERTIES[prop](Context(impl=ZOO["ring"], prop=prop, case=case), case)
+            out.append("pass")
+        except PropertyFailure as failure:
+            out.append(str(failure))
+    return out
+
+
+_DV_CRITERION_1 = re.compile(r"dv differs.*\n.*criterion 1 FAILED")
 
 
 def test_gradients_pay_the_recomputed_scores_dot_error():
-    prop = "gradients_match_reference"
-    ctx = Context(impl=ZOO["ring"], prop=prop, case=RING_RECOMPUTED_SCORE)
-    properties.PROPERTIES[prop](ctx, RING_RECOMPUTED_SCORE)
+    assert _verdicts("gradients_match_reference", RING_RECOMPUTED_SCORE_CASES) == ["pass"] * 3
 
 
 def test_the_recomputed_score_case_needs_more_than_one_rounding(monkeypatch):
     monkeypatch.setattr(criteria, "score_roundings", lambda dtype, d, op="out": 1.0)
-    prop = "gradients_match_reference"
-    with pytest.raises(PropertyFailure, match=r"dv differs.*\n.*criterion 1 FAILED"):
-        properties.PROPERTIES[prop](Context(impl=ZOO["ring"], prop=prop, case=RING_RECOMPUTED_SCORE),
-                                    RING_RECOMPUTED_SCORE)
+    verdicts = _verdicts("gradients_match_reference", RING_RECOMPUTED_SCORE_CASES)
+    assert any(_DV_CRITERION_1.search(v) for v in verdicts), verdicts
 
 
 def test_gradients_inherit_the_stored_lse_error():
-    prop = "gradients_match_reference"
-    properties.PROPERTIES[prop](Context(impl=ZOO["ring"], prop=prop, case=RING_FOLDED_LSE), RING_FOLDED_LSE)
+    assert _verdicts("gradients_match_reference", RING_FOLDED_LSE_CASES) == ["pass"] * 3
 
 
 def test_the_ring_case_needs_the_lse_error_in_the_floor(monkeypatch):
     monkeypatch.setattr(properties.measure.Truth, "lse_error", lambda self, lse: 0.0)
-    prop = "gradients_match_reference"
-    with pytest.raises(PropertyFailure, match=r"dv differs.*\n.*criterion 1 FAILED"):
-        properties.PROPERTIES[prop](Context(impl=ZOO["ring"], prop=prop, case=RING_FOLDED_LSE), RING_FOLDED_LSE)
+    verdicts = _verdicts("gradients_match_reference", RING_FOLDED_LSE_CASES)
+    assert any(_DV_CRITERION_1.search(v) for v in verdicts), verdicts
