@@ -439,8 +439,10 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
             batch = 1
             len_q, len_k = sum(sequence_fields["seqlens_q"]), sum(sequence_fields["seqlens_k"])
     if num_splits > 1:
-        num_splits = _splits_within(num_splits, queries=batch * _laid_out_queries(sequence_fields, len_q),
-                                    heads=heads_kv * group, head_dim=head_dim, limits=limits)
+        queries = (_laid_out(sequence_fields["sequences"], sequence_fields["seqlens_q"]) if sequence_fields
+                   else batch * len_q)
+        num_splits = _splits_within(num_splits, queries=queries, heads=heads_kv * group, head_dim=head_dim,
+                                    limits=limits)
     seed = draw(st.integers(0, 2 ** 16), label="seed")
     return AttentionCase(batch=batch, heads_q=heads_kv * group, heads_kv=heads_kv, len_q=len_q,
                          len_k=len_k, head_dim=head_dim, dtype=dtype,
@@ -506,10 +508,7 @@ def _sequences_within(fields: dict, *, heads: int, head_dim: int, limits: Limits
     lens_q, lens_k = list(fields["seqlens_q"]), list(fields["seqlens_k"])
 
     def fits() -> bool:
-        if fields["sequences"] == "padded":
-            total_q, total_k = len(lens_q) * max(lens_q), len(lens_k) * max(lens_k)
-        else:
-            total_q, total_k = sum(lens_q), sum(lens_k)
+        total_q, total_k = _laid_out(fields["sequences"], lens_q), _laid_out(fields["sequences"], lens_k)
         return (heads * total_q * total_k <= limits.max_scores
                 and heads * (total_q + total_k) * head_dim <= limits.max_rows)
 
@@ -519,11 +518,10 @@ def _sequences_within(fields: dict, *, heads: int, head_dim: int, limits: Limits
     return {**fields, "seqlens_q": tuple(lens_q), "seqlens_k": tuple(lens_k)}
 
 
-def _laid_out_queries(fields: dict, len_q: int) -> int:
-    """The query rows a convention lays out per head: a padded batch pads every sequence to the longest."""
-    if fields.get("sequences") == "padded":
-        return len(fields["seqlens_q"]) * max(fields["seqlens_q"])
-    return len_q
+def _laid_out(convention: str, lengths: Sequence[int]) -> int:
+    """The rows per head a convention lays ``lengths`` out in: a padded batch pads every sequence to the
+    longest, the others pack them."""
+    return len(lengths) * max(lengths) if convention == "padded" else sum(lengths)
 
 
 def _splits_within(num_splits: int, *, queries: int, heads: int, head_dim: int, limits: Limits) -> int:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from verify.gpu import exception_chain
+
 # torch.cuda.OutOfMemoryError is the same class in recent torch; torch.OutOfMemoryError is newer.
 OutOfMemoryError: type[RuntimeError] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -81,13 +83,8 @@ def release_failed_example(exc: BaseException) -> None:
     after the test (``sys.last_value``): with its frames, a failure on a large case would hold its inputs,
     outputs and references on the device, and every later example of the test, and the next tests of the
     worker, would run out of memory for that. The message and the lines of the traceback stay."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        clear_frames(exc.__traceback__)
-        for inner in getattr(exc, "exceptions", ()) or ():  # an ExceptionGroup's members
-            release_failed_example(inner)
-        exc = exc.__cause__ or exc.__context__
+    for e in exception_chain(exc):  # itself, a group's members, what each was raised from or during
+        clear_frames(e.__traceback__)
 
 
 def exception_line(exc: BaseException) -> str:
