@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from flashverify_kernels.registry import Implementation
+from flashverify_kernels.registry import Implementation, registry
 from references import bounds, criteria
 from references.spec import AttentionSpec
 from strategies.cases import DTYPES, AttentionCase
@@ -69,6 +69,26 @@ def test_the_reported_cases_need_the_merge_terms(prop, case, monkeypatch):
     monkeypatch.setattr(bounds, "kernel_model", lambda dtype, **kw: dataclasses.replace(model(dtype, **kw), merges=False))
     with pytest.raises(PropertyFailure):
         properties.PROPERTIES[prop](Context(impl=SPLIT_EVERY_64, prop=prop, case=case), case)
+
+
+# A case the shipped fa2_blocked failed on a GPU (its dsinks, criterion 1) though it is correct: 27 keys in one key
+# tile of 64, so, as FlashAttention-2's split-KV does with whole tiles, it runs the 4 splits asked for as one. The
+# sink's logit (30) is far above every score, and against it the probabilities underflow in float16, as they do
+# in an eager attention without splits; the eager baseline cut into 4 splits takes each split's probabilities
+# against that split's own maximum, keeps them, and is far more accurate than any kernel that runs one split.
+FEWER_SPLITS = AttentionCase.from_dict({
+    "batch": 1, "heads_q": 1, "heads_kv": 1, "len_q": 27, "len_k": 27, "head_dim": 160, "dtype": "float16",
+    "spec": {"causal": True, "alignment": "bottom_right", "window_right": 4, "softcap": 50.0,
+             "alibi_slopes": [0.378072589635849], "sinks": [30.0], "num_splits": 4},
+    "magnitude": "v_wide_range", "seed": 2, "layout": "bnhd", "scale": -1 / 3, "block_m": 8, "block_n": 64})
+
+
+def test_a_kernel_that_runs_fewer_splits_than_asked_is_held_to_the_unsplit_baseline_too(monkeypatch):
+    prop, impl = "gradients_match_reference", registry()["fa2_blocked"]
+    properties.PROPERTIES[prop](Context(impl=impl, prop=prop, case=FEWER_SPLITS), FEWER_SPLITS)
+    monkeypatch.setattr(properties.measure.Truth, "eager_unsplit", property(lambda self: None))
+    with pytest.raises(PropertyFailure, match=r"dsinks differs.*\n.*criterion 1 FAILED"):
+        properties.PROPERTIES[prop](Context(impl=impl, prop=prop, case=FEWER_SPLITS), FEWER_SPLITS)
 
 
 def test_the_sigmoid_ring_update_is_flagged_and_the_zoo_ring_is_not():
