@@ -37,6 +37,44 @@ def test_the_slices_are_disjoint_cover_everything_and_balance_the_recorded_times
     assert sorted(plain.values()) == [1] * 5 + [2] * 5  # no times: equal numbers of tests
 
 
+def test_estimates_take_the_recorded_time_then_the_typical_one_then_the_property_median(tmp_path, monkeypatch):
+    table = tmp_path / "typical.json"
+    table.write_text(json.dumps({"cuda": {
+        "tests": {"test_backward.py::test_g[fa2_blocked-float16]": 200.0},
+        "properties": {"test_backward.py::test_g[float16]": 50.0, "test_forward.py::test_f[float16]": 5.0}}}))
+    monkeypatch.setattr(shards, "TYPICAL_TIMES", table)
+    ids = ["verify/test_backward.py::test_g[fa2_blocked-float16]", "verify/test_backward.py::test_g[mine-float16]",
+           "site-packages/verify/test_forward.py::test_f[mine-float16]", "verify/test_forward.py::test_new[mine]",
+           "verify/test_forward.py::test_f[eager-float16]"]
+    got = shards.estimates(ids, {"verify/test_forward.py::test_f[eager-float16]": 9.0}, "cuda")
+    assert got == {ids[0]: 200.0, ids[1]: 50.0, ids[2]: 5.0, ids[3]: 29.5, ids[4]: 9.0}  # ids[3]: the median found
+    assert set(shards.estimates(ids, {}, "cpu").values()) == {1.0}  # no table for the device: all equal
+    assert shards.property_key(ids[2]) == "test_forward.py::test_f[float16]"
+
+
+def test_the_typical_times_table_is_written_from_a_report_folder(tmp_path):
+    report = tmp_path / "report"
+    report.mkdir()
+    rows = [{"test": "verify/test_forward.py::test_f[a-float16]", "seconds": 3.0},
+            {"test": "verify/test_forward.py::test_f[b-float16]", "seconds": 5.0},
+            {"test": "verify/test_forward.py::test_f[c-float16]", "seconds": 10.0}]
+    (report / "timing-gw0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "typical.json"
+    out.write_text(json.dumps({"cpu": {"tests": {"kept": 1.0}, "properties": {}}}))
+    assert shards.main([str(report), "--device", "cuda", "--out", str(out)]) == 0
+    table = json.loads(out.read_text())
+    assert table["cpu"]["tests"] == {"kept": 1.0}  # the other device's entry is kept
+    assert table["cuda"]["properties"] == {"test_forward.py::test_f[float16]": 5.0}
+    assert table["cuda"]["tests"]["test_forward.py::test_f[c-float16]"] == 10.0
+
+
+def test_the_shipped_table_times_the_shipped_kernels_on_both_devices():
+    for device in ("cuda", "cpu"):
+        typical = shards.typical_times(device)
+        assert len(typical["tests"]) > 500 and typical["properties"], device
+        assert any(key.startswith("test_backward.py::") for key in typical["tests"])
+
+
 def _verify(report: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pytest", "verify", "--impl", "fa2_blocked", "--impl", BROKEN,
                            "-k", "float32 and (reference or invariance)", "--hypothesis-profile=ci", "-q",

@@ -347,12 +347,44 @@ def pytest_generate_tests(metafunc):
 
 def pytest_collection_modifyitems(session, config, items):
     """Forward properties before backward ones (the first failure shown is the simplest verdict), and
-    every test tagged with the implementation it calls, or as a law that calls none (verify/outcomes.py)."""
+    every test tagged with the implementation it calls, or as a law that calls none (verify/outcomes.py).
+    Under pytest-xdist the longest tests go first instead (verify/shards.py estimates them), so that the
+    run does not end with one worker on a long test and the others idle."""
     from verify import outcomes
 
     for item in items:
         item.user_properties.extend(outcomes.tags(getattr(getattr(item, "callspec", None), "params", {})))
     items.sort(key=lambda item: outcomes.module_rank(item.path))  # stable: each module keeps its order
+    if _xdist_worker(config) is not None or _xdist_controller(config):
+        seconds = _estimates(config, items)
+        items.sort(key=lambda item: -seconds[item.nodeid])
+
+
+def _estimates(config, items) -> dict[str, float]:
+    """Each item's estimated seconds (verify/shards.py), on the kind of device this run uses; a usage error
+    for a ``--shard-times`` folder that does not exist."""
+    try:
+        recorded = shards.recorded_times(config.getoption("--shard-times"))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    device = config.getoption("--device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = "cuda" if str(device).startswith("cuda") else "cpu"
+    return shards.estimates([item.nodeid for item in items], recorded, device_type)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """For a verify run, ``--dist load`` (the default of ``-n``) hands out one test at a time unless
+    ``--maxschedchunk`` is given: with the longest tests first, a worker that finishes takes the next one,
+    whatever the others are running (xdist would otherwise give each worker a run of consecutive tests)."""
+    if (not _collects_verify(config) or config.getvalue("dist") != "load"
+            or config.getoption("maxschedchunk") is not None):
+        return None
+    from xdist.scheduler import LoadScheduling
+
+    scheduler = LoadScheduling(config, log)
+    scheduler.maxschedchunk = 1
+    return scheduler
 
 
 @pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
@@ -363,10 +395,9 @@ def pytest_collection_modifyitems_shard(session, config, items):
         return
     try:
         index, count = shards.parse(spec)
-        slice_of = shards.assign([item.nodeid for item in items], count,
-                                 shards.recorded_times(config.getoption("--shard-times")))
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
+    slice_of = shards.assign([item.nodeid for item in items], count, _estimates(config, items))
     keep = [item for item in items if slice_of[item.nodeid] == index]
     dropped = [item for item in items if slice_of[item.nodeid] != index]
     if dropped:

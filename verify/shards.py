@@ -3,21 +3,32 @@
 A CI matrix of N runners, each with ``--shard K/N``, runs every test exactly once; ``python -m reports merge
 OUT DIR1 ... DIRN`` then writes one report from the N report folders. The slices are decided from the
 collected test ids alone (every runner and every pytest-xdist worker of a runner computes the same ones):
-longest first, each test to the slice with the least time so far. The times come from ``--shard-times``, a
-report folder of an earlier run (its ``timing-*.jsonl``); without it, or for a test it did not time, every
-test counts the median time (the slices then hold equal numbers of tests).
+longest first, each test to the slice with the least time so far.
+
+The same estimates order a pytest-xdist run longest first, so that no worker starts a long test while the
+others have nothing left to do. A test's estimate is, in this order: its time in ``--shard-times`` (a report
+folder of an earlier run: its ``timing-*.jsonl``); its time in :data:`TYPICAL_TIMES`, the shipped kernels'
+tests timed on each kind of device; the median of that property and dtype there (a kernel of your own);
+the median of every estimate found. ``python -m verify.shards DIR ...`` writes the table from report
+folders of whole runs (the gpu profile on a GPU, the ci profile on the CPU).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
 import statistics
+import sys
+from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
 from reports.timing import read_timing
 
 _SPEC = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
+TYPICAL_TIMES = Path(__file__).with_name("typical_times.json")
+_DTYPE = re.compile(r"\[(?:.*-)?(float16|bfloat16|float32|float64)\]$")
 
 
 def parse(spec: str) -> tuple[int, int]:
@@ -49,3 +60,83 @@ def assign(test_ids: Sequence[str], count: int, times: dict[str, float]) -> dict
         slice_of[test] = k + 1
         load[k] += times.get(test, default)
     return slice_of
+
+
+def short_id(test_id: str) -> str:
+    """A test id without its folder: ``test_backward.py::test_x[fa2_blocked-float16]`` whether the suite was
+    collected from the repository or with ``--pyargs verify``."""
+    path, sep, rest = test_id.partition("::")
+    return Path(path).name + sep + rest
+
+
+def property_key(test_id: str) -> str:
+    """The property and dtype of a test id, without the implementation: ``test_backward.py::test_x[float16]``."""
+    key = short_id(test_id)
+    base = key.split("[", 1)[0]
+    dtype = _DTYPE.search(key)
+    return f"{base}[{dtype.group(1)}]" if dtype else base
+
+
+def typical_times(device_type: str) -> dict[str, dict[str, float]]:
+    """The committed table for ``"cuda"`` or ``"cpu"``: ``{"tests": {test key: s}, "properties": {property
+    key: s}}`` (empty dictionaries for another device or without the file)."""
+    try:
+        table = json.loads(TYPICAL_TIMES.read_text(encoding="utf-8")).get(device_type) or {}
+    except (OSError, ValueError):
+        table = {}
+    return {"tests": dict(table.get("tests") or {}), "properties": dict(table.get("properties") or {})}
+
+
+def estimates(test_ids: Sequence[str], recorded: dict[str, float], device_type: str) -> dict[str, float]:
+    """Each test id's estimated seconds (the order of sources is in the module's docstring)."""
+    typical = typical_times(device_type)
+    found: dict[str, float] = {}
+    for test in test_ids:
+        for value in (recorded.get(test), typical["tests"].get(short_id(test)),
+                      typical["properties"].get(property_key(test))):
+            if isinstance(value, (int, float)):
+                found[test] = float(value)
+                break
+    default = statistics.median(found.values()) if found else 1.0
+    return {test: found.get(test, default) for test in test_ids}
+
+
+def table(report_dirs: Sequence[str | Path]) -> dict[str, dict[str, float]]:
+    """The typical-times entry of one device from report folders of whole runs: each test's seconds (the
+    largest where a test ran more than once) and the median per property and dtype, to 0.1 s."""
+    tests: dict[str, float] = {}
+    for report_dir in report_dirs:
+        for test, seconds in recorded_times(report_dir).items():
+            key = short_id(test)
+            tests[key] = max(tests.get(key, 0.0), seconds)
+    by_property: dict[str, list[float]] = defaultdict(list)
+    for key, seconds in tests.items():
+        by_property[property_key(key)].append(seconds)
+    return {"tests": {k: round(v, 1) for k, v in sorted(tests.items())},
+            "properties": {k: round(statistics.median(v), 1) for k, v in sorted(by_property.items())}}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verify.shards",
+                                     description="Write the typical test times of one device from report folders "
+                                                 "of whole runs of the shipped kernels.")
+    parser.add_argument("report_dirs", nargs="+", metavar="DIR")
+    parser.add_argument("--device", required=True, choices=("cuda", "cpu"), help="the device those runs used")
+    parser.add_argument("--out", default=str(TYPICAL_TIMES), help=f"the table to update (default: {TYPICAL_TIMES})")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    try:
+        current = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {}
+        current[args.device] = table(args.report_dirs)
+    except (OSError, ValueError) as exc:
+        print(f"python -m verify.shards: {exc}", file=sys.stderr)
+        return 2
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(current, indent=0, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(out)
+    print(f"{out}: {len(current[args.device]['tests'])} tests on {args.device}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
