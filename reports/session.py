@@ -186,6 +186,15 @@ class ReportSession:
     def _write_run_file(self, **extra) -> None:
         write_atomic(self.run_path, dumps({**self.header, **extra}, indent=2))
 
+    def doing(self, what: str | None) -> None:
+        """Say in this worker's run file what it is doing (``None``: nothing in particular), so that a process
+        that dies there (a segmentation fault in a kernel) leaves a report that names it."""
+        if what is None:
+            self.header.pop("doing", None)
+        else:
+            self.header["doing"] = what
+        self._write_run_file()
+
     def record(self, measurement: dict[str, Any]) -> None:
         """Append one measurement to the stream and flush it (one line, readable if the run dies)."""
         line = dumps({"t": round(time.time() - self.started, 4), **measurement})

@@ -237,6 +237,7 @@ def summarise(report_dir: str | Path, *, outcomes: dict | None = None, rows: lis
     runs = read_runs(report_dir)
     info = _run_info(runs)
     unfinished = [str(r.get("worker")) for r in runs if not r.get("finished")]
+    doing = {str(r.get("worker")): str(r["doing"]) for r in runs if not r.get("finished") and r.get("doing")}
     stopped = [r["stopped"] for r in runs if isinstance(r.get("stopped"), dict)]
     if outcomes is None:
         main = next((r for r in runs if r.get("worker") == "main"), {})
@@ -249,6 +250,7 @@ def summarise(report_dir: str | Path, *, outcomes: dict | None = None, rows: lis
     return {
         "status": "partial" if (unfinished or stopped or not runs) else "complete",
         "unfinished_workers": unfinished,
+        "unfinished_doing": doing,
         "stopped": stopped,
         "run": info,
         "measurements": len(rows), "unreadable_lines": bad,
@@ -298,8 +300,10 @@ def status_line(summary: dict) -> str:
                         + f"{len(s.get('not_run') or [])} test(s) not run{listed}." for s in summary["stopped"]) + (
             f" Workers that did not finish: {', '.join(unfinished)}." if unfinished else "")
     workers = ", ".join(summary.get("unfinished_workers") or []) or "no run header found"
+    doing = "".join(f" {worker} was in {what}: if the process ended there, that is where it crashed."
+                    for worker, what in (summary.get("unfinished_doing") or {}).items())
     return (f"Status: PARTIAL: the run did not finish (unfinished: {workers}); this summarises the "
-            "measurements written before it stopped.")
+            f"measurements written before it stopped.{doing}")
 
 
 # The measured columns of one record (verify/measure.py) and their header in every table of every report.

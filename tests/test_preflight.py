@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import json
 import subprocess
 import sys
 import textwrap
@@ -202,6 +203,20 @@ def test_own_directory_broken_kernel_is_one_usage_error(tmp_path, source, words)
     assert proc.returncode == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert words in proc.stderr, proc.stderr[-3000:]
     assert "INTERNALERROR" not in proc.stdout + proc.stderr
+    if "returned" in words:  # the kernel was loaded and called: the report says why the run stopped
+        report = (tmp_path / "report" / "report.md").read_text()
+        assert "Status: PARTIAL: the pre-flight stopped the run" in report and words in report, report[:2000]
+
+
+def test_a_kernel_that_crashes_its_process_in_the_pre_flight_leaves_a_report_that_names_it(tmp_path):
+    crashes = str(ROOT / "tests" / "fixtures" / "sticky_kernels.py") + ":crashes_at_once"
+    proc = _run(tmp_path, "--impl", crashes)
+    assert proc.returncode == 139, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["status"] == "partial" and summary["unfinished_workers"] == ["main"], summary
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert (f"main was in the pre-flight, calling {crashes} on its tiny case (B=2 Hq=3 Hkv=3 Nq=5 Nk=7 D=8 "
+            "float32 on cpu): if the process ended there, that is where it crashed.") in report, report[:2000]
 
 
 _WRAPPERS = {

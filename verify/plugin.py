@@ -413,18 +413,44 @@ def pytest_sessionstart(session):
     config = session.config
     if _xdist_worker(config) or not _collects_verify(config):
         return
-    from verify.preflight import PreflightError, preflight
+    from verify.preflight import PreflightError, describe_tiny_case, preflight
 
     device = _device(config)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
+    report = config._flashverify_report
     for impl in _selection(config):
+        if report is not None:  # a kernel that crashes its process here leaves a report that names it
+            named = impl.name if impl.name == impl.cli_name else f"{impl.name} (--impl {impl.cli_name})"
+            report.doing(f"the pre-flight, calling {named} on its tiny case ({describe_tiny_case(impl, device)})")
+            _write_provisional_report(report)
         try:
             notes = preflight(impl, device=device)
         except PreflightError as exc:
-            raise pytest.UsageError(f"{exc}\n  (--impl {impl.cli_name}; no property was run)") from None
+            message = f"{exc}\n  (--impl {impl.cli_name}; no property was run)"
+            if report is not None:
+                report.doing(None)
+                report.close(exitstatus=pytest.ExitCode.USAGE_ERROR,
+                             stopped={"test": None, "reason": f"the pre-flight stopped the run: {message}",
+                                      "not_run": []})
+                _write_provisional_report(report)
+            raise pytest.UsageError(message) from None
         for note in notes:
             if reporter is not None:
                 reporter.write_line(f"flashverify: {note}")
+    if report is not None:
+        report.doing(None)
+        _write_provisional_report(report)  # PARTIAL until the run ends and replaces it
+
+
+def _write_provisional_report(report) -> None:
+    """The report of what has been measured so far (none at the start), so that a process that dies before
+    the run ends leaves one; the end of the run replaces it."""
+    from reports.write import write_summary
+
+    try:
+        write_summary(report.dir)
+    except Exception:  # noqa: BLE001 - the report must not take the run down with it
+        pass
 
 
 @pytest.fixture(scope="session")

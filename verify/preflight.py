@@ -193,6 +193,13 @@ def _check(where: str, label: str, t, *, shape, dtype, device) -> None:
                                 "[B, Hq, Nq], float32 (float64 for float64 inputs), natural log"))
 
 
+def describe_tiny_case(impl: Implementation, device: str) -> str:
+    """The pre-flight's inputs for ``impl`` in words (``B=2 Hq=3 Hkv=3 Nq=5 Nk=7 D=8 float32 on cpu``), or
+    that it is not called."""
+    inputs = tiny_case(impl, device) if impl.kind == "attention" else None
+    return "not called: no dtype it runs in here" if inputs is None else _describe(*inputs[:2])
+
+
 def preflight(impl: Implementation, *, device: str) -> list[str]:
     """Call ``impl`` on the tiny case; raise :class:`PreflightError` naming the first calling-convention
     error found. Returns notes for the run (a kernel that raised on the tiny case: the run goes on).
