@@ -355,7 +355,7 @@ def pytest_collection_modifyitems(session, config, items):
     for item in items:
         item.user_properties.extend(outcomes.tags(getattr(getattr(item, "callspec", None), "params", {})))
     items.sort(key=lambda item: outcomes.module_rank(item.path))  # stable: each module keeps its order
-    if _xdist_worker(config) is not None or _xdist_controller(config):
+    if _collects_verify(config) and (_xdist_worker(config) is not None or _xdist_controller(config)):
         seconds = _estimates(config, items)
         items.sort(key=lambda item: -seconds[item.nodeid])
 
