@@ -48,13 +48,9 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_xdist_make_scheduler(config, log):
     """``--dist load`` (the default of ``-n``) with one test per hand-out unless ``--maxschedchunk`` is given:
     with the longest tests first, a worker that finishes takes the next test, whatever the other is running."""
-    if config.getvalue("dist") != "load" or config.getoption("maxschedchunk") is not None:
-        return None
-    from xdist.scheduler import LoadScheduling
+    from verify.shards import one_test_at_a_time
 
-    scheduler = LoadScheduling(config, log)
-    scheduler.maxschedchunk = 1
-    return scheduler
+    return one_test_at_a_time(config, log)
 
 
 @pytest.fixture(autouse=True)

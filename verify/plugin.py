@@ -374,17 +374,9 @@ def _estimates(config, items) -> dict[str, float]:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """For a verify run, ``--dist load`` (the default of ``-n``) hands out one test at a time unless
-    ``--maxschedchunk`` is given: with the longest tests first, a worker that finishes takes the next one,
-    whatever the others are running (xdist would otherwise give each worker a run of consecutive tests)."""
-    if (not _collects_verify(config) or config.getvalue("dist") != "load"
-            or config.getoption("maxschedchunk") is not None):
-        return None
-    from xdist.scheduler import LoadScheduling
-
-    scheduler = LoadScheduling(config, log)
-    scheduler.maxschedchunk = 1
-    return scheduler
+    """A verify run's ``--dist load`` (the default of ``-n``) hands out one test at a time unless
+    ``--maxschedchunk`` is given (verify/shards.py)."""
+    return shards.one_test_at_a_time(config, log) if _collects_verify(config) else None
 
 
 @pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")

@@ -62,6 +62,20 @@ def assign(test_ids: Sequence[str], count: int, times: dict[str, float]) -> dict
     return slice_of
 
 
+def one_test_at_a_time(config, log):
+    """pytest-xdist's ``--dist load`` scheduler handing out one test at a time (``--maxschedchunk 1``), or
+    None (xdist's own) when another ``--dist`` or a ``--maxschedchunk`` was given. With the longest tests
+    first, a worker that finishes takes the next one, whatever the others are running; xdist would
+    otherwise give each worker a run of consecutive tests."""
+    if config.getvalue("dist") != "load" or config.getoption("maxschedchunk") is not None:
+        return None
+    from xdist.scheduler import LoadScheduling
+
+    scheduler = LoadScheduling(config, log)
+    scheduler.maxschedchunk = 1
+    return scheduler
+
+
 def short_id(test_id: str) -> str:
     """A test id without its folder: ``test_backward.py::test_x[fa2_blocked-float16]`` whether the suite was
     collected from the repository or with ``--pyargs verify``."""
