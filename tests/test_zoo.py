@@ -103,6 +103,23 @@ def test_a_kernel_that_runs_fewer_splits_than_asked_is_held_to_the_unsplit_basel
         properties.PROPERTIES[prop](Context(impl=impl, prop=prop, case=FEWER_SPLITS), FEWER_SPLITS)
 
 
+# The reference's own Delta identity on a case whose Delta is subnormal in float64 (about 5e-320): the two sums
+# differ by 7 of float64's smallest subnormals, and their relative bounds are 0 there. The identity's tolerance
+# pays an absolute error for every product and sum that underflows.
+SUBNORMAL_DELTA = AttentionCase.from_dict({
+    "batch": 1, "heads_q": 1, "heads_kv": 1, "len_q": 1, "len_k": 1, "head_dim": 63, "dtype": "float32",
+    "spec": {"causal": False, "alignment": "bottom_right", "sinks": [0.0]}, "magnitude": "all_negative", "seed": 0,
+    "layout": "contiguous", "scale": None, "block_m": 1, "block_n": 1})
+
+
+def test_the_delta_identity_holds_where_the_reference_underflows(monkeypatch):
+    prop, impl = "delta_matches_reference", registry()["fa2_blocked"]
+    properties.PROPERTIES[prop](Context(impl=impl, prop=prop, case=SUBNORMAL_DELTA), SUBNORMAL_DELTA)
+    monkeypatch.setattr(properties, "_underflow_allowance", lambda ref: 0.0)
+    with pytest.raises(PropertyFailure, match=r"reference identity rowsum\(dO\*O\) vs rowsum\(P\*dP\)"):
+        properties.PROPERTIES[prop](Context(impl=impl, prop=prop, case=SUBNORMAL_DELTA), SUBNORMAL_DELTA)
+
+
 def test_the_sigmoid_ring_update_is_flagged_and_the_zoo_ring_is_not():
     case = AttentionCase(batch=1, heads_q=4, heads_kv=2, len_q=64, len_k=3, head_dim=128, dtype="float32",
                          magnitude="v_wide_range", seed=981929, scale=-0.5, block_m=8, block_n=16)

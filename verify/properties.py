@@ -641,11 +641,18 @@ def delta_matches_reference(ctx: Context, case: AttentionCase) -> None:
 def _delta_identity_tolerance(ref):
     """Float64 roundings of the terms of rowsum(P * dP) and rowsum(dO * O). P itself is only as exact
     as exp(s - lse) lets it be: an absolute error of u * |s| in the exponent, which large logits make
-    the leading term."""
+    the leading term. A result below float64's normal range has an absolute error instead (the bounds'
+    eta, ``references/bounds.py``: float64's smallest normal, which covers flush-to-zero too), once for
+    each of the products and sums behind the terms: 2 D for a dot, and the row's 2 Nk + 2."""
     u = unit_roundoff(torch.float64)
     finite = lambda t: torch.where(torch.isfinite(t), t.abs(), 0.0)  # noqa: E731
     exponent = 1.0 + finite(ref.row_max) + finite(ref.lse)
-    return 64 * u * exponent * ds_magnitude_rowsum(ref)
+    return 64 * u * exponent * ds_magnitude_rowsum(ref) + _underflow_allowance(ref)
+
+
+def _underflow_allowance(ref) -> float:
+    """The absolute error of a row's float64 products and sums that fall below the normal range."""
+    return torch.finfo(torch.float64).tiny * (2 * ref.q64.shape[-1] + 2 * ref.len_k + 2)
 
 
 @prop
