@@ -50,7 +50,8 @@ MINIMAL = {
     "softcap_backward_no_chain_rule": ("a softcap", lambda c, s: s.get("softcap", 0) > 0),
     "softcap_after_masking": ("a softcap and a mask that hides a key",
                               lambda c, s: s.get("softcap", 0) > 0 and (s["causal"] or "window_left" in s
-                                                                        or "window_right" in s)),
+                                                                        or "window_right" in s
+                                                                        or "attention_chunk" in s)),
 }
 
 
