@@ -24,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from reports.session import write_atomic
 from reports.timing import read_timing
 
 _SPEC = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
@@ -145,9 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"python -m verify.shards: {exc}", file=sys.stderr)
         return 2
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(current, indent=0, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(out)
+    write_atomic(out, json.dumps(current, indent=0, sort_keys=True) + "\n")
     print(f"{out}: {len(current[args.device]['tests'])} tests on {args.device}")
     return 0
 
