@@ -73,9 +73,12 @@ def check_block(name: str, value, *, kernel: str, allowed: Iterable[int] | None 
 def check_attention_inputs(q, k, v, *, kernel: str, dtypes: Iterable[torch.dtype],
                            devices: Iterable[str] = ("cpu", "cuda"), gqa: bool = True,
                            head_dims: Iterable[int] | None = None,
-                           scale: float | None = None) -> float:
+                           scale: float | None = None, head_dim_v: bool = False) -> float:
     """Validate ``q, k, v`` against the contract and return the softmax scale to use.
 
+    ``head_dim_v``: the kernel takes a value head dim of its own (``v`` is ``[B, Hkv, Nk, Dv]`` with ``Dv``
+    other than ``q``'s and ``k``'s ``D``, as multi-head latent attention's 192/128); ``head_dims`` then
+    bounds both. The default scale is ``1/sqrt(D)``, from the q/k head dim, whatever ``Dv`` is.
     Raises TypeError for non-tensors, ValueError for wrong ranks, shapes, dtypes, devices, head dims.
     """
     dtypes = tuple(dtypes)
@@ -101,22 +104,28 @@ def check_attention_inputs(q, k, v, *, kernel: str, dtypes: Iterable[torch.dtype
         )
     if not (q.device == k.device == v.device):
         raise ValueError(f"{kernel}: q, k, v are on {q.device}, {k.device}, {v.device}, but should share a device")
-    if k.shape != v.shape:
-        raise ValueError(f"{kernel}: k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)} should be equal")
     b, hq, _, d = q.shape
     bk, hkv, _, dk = k.shape
+    dv = v.shape[-1]
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"{kernel}: k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)} should agree in "
+                         "[batch, heads, seq_len]")
+    if dv != dk and not head_dim_v:
+        raise ValueError(f"{kernel}: k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)} should be equal: this "
+                         f"kernel takes no value head dim of its own (v's {dv} against q's and k's {dk})")
     if bk != b:
         raise ValueError(f"{kernel}: q has batch {b} but k and v have batch {bk}; they should be equal")
     if dk != d:
-        raise ValueError(f"{kernel}: q has head_dim {d} but k and v have head_dim {dk}; they should be equal")
-    if d < 1:
-        raise ValueError(f"{kernel}: head_dim={d}, but should be at least 1")
-    if head_dims is not None:
-        allowed = tuple(head_dims)
-        if d not in allowed:
-            lo, hi = min(allowed), max(allowed)
-            raise ValueError(f"{kernel}: head_dim={d} is not supported; supported head dims are {lo}..{hi}"
-                             f" ({len(allowed)} values: {allowed[:6]}{'...' if len(allowed) > 6 else ''})")
+        raise ValueError(f"{kernel}: q has head_dim {d} but k has head_dim {dk}; they should be equal")
+    for label, dim in (("head_dim", d), ("v's head_dim", dv)):
+        if dim < 1:
+            raise ValueError(f"{kernel}: {label}={dim}, but should be at least 1")
+        if head_dims is not None:
+            allowed = tuple(head_dims)
+            if dim not in allowed:
+                lo, hi = min(allowed), max(allowed)
+                raise ValueError(f"{kernel}: {label}={dim} is not supported; supported head dims are {lo}..{hi}"
+                                 f" ({len(allowed)} values: {allowed[:6]}{'...' if len(allowed) > 6 else ''})")
     if hkv < 1 or hq % hkv != 0:
         raise ValueError(
             f"{kernel}: q has {hq} heads and k, v have {hkv}; the query heads should be a multiple of the key/value heads"
@@ -137,9 +146,11 @@ def check_backward_inputs(q, k, v, out, lse, dout, *, kernel: str) -> None:
             raise TypeError(f"{kernel}: {label} is a {type(t).__name__}, but should be a torch.Tensor")
         if t.device != q.device:
             raise ValueError(f"{kernel}: {label} is on {t.device}, but q is on {q.device}")
-    if out.shape != q.shape or dout.shape != q.shape:
+    want = (*q.shape[:3], v.shape[-1])
+    if tuple(out.shape) != want or tuple(dout.shape) != want:
         raise ValueError(
-            f"{kernel}: out.shape={tuple(out.shape)} and dout.shape={tuple(dout.shape)} should equal q.shape={tuple(q.shape)}"
+            f"{kernel}: out.shape={tuple(out.shape)} and dout.shape={tuple(dout.shape)} should be {want} (q's "
+            "[batch, heads_q, len_q] and v's head_dim)"
         )
     if lse.shape != q.shape[:3]:
         raise ValueError(f"{kernel}: lse.shape={tuple(lse.shape)}, but should be {tuple(q.shape[:3])}")
@@ -172,7 +183,7 @@ def check_out_buffers(q, k, v, out, lse, *, kernel: str, lse_dtypes: Iterable[to
     elements overlap each other (stride 0, an expanded view), or one overlapping q, k, v or the other.
     """
     lse_dtypes = tuple(lse_dtypes)
-    wanted = {"out": (tuple(q.shape), (q.dtype,), "q's shape [batch, heads_q, len_q, head_dim]"),
+    wanted = {"out": ((*q.shape[:3], v.shape[-1]), (q.dtype,), "q's [batch, heads_q, len_q] and v's head_dim"),
               "lse": (tuple(q.shape[:3]), lse_dtypes, "q's shape without head_dim [batch, heads_q, len_q]")}
     given = [(label, t) for label, t in (("out", out), ("lse", lse)) if t is not None]
     for label, t in given:

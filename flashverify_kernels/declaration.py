@@ -87,6 +87,9 @@ class Implementation:
     devices: tuple[str, ...] = ("cpu", "cuda")
     # Head dims accepted: None means any positive head dim.
     head_dims: Sequence[int] | None = None
+    # A value head dim of its own: v is [B, Hkv, Nk, Dv] and out, dout [B, Hq, Nq, Dv] with Dv other than q's
+    # and k's D (multi-head latent attention's 192/128, FlashAttention-3's headdim_v); head_dims bound both.
+    head_dim_v: bool = False
     gqa: bool = False
     causal: bool = True
     causal_alignment: str = "bottom_right"
@@ -191,7 +194,7 @@ class Implementation:
             positive_int(field, getattr(self, field))
         positive_int("min_len", self.min_len, zero=True)
         for field in ("equal_lengths", "non_causal", "contiguous_only", "causal", "windows", "softcap",
-                      "alibi", "chunks", "sinks", "splits"):
+                      "alibi", "chunks", "sinks", "splits", "head_dim_v"):
             if not isinstance(getattr(self, field), bool):
                 raise ImplementationError(f"{self.name}: {field}={getattr(self, field)!r}, but should be a bool")
         bad = [s for s in self.sequences if s not in SEQUENCES] if isinstance(self.sequences, tuple) else None
@@ -306,6 +309,8 @@ class Implementation:
             out.append(f"B x Hq above {self.max_batch_heads}: {why}")
         if not self.gqa:
             out.append(f"grouped-query attention (Hkv < Hq): {why}")
+        if not self.head_dim_v:
+            out.append(f"a value head dim of its own (v's head dim other than q's and k's): {why}")
         out += [f"{cap.words}: {why}" for cap in CAPABILITIES if not getattr(self, cap.field)]
         for convention, words in (("dense", "a dense batch"), ("packed", "variable-length sequences, packed"),
                                   ("padded", "variable-length sequences, padded"), ("paged", "a paged KV cache")):
@@ -399,9 +404,10 @@ class Implementation:
                 f"{self.name}'s backward returned {type(grads).__name__}"
                 f"{f' of length {len(grads)}' if isinstance(grads, (tuple, list)) else ''}, but should return "
                 f"(dq, dk, dv, delta{', dsinks' if wanted == 5 else ''})")
-        hq, hkv, d = q.shape[1], k.shape[1], q.shape[3]
+        hq, hkv, d, dv_dim = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
         dq = lay.queries_out(grads[0], what="dq", heads=hq, head_dim=d)
-        dk, dv = (lay.keys_out(g, what=name, heads=hkv, head_dim=d) for g, name in zip(grads[1:3], ("dk", "dv")))
+        dk = lay.keys_out(grads[1], what="dk", heads=hkv, head_dim=d)
+        dv = lay.keys_out(grads[2], what="dv", heads=hkv, head_dim=dv_dim)
         return (dq, dk, dv, lay.rows_out(grads[3], what="delta", heads=hq), *grads[4:])
 
     def call(self, q, k, v, *, spec: AttentionSpec, scale: float | None = None,
@@ -446,9 +452,8 @@ class Implementation:
                 f"{f' of length {len(result)}' if isinstance(result, (tuple, list)) else ''}, "
                 "but should return out or (out, lse)"
             )
-        hq, d = q.shape[1], q.shape[3]
-        out_r = lay.queries_out(out_k, what="out", heads=hq, head_dim=d)
-        return out_r, (None if lse_k is None else lay.rows_out(lse_k, what="lse", heads=hq))
+        out_r = lay.queries_out(out_k, what="out", heads=q.shape[1], head_dim=v.shape[3])
+        return out_r, (None if lse_k is None else lay.rows_out(lse_k, what="lse", heads=q.shape[1]))
 
 
 def _alibi_tensor(name: str, slopes: tuple[float, ...], device) -> torch.Tensor:

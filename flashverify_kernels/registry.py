@@ -92,10 +92,10 @@ _BLOCKS = (1, 2, 3, 4, 5, 7, 8, 13, 16, 32, 64)
 # 2048 with 64-wide tiles) keeps an example under a second or so on a GPU.
 _MAX_TILES = 1024
 
-# Every variant of the attention spec: windows, chunks, softcap, ALiBi, sinks, split-KV, and variable-length
-# sequences packed, padded or in a paged KV cache of any page size.
+# Every variant of the attention spec: windows, chunks, softcap, ALiBi, sinks, split-KV, variable-length
+# sequences packed, padded or in a paged KV cache of any page size, and a value head dim of its own.
 _EVERY_VARIANT = dict(gqa=True, windows=True, chunks=True, softcap=True, alibi=True, sinks=True, splits=True,
-                      sequences=("dense", "packed", "padded", "paged"))
+                      sequences=("dense", "packed", "padded", "paged"), head_dim_v=True)
 FA2_BLOCKED = Implementation(
     name="fa2_blocked", forward=blocked.fa2_forward, backward=blocked.fa2_backward, **_EVERY_VARIANT,
     block_m=_BLOCKS, block_n=_BLOCKS, sibling="fa1_blocked", out_buffers=True, max_tiles=_MAX_TILES,
@@ -237,8 +237,8 @@ if triton_attention is not None and triton_softmax is not None:
     )
     TRITON_DECODE = Implementation(
         name="triton_decode", forward=triton_decode.decode_forward, dtypes=triton_decode.DTYPES,
-        devices=triton_decode.DEVICES, head_dims=triton_decode.HEAD_DIMS, gqa=True, windows=True, softcap=True,
-        alibi=True, sinks=True, splits=True, sequences=("paged",), max_len_q=triton_decode.MAX_QUERIES,
+        devices=triton_decode.DEVICES, head_dims=triton_decode.HEAD_DIMS, gqa=True, head_dim_v=True, windows=True,
+        softcap=True, alibi=True, sinks=True, splits=True, sequences=("paged",), max_len_q=triton_decode.MAX_QUERIES,
         max_splits=_MAX_SPLITS, max_batch_heads=_MAX_BATCH_HEADS, autograd=False, deterministic=True, environment_limits=_ENVIRONMENT_LIMITS, max_examples=_MAX_EXAMPLES,
         description="Triton split-KV decoding from a paged KV cache (1..16 queries per sequence) and its combine",
     )

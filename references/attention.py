@@ -201,7 +201,7 @@ class Reference:
     scale: float
     spec: AttentionSpec
     row_max: torch.Tensor  # max_j s_ij (-inf for rows with no visible key) [B, Hq, Nq]
-    out: torch.Tensor  # [B, Hq, Nq, D]
+    out: torch.Tensor  # [B, Hq, Nq, Dv] (Dv: v's head dim, D unless v has one of its own)
     lse: torch.Tensor  # [B, Hq, Nq]
     # The float64 inputs, K and V expanded to the query heads.
     q64: torch.Tensor
@@ -308,12 +308,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
     q64, k64, v64 = q.to(F64), k.to(F64), v.to(F64)
     b, hq, len_q, d = q.shape
     hkv, len_k = k.shape[1], k.shape[2]
+    if v.shape[:3] != k.shape[:3] or k.shape[-1] != d or (dout is not None and dout.shape[:3] != q.shape[:3]):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+                         f"{'' if dout is None else f', dout {tuple(dout.shape)}'} do not agree: q [B, Hq, Nq, D], "
+                         "k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv], dout [B, Hq, Nq, Dv]")
     spec.check_lengths(len_q, len_k)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     sink = spec.sink_logits(hq, device=q.device)
     ke, ve = expand_kv(k64, hq), expand_kv(v64, hq)
     lse = torch.full(q.shape[:3], -math.inf, dtype=F64, device=q.device)
-    row_max, out = lse.clone(), torch.zeros(q.shape, dtype=F64, device=q.device)
+    row_max, out = lse.clone(), torch.zeros((*q.shape[:3], v.shape[-1]), dtype=F64, device=q.device)
     ref = Reference(scale=scale, spec=spec, row_max=row_max, out=out, lse=lse,
                     q64=q64, k_expanded=ke, v_expanded=ve, sink=sink)
     seen = spec.counts(len_q, len_k, device=q.device)[1][:, None] > 0
@@ -321,7 +325,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
         ref.dout = dout.to(F64)
         ref.delta = torch.zeros(q.shape[:3], dtype=F64, device=q.device)
         ref.dq = torch.zeros(q.shape, dtype=F64, device=q.device)
-        dk_heads = dv_heads = torch.zeros(ke.shape, dtype=F64, device=q.device)  # replaced by the first chunk
+        # replaced by the first chunk
+        dk_heads, dv_heads = torch.zeros(ke.shape, dtype=F64, device=q.device), torch.zeros(ve.shape, dtype=F64,
+                                                                                            device=q.device)
         ds_max = torch.zeros((), dtype=F64, device=q.device)
     spans = ref.row_chunks()
     for n, (r0, r1) in enumerate(spans):

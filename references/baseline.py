@@ -87,7 +87,7 @@ def forward(q, k, v, *, spec: AttentionSpec = AttentionSpec(), scale: float | No
     sink = spec.sink_logits(hq, device=q.device, dtype=acc)
     splits = spec.key_splits(len_k, device=q.device) if spec.num_splits > 1 else None
     ke, ve = expand_kv(k, hq).to(acc), expand_kv(v, hq).to(acc)
-    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
     for r0, r1 in row_chunks(len_q, len_k, d, b * hq):
         rows = slice(r0, r1)
@@ -125,7 +125,8 @@ def backward(q, k, v, dout, *, spec: AttentionSpec = AttentionSpec(), scale: flo
     dq = torch.empty(q.shape, dtype=dtype, device=q.device)
     delta = torch.empty(q.shape[:3], dtype=acc, device=q.device)
     dsinks = None if sink is None else torch.zeros(hq, dtype=acc, device=q.device)
-    dk = dv = torch.zeros(ke.shape, dtype=acc, device=q.device)  # replaced by the first chunk's sums
+    # replaced by the first chunk's sums
+    dk, dv = torch.zeros(ke.shape, dtype=acc, device=q.device), torch.zeros(ve.shape, dtype=acc, device=q.device)
     for n, (r0, r1) in enumerate(row_chunks(len_q, len_k, d, b * hq)):
         rows = slice(r0, r1)
         visible = spec.rows(len_q, len_k, device=q.device, rows=(r0, r1))

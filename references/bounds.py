@@ -3,10 +3,11 @@ r"""Componentwise first-order rounding-error bounds for attention kernels that f
 API
 ---
 ``forward_bounds(ref, q, k, v, *, dtype) -> (out_bound, lse_bound)``
-    ``[B, Hq, Nq, D]`` and ``[B, Hq, Nq]`` float64 tensors: a correct kernel given inputs of ``dtype``
+    ``[B, Hq, Nq, Dv]`` and ``[B, Hq, Nq]`` float64 tensors (``Dv``: v's head dim, ``D`` unless v has one of
+    its own; ``D`` is q's and k's, the length of the score dots): a correct kernel given inputs of ``dtype``
     satisfies ``|out - ref.out| <= out_bound`` and ``|lse - ref.lse| <= lse_bound`` elementwise.
 ``backward_bounds(ref, q, k, v, *, dtype, out) -> (dq_bound, dk_bound, dv_bound, delta_bound)``
-    The same for the gradients (``dk``, ``dv`` in key/value-head layout ``[B, Hkv, Nk, D]``) and for
+    The same for the gradients (``dk``, ``dv`` in key/value-head layout ``[B, Hkv, Nk, D|Dv]``) and for
     ``Delta = rowsum(dO * O)`` ``[B, Hq, Nq]``. ``ref`` must be computed with ``dout``; ``out`` is the
     kernel's own rounded forward output, from which it computes Delta.
 
@@ -424,7 +425,8 @@ class _Keys:
     len_q: int  # rows of the whole problem
     group: int
     heads_kv: int
-    d: int
+    d: int  # the score dots' length: q's and k's head dim
+    dv: int  # v's head dim: the length of dP = dO . v_j and of Delta = rowsum(dO * O)
     scale: float
     ak: torch.Tensor  # |k| expanded to query heads, 0 for keys no row sees
     av: torch.Tensor  # |v| likewise
@@ -444,7 +446,8 @@ class _Case:
     len_q: int  # rows of the whole problem
     group: int
     heads_kv: int
-    d: int
+    d: int  # q's and k's head dim
+    dv: int  # v's head dim
     scale: float
     p: torch.Tensor  # [B, Hq, rows, Nk]
     s: torch.Tensor  # scores, 0 where hidden
@@ -455,7 +458,7 @@ class _Case:
     ak: torch.Tensor  # |k| expanded to query heads, 0 for keys no row sees [B, Hq, Nk, D]
     av: torch.Tensor  # |v| likewise
     v: torch.Tensor  # v likewise
-    o: torch.Tensor  # reference output [B, Hq, rows, D]
+    o: torch.Tensor  # reference output [B, Hq, rows, Dv]
     cap: float | None = None  # the spec's softcap
     tanh: torch.Tensor | None = None  # softcap: tanh(s_raw / cap) of the reference, 0 where hidden
     bias_abs: torch.Tensor | None = None  # ALiBi: |bias| [Hq, rows, Nk], 0 where hidden
@@ -466,17 +469,17 @@ class _Case:
 
 def _keys(ref: Reference, q, k, v) -> _Keys:
     hq, hkv = q.shape[1], k.shape[1]
-    if tuple(ref.out.shape) != tuple(q.shape) or ref.len_k != k.shape[2]:
+    if tuple(ref.out.shape) != (*q.shape[:3], v.shape[-1]) or ref.len_k != k.shape[2]:
         raise ValueError(f"ref.out.shape={tuple(ref.out.shape)} with {ref.len_k} keys does not fit "
-                         f"q.shape={tuple(q.shape)} and k.shape={tuple(k.shape)}: the reference should come "
-                         "from these inputs")
+                         f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)}: the "
+                         "reference should come from these inputs")
     n_rows, n_keys = ref.spec.counts(q.shape[2], k.shape[2], device=q.device)
     keys = n_keys > 0
     # Keys no row sees may hold anything (inf, NaN): zero them before any product.
     ke = torch.where(keys[:, None], expand_kv(k.detach().to(F64), hq), 0.0)
     ve = torch.where(keys[:, None], expand_kv(v.detach().to(F64), hq), 0.0)
     return _Keys(keys=keys, n_keys=n_keys.to(F64), n_rows=n_rows.to(F64), len_q=q.shape[2], group=hq // hkv,
-                 heads_kv=hkv, d=q.shape[-1], scale=ref.scale, ak=ke.abs(), av=ve.abs(), v=ve)
+                 heads_kv=hkv, d=q.shape[-1], dv=v.shape[-1], scale=ref.scale, ak=ke.abs(), av=ve.abs(), v=ve)
 
 
 def _case(ref: Reference, q, kk: _Keys, chunk: Chunk) -> _Case:
@@ -495,7 +498,7 @@ def _case(ref: Reference, q, kk: _Keys, chunk: Chunk) -> _Case:
         tanh = torch.where(vis, (scores - (0.0 if bias is None else bias)) / spec.softcap, 0.0)
     c = _Case(
         vis=vis, rows=rows, keys=kk.keys, n_rows=n_rows, n_keys=kk.n_keys, len_q=kk.len_q,
-        group=kk.group, heads_kv=kk.heads_kv, d=kk.d, scale=kk.scale, p=chunk.p, s=scores,
+        group=kk.group, heads_kv=kk.heads_kv, d=kk.d, dv=kk.dv, scale=kk.scale, p=chunk.p, s=scores,
         m=torch.where(rows, ref.row_max[:, :, r], 0.0), lse=torch.where(rows, ref.lse[:, :, r], 0.0),
         qk=qk, aq=aq, ak=kk.ak, av=kk.av, v=kk.v, o=ref.out[:, :, r],
         cap=spec.softcap, tanh=tanh, bias_abs=None if bias is None else bias.abs(),
@@ -571,8 +574,8 @@ def _ranks(c: _Case, tol: torch.Tensor) -> torch.Tensor:
 def _centred(c: _Case, w: torch.Tensor) -> torch.Tensor:
     """``sum_j w_ij |v_j - o_i|`` for ``w >= 0`` (0 where hidden), or an upper bound of it."""
     b, h, nq, nk = w.shape
-    if b * h * c.len_q * nk * c.d <= EXACT_CENTRED_LIMIT:  # decided on the whole problem, not the chunk
-        step = max(1, _CHUNK_ELEMENTS // max(1, b * h * nk * c.d))
+    if b * h * c.len_q * nk * c.dv <= EXACT_CENTRED_LIMIT:  # decided on the whole problem, not the chunk
+        step = max(1, _CHUNK_ELEMENTS // max(1, b * h * nk * c.dv))
         parts = [torch.einsum("bhij,bhijd->bhid", w[:, :, i0:i0 + step],
                               (c.v[:, :, None] - c.o[:, :, i0:i0 + step, None]).abs())
                  for i0 in range(0, nq, step)]
@@ -692,13 +695,14 @@ def _forward_reference(c: _Case, ranks: torch.Tensor):
 
 
 def forward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, model: Model | None = None):
-    """Elementwise bounds on ``|out - ref.out|`` ``[B, Hq, Nq, D]`` and ``|lse - ref.lse|`` ``[B, Hq, Nq]``
+    """Elementwise bounds on ``|out - ref.out|`` ``[B, Hq, Nq, Dv]`` and ``|lse - ref.lse|`` ``[B, Hq, Nq]``
     (float64) for a kernel that follows the contract with inputs of ``dtype``."""
+    out_shape = (*q.shape[:3], v.shape[-1])
     if k.shape[2] == 0 and ref.sink is None:  # no keys: every row is fully masked, out = 0, lse = -inf exactly
-        return torch.zeros(q.shape, dtype=F64, device=q.device), torch.zeros(q.shape[:3], dtype=F64, device=q.device)
+        return torch.zeros(out_shape, dtype=F64, device=q.device), torch.zeros(q.shape[:3], dtype=F64, device=q.device)
     kk = _keys(ref, q, k, v)
     model = kernel_model(dtype) if model is None else model
-    out_b = torch.zeros(q.shape, dtype=F64, device=q.device)
+    out_b = torch.zeros(out_shape, dtype=F64, device=q.device)
     lse_b = torch.zeros(q.shape[:3], dtype=F64, device=q.device)
     for chunk in ref.chunks():  # every term is row-wise: one chunk of rows at a time
         c = _case(ref, q, kk, chunk)
@@ -724,7 +728,7 @@ def _backward_terms(c: _Case, model: Model, *, dout_abs, lse_err, delta_err, dp_
     pi = torch.where(c.vis, pi, 0.0)
     dp_err = _p_times(c, torch.expm1, pi) + model.eta_acc * vis
     p_hat = _p_times(c, torch.exp, pi) + model.eta_acc * vis
-    e_dp = torch.where(c.vis, gamma(c.d, model.u_dot) * (dout_abs @ c.av.transpose(-1, -2)) + 2 * c.d * eta, 0.0)
+    e_dp = torch.where(c.vis, gamma(c.dv, model.u_dot) * (dout_abs @ c.av.transpose(-1, -2)) + 2 * c.dv * eta, 0.0)
     g, e_delta, chain = dp_minus_delta, delta_err[..., None], 0.0
     if model.autograd_eager:  # section 11
         e_dp = e_dp + torch.where(c.vis, rounding_error(dp_abs + e_dp, model.u_cast, model.eta_cast), 0.0)
@@ -793,23 +797,24 @@ def _per_head_rounding(c: _Keys, model: Model, per_head: torch.Tensor) -> torch.
 def backward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, out: torch.Tensor,
                     model: Model | None = None):
     """Elementwise bounds on the errors of a contract-following backward against ``ref`` (computed with
-    ``dout``): ``(dq [B, Hq, Nq, D], dk [B, Hkv, Nk, D], dv [B, Hkv, Nk, D], delta [B, Hq, Nq])``,
+    ``dout``): ``(dq [B, Hq, Nq, D], dk [B, Hkv, Nk, D], dv [B, Hkv, Nk, Dv], delta [B, Hq, Nq])``,
     float64, and with sinks ``dsinks [Hq]`` fifth. ``out`` is the kernel's own rounded forward output,
     from which it computes Delta."""
     if ref.dout is None:
         raise ValueError("backward_bounds: ref has no backward; compute it with attention(..., dout=dout)")
-    if tuple(out.shape) != tuple(q.shape):
-        raise ValueError(f"backward_bounds: out.shape={tuple(out.shape)}, but should equal q.shape={tuple(q.shape)}")
+    if tuple(out.shape) != (*q.shape[:3], v.shape[-1]):
+        raise ValueError(f"backward_bounds: out.shape={tuple(out.shape)}, but should be q's [B, Hq, Nq] and v's head "
+                         f"dim: {(*q.shape[:3], v.shape[-1])}")
     if k.shape[2] == 0 and ref.sink is None:  # no keys: dq = 0, Delta = rowsum(dO * 0) = 0; dk, dv are empty
         zeros = torch.zeros(q.shape, dtype=F64, device=q.device)
-        empty = torch.zeros(k.shape, dtype=F64, device=q.device)
-        return zeros, empty, empty.clone(), torch.zeros(q.shape[:3], dtype=F64, device=q.device)
+        return (zeros, torch.zeros(k.shape, dtype=F64, device=q.device), torch.zeros(v.shape, dtype=F64, device=q.device),
+                torch.zeros(q.shape[:3], dtype=F64, device=q.device))
     kk = _keys(ref, q, k, v)
     model = kernel_model(dtype) if model is None else model
     ref_model = REFERENCE_MODEL
     sinks = ref.sink is not None
     sink_k = sink_r = (0.0, 0.0)  # with sinks: [Hq] sums over batch and rows of the sink's dS error and size
-    d = kk.d
+    d = kk.dv  # Delta sums dO * O over v's head dim
     dq = torch.zeros(q.shape, dtype=F64, device=q.device)
     delta = torch.zeros(q.shape[:3], dtype=F64, device=q.device)
     k_sums = r_sums = None  # per-head dK and dV sums over the rows, added chunk by chunk
@@ -849,7 +854,8 @@ def backward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, out: torch.T
         k_sums = sums_k[:4] if k_sums is None else tuple(a + b for a, b in zip(k_sums, sums_k))
         r_sums = sums_r[:4] if r_sums is None else tuple(a + b for a, b in zip(r_sums, sums_r))
     if k_sums is None:  # no query rows: nothing sums into dK and dV
-        k_sums = r_sums = (torch.zeros(kk.ak.shape, dtype=F64, device=q.device),) * 4
+        key_zeros, value_zeros = (torch.zeros(t.shape, dtype=F64, device=q.device) for t in (kk.ak, kk.av))
+        k_sums = r_sums = (key_zeros, key_zeros, value_zeros, value_zeros)
     dk_k, dv_k = _key_terms(kk, model, k_sums, ref_dk=ref.dk, ref_dv=ref.dv)
     dk_r, dv_r = _key_terms(kk, ref_model, r_sums, ref_dk=ref.dk, ref_dv=ref.dv)
     keys = kk.keys[:, None]

@@ -101,7 +101,8 @@ def summand_magnitude(op: str, ref) -> float:
             return 0.0
         mag = (ref.p_sink * (ref.dout.abs() * ref.out.abs()).sum(dim=-1)).sum(dim=(0, 2))
     elif op == "dv":  # a sum over rows: added chunk by chunk
-        mag = _sum_over_rows(ref, lambda c: c.p.transpose(-1, -2) @ ref.dout[:, :, c.r0:c.r1].abs())
+        mag = _sum_over_rows(ref, lambda c: c.p.transpose(-1, -2) @ ref.dout[:, :, c.r0:c.r1].abs(),
+                             ref.v_expanded)
     elif op == "dq":
         ak = ref.k_expanded.abs()
         # |scale|: a magnitude (a negative scale flips the scores, not the size of what is summed).
@@ -109,15 +110,16 @@ def summand_magnitude(op: str, ref) -> float:
     elif op == "dk":
         aq = ref.q64.abs()
         mag = abs(ref.scale) * _sum_over_rows(
-            ref, lambda c: ds_magnitude(ref, c).transpose(-1, -2) @ aq[:, :, c.r0:c.r1])
+            ref, lambda c: ds_magnitude(ref, c).transpose(-1, -2) @ aq[:, :, c.r0:c.r1], ref.k_expanded)
     else:
         raise ValueError(f"op={op!r}, but should be one of {tuple(FACTOR)}")
     return float(mag.to(f64).max()) if mag.numel() else 0.0
 
 
-def _sum_over_rows(ref, fn) -> torch.Tensor:
-    """``sum`` over the row chunks of ``fn(chunk)`` (each ``[B, Hq, Nk, D]``)."""
-    total = torch.zeros(ref.k_expanded.shape, dtype=torch.float64, device=ref.q64.device)
+def _sum_over_rows(ref, fn, like: torch.Tensor) -> torch.Tensor:
+    """``sum`` over the row chunks of ``fn(chunk)`` (each shaped ``like``: ``[B, Hq, Nk, D]`` for dK,
+    ``[B, Hq, Nk, Dv]`` for dV)."""
+    total = torch.zeros(like.shape, dtype=torch.float64, device=ref.q64.device)
     for c in ref.chunks():
         total += fn(c)
     return total

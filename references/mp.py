@@ -102,8 +102,9 @@ def _dot(a: list, b: list) -> mpmath.mpf:
 
 
 def _row(q: list, keys: list, values: list, scale: mpmath.mpf, dout: list | None, *, cap=None,
-         biases: list | None = None, sink: mpmath.mpf | None = None) -> RowResult:
+         biases: list | None = None, sink: mpmath.mpf | None = None, value_dim: int | None = None) -> RowResult:
     d = len(q)
+    dv = d if value_dim is None else value_dim  # v's head dim (a row with no key has no value to tell it)
     n = len(keys)
     scores = [scale * _dot(q, kj) for kj in keys]
     chain = [mpmath.mpf(1)] * n  # ds'/ds of each score
@@ -117,11 +118,11 @@ def _row(q: list, keys: list, values: list, scale: mpmath.mpf, dout: list | None
     if n == 0:
         zeros = [mpmath.mpf(0)] * d
         if dout is None:
-            return RowResult(out=list(zeros), lse=lse, p=[], p_sink=p_sink)
-        return RowResult(out=list(zeros), lse=lse, p=[], delta=mpmath.mpf(0), dq=list(zeros), dk=[], dv=[],
+            return RowResult(out=[mpmath.mpf(0)] * dv, lse=lse, p=[], p_sink=p_sink)
+        return RowResult(out=[mpmath.mpf(0)] * dv, lse=lse, p=[], delta=mpmath.mpf(0), dq=list(zeros), dk=[], dv=[],
                          p_sink=p_sink)
     p = [mpmath.exp(s - lse) for s in scores]
-    out = [mpmath.fsum(p[j] * values[j][t] for j in range(n)) for t in range(d)]
+    out = [mpmath.fsum(p[j] * values[j][t] for j in range(n)) for t in range(dv)]
     res = RowResult(out=out, lse=lse, p=p, p_sink=p_sink)
     if dout is None:
         return res
@@ -133,7 +134,7 @@ def _row(q: list, keys: list, values: list, scale: mpmath.mpf, dout: list | None
     res.delta = delta
     res.dq = [scale * mpmath.fsum(ds[j] * keys[j][t] for j in range(n)) for t in range(d)]
     res.dk = [[scale * ds[j] * q[t] for t in range(d)] for j in range(n)]
-    res.dv = [[p[j] * dout[t] for t in range(d)] for j in range(n)]
+    res.dv = [[p[j] * dout[t] for t in range(dv)] for j in range(n)]
     return res
 
 
@@ -144,10 +145,11 @@ def _vectors(rows) -> list:
 
 
 def attention_row(q_i, keys, values, *, scale: float, dout_i=None, softcap: float | None = None,
-                  biases=None) -> RowResult:
-    """One query row against its visible ``keys`` and ``values`` (``[n, D]``; ``n = 0`` allowed).
+                  biases=None, value_dim: int | None = None) -> RowResult:
+    """One query row against its visible ``keys`` (``[n, D]``) and ``values`` (``[n, Dv]``; ``n = 0``
+    allowed; ``value_dim``: ``Dv`` when it is not ``D``).
 
-    ``q_i`` and ``dout_i`` are length-``D`` sequences or 1-D tensors; ``softcap`` caps the scores
+    ``q_i`` is a length-``D`` and ``dout_i`` a length-``Dv`` sequence or 1-D tensor; ``softcap`` caps the scores
     (``c * tanh(s / c)``), then ``biases`` (one float per key, ALiBi's) are added. Returns a
     :class:`RowResult` of mpf values computed at 50 digits.
     """
@@ -156,13 +158,16 @@ def attention_row(q_i, keys, values, *, scale: float, dout_i=None, softcap: floa
         ks, vs = _vectors(keys), _vectors(values)
         if len(ks) != len(vs):
             raise ValueError(f"attention_row: {len(ks)} keys but {len(vs)} values; they should be equal")
-        for label, rows in (("keys", ks), ("values", vs)):
-            if any(len(r) != len(q) for r in rows):
-                raise ValueError(f"attention_row: every row of {label} should have length D={len(q)}")
+        dv = len(q) if value_dim is None else value_dim
+        for label, rows, width in (("keys", ks, len(q)), ("values", vs, dv)):
+            if any(len(r) != width for r in rows):
+                raise ValueError(f"attention_row: every row of {label} should have length {width}")
         do = None if dout_i is None else _vectors([dout_i])[0]
+        if do is not None and len(do) != dv:
+            raise ValueError(f"attention_row: dout_i has length {len(do)}, but should have the values' length {dv}")
         cap = None if softcap is None else _mpf(softcap)
         bias = None if biases is None else [_mpf(x) for x in biases]
-        return _row(q, ks, vs, _mpf(scale), do, cap=cap, biases=bias)
+        return _row(q, ks, vs, _mpf(scale), do, cap=cap, biases=bias, value_dim=dv)
 
 
 @dataclasses.dataclass
@@ -187,17 +192,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v should be 4-D [batch, heads, seq_len, head_dim]")
     b, hq, len_q, d = q.shape
-    hkv, len_k = k.shape[1], k.shape[2]
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or hq % hkv:
+    hkv, len_k, dv = k.shape[1], k.shape[2], v.shape[3]
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[3] != d or hq % hkv:
         raise ValueError(f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
-                         " do not fit the [B, H, N, D] layout with Hq a multiple of Hkv")
-    if dout is not None and dout.shape != q.shape:
-        raise ValueError(f"dout.shape={tuple(dout.shape)}, but should equal q.shape={tuple(q.shape)}")
+                         " do not fit the layout q [B, Hq, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] with Hq a "
+                         "multiple of Hkv")
+    if dout is not None and tuple(dout.shape) != (b, hq, len_q, dv):
+        raise ValueError(f"dout.shape={tuple(dout.shape)}, but should be out's shape {(b, hq, len_q, dv)}")
     group = hq // hkv
     spec.check_lengths(len_q, len_k)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     f64 = dict(dtype=torch.float64)
-    out = torch.zeros(b, hq, len_q, d, **f64)
+    out = torch.zeros(b, hq, len_q, dv, **f64)
     lse = torch.full((b, hq, len_q), -math.inf, **f64)
     p = torch.zeros(b, hq, len_q, len_k, **f64) if probabilities else None
     grads = dout is not None
@@ -227,7 +233,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
         diag = spec.diagonal(len_q, len_k).tolist()
         dsinks = [zero] * hq
         dk_acc = [[[[zero] * d for _ in range(len_k)] for _ in range(hkv)] for _ in range(b)]
-        dv_acc = [[[[zero] * d for _ in range(len_k)] for _ in range(hkv)] for _ in range(b)]
+        dv_acc = [[[[zero] * dv for _ in range(len_k)] for _ in range(hkv)] for _ in range(b)]
         for bi in range(b):
             for h in range(hq):
                 g = h // group
@@ -240,7 +246,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
                         -_mpf(spec.alibi_slopes[h]) * abs(diag[i] - j) for j in cols]
                     r = _row(row_of("q", qt, bi, h, i), [row_of("k", kt, bi, g, j) for j in cols],
                              [row_of("v", vt, bi, g, j) for j in cols], s,
-                             row_of("dout", dt, bi, h, i) if grads else None, cap=cap, biases=biases, sink=sink)
+                             row_of("dout", dt, bi, h, i) if grads else None, cap=cap, biases=biases, sink=sink,
+                             value_dim=dv)
                     out[bi, h, i] = torch.tensor([float(x) for x in r.out], **f64)
                     lse[bi, h, i] = float(r.lse)
                     if probabilities:
@@ -260,7 +267,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spec: Attent
             res.dk = torch.tensor([[[[float(x) for x in row] for row in hd] for hd in bd] for bd in dk_acc],
                                   **f64).reshape(b, hkv, len_k, d)
             res.dv = torch.tensor([[[[float(x) for x in row] for row in hd] for hd in bd] for bd in dv_acc],
-                                  **f64).reshape(b, hkv, len_k, d)
+                                  **f64).reshape(b, hkv, len_k, dv)
             if spec.sinks is not None:
                 res.dsinks = torch.tensor([float(x) for x in dsinks], **f64)
     return res

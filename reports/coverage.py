@@ -34,6 +34,11 @@ REQUIRED: dict[str, str | None] = {
     "len_over_128": None,
     "len_at_power_of_two_edge": None,
     "head_dim_over_128": None,
+    # a value head dim of its own (the blocked kernels, eager and the Triton kernels declare it); multi-head
+    # latent attention's 192/128 where the profile reaches head dim 192 (on a GPU)
+    "head_dim_v_wider": None,
+    "head_dim_v_narrower": None,
+    "head_dim_v_mla": None,
     "scale_zero": None,
     "scale_negative": None,
     "scale_above_one": None,

@@ -205,12 +205,15 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                     max_batch_heads: int | None = None, windows: bool = False, softcap: bool = False,
                     alibi: bool = False, chunks: bool = False, sinks: bool = False, splits: bool = False,
                     sequences: Sequence[str] = ("dense",), page_sizes: Sequence[int] | None = None,
-                    max_len_q: int | None = None, min_len: int = 0):
+                    max_len_q: int | None = None, min_len: int = 0, head_dim_v: bool = False):
     """Return a strategy for :class:`AttentionCase` values.
 
     dtype          the dtype name (``"float16"`` ...), fixed by the test's parametrisation
     limits         size limits (lengths, head dim, batch, heads, tiles)
     head_dims      head dims the kernel accepts (None: any up to ``limits.max_head_dim``)
+    head_dim_v     also draw a value head dim of its own (v, out and dout ``[..., Dv]``; the same as q's and
+                   k's first, what failures shrink to; else any accepted head dim, or multi-head latent
+                   attention's D = 192 with Dv = 128 where both are accepted and the class reaches 192)
     gqa            whether to draw grouped-query cases (Hkv < Hq): 1 .. 3 query heads per KV head or one of
                    :data:`GROUPS` up to ``limits.max_group``, ``B * Hq`` within ``limits.max_batch_heads``
     block_m/n      tile sizes the kernel accepts (None: not tunable; the case carries no blocks)
@@ -346,6 +349,10 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         if wide:
             allowed = [d for d in allowed if any(abs(d - p) <= 8 for p in (64, 128, 256))] or allowed[-1:]
         head_dim = draw(st.sampled_from(allowed), label="head_dim")
+    value_dim = head_dim
+    if head_dim_v:
+        head_dim, value_dim = draw(_value_head_dims(head_dim, head_dims, top_d), label="head_dim_v")
+    widest = max(head_dim, value_dim)  # what the memory caps below size a row by
 
     # Blocks before lengths, and lengths capped so that each axis has at most sqrt(max_tiles) tiles:
     # shrinking a length then never changes a block.
@@ -354,7 +361,7 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     bn = draw(st.sampled_from(_blocks_for(block_n, per_axis, long_class)), label="block_n") if block_n else None
     if kind == "long_context":  # B * Hq * (1 + Nk) * D within half the rows, as the decode class's (Nk at
         # row_len): K and V, their gradients and a group's copies of them are what a decode step holds
-        max_len = max(1, min(max_len, limits.max_rows // (2 * heads * head_dim) - 1))
+        max_len = max(1, min(max_len, limits.max_rows // (2 * heads * widest) - 1))
     edges = _near_powers_of_two(1, max_len) if (long_class or decode_like) else []
     top_q = min(max_len, per_axis * bm) if bm else max_len
     len_q = draw(_lengths(near=sorted(set(_near_blocks(block_m, top_q) + edges)), max_len=top_q), label="len_q")
@@ -434,14 +441,14 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                 draw, convention, len_q, len_k, short=short, page_sizes=page_sizes,
                 least_q=max(min_len_q if min_len_q > 1 else 0, min_len), least_k=max(min_len_k, min_len),
                 multiples=(len_q_multiple, len_k_multiple), equal=equal_lengths)
-            sequence_fields = _sequences_within(sequence_fields, heads=heads_kv * group, head_dim=head_dim,
+            sequence_fields = _sequences_within(sequence_fields, heads=heads_kv * group, head_dim=widest,
                                                 limits=limits)
             batch = 1
             len_q, len_k = sum(sequence_fields["seqlens_q"]), sum(sequence_fields["seqlens_k"])
     if num_splits > 1:
         queries = (_laid_out(sequence_fields["sequences"], sequence_fields["seqlens_q"]) if sequence_fields
                    else batch * len_q)
-        num_splits = _splits_within(num_splits, queries=queries, heads=heads_kv * group, head_dim=head_dim,
+        num_splits = _splits_within(num_splits, queries=queries, heads=heads_kv * group, head_dim=widest,
                                     limits=limits)
     seed = draw(st.integers(0, 2 ** 16), label="seed")
     return AttentionCase(batch=batch, heads_q=heads_kv * group, heads_kv=heads_kv, len_q=len_q,
@@ -451,7 +458,25 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                                             attention_chunk=chunk, sinks=sink, num_splits=num_splits,
                                             **sequence_fields),
                          magnitude=magnitude, seed=seed, layout=layout, scale=scale,
-                         block_m=bm, block_n=bn)
+                         block_m=bm, block_n=bn, head_dim_v=value_dim)
+
+
+# Multi-head latent attention (DeepSeek-V2/V3) as FlashAttention-3 runs its prefill: q and k 192 wide
+# (128 + 64 rotary), v 128.
+MLA_HEAD_DIMS = (192, 128)
+
+
+def _value_head_dims(head_dim: int, head_dims: Sequence[int] | None, top_d: int):
+    """``(head_dim, head_dim_v)``: the drawn head dim kept, with v's the same (first: what failures shrink
+    to) or any accepted up to ``top_d``; or :data:`MLA_HEAD_DIMS` where both are accepted and within
+    ``top_d``."""
+    accepted = (lambda d: d <= top_d) if head_dims is None else (lambda d: d <= top_d and d in head_dims)
+    others = (st.integers(1, top_d) if head_dims is None
+              else st.sampled_from(sorted(d for d in head_dims if d <= top_d) or [min(head_dims)]))
+    choices = [others.map(lambda dv: (head_dim, dv))]
+    if all(accepted(d) for d in MLA_HEAD_DIMS):
+        choices.append(st.just(MLA_HEAD_DIMS))
+    return st.one_of(st.just((head_dim, head_dim)), *choices)
 
 
 def _conventions(sequences: Sequence[str]) -> list[str]:
@@ -602,6 +627,9 @@ def boundary_classes(case: AttentionCase) -> list[str]:
         "head_dim_over_64": case.head_dim > 64,
         "head_dim_over_128": case.head_dim > 128,
         "head_dim_not_power_of_two": case.head_dim & (case.head_dim - 1) != 0,
+        "head_dim_v_wider": case.value_dim > case.head_dim,
+        "head_dim_v_narrower": case.value_dim < case.head_dim,
+        "head_dim_v_mla": (case.head_dim, case.value_dim) == MLA_HEAD_DIMS,
         "kv_tiles_wider": causal and any(n > m and nk >= 2 * n for m, n in pairs),
         "k_aligned_q_ragged": causal and nk > 0 and any(nk % n == 0 and nq % m != 0 for m, n in pairs),
         "masked_q_tiles": causal and any(nq - nk >= m for m, _ in pairs),
@@ -680,7 +708,8 @@ def allowed_classes(limits: Limits, *, head_dims: Sequence[int] | None = None, g
                     windows: bool = False, softcap: bool = False, alibi: bool = False, chunks: bool = False,
                     sinks: bool = False, splits: bool = False, sequences: Sequence[str] = ("dense",),
                     page_sizes: Sequence[int] | None = None, max_len_q: int | None = None,
-                    max_batch_heads: int | None = None, min_len: int = 0, **_other) -> list[str]:
+                    max_batch_heads: int | None = None, min_len: int = 0, head_dim_v: bool = False,
+                    **_other) -> list[str]:
     """The boundary classes :func:`attention_cases` can draw with these arguments (a declaration's draws:
     ``verify.runner.declared_draws``): a class a declaration rules out (GQA without ``gqa``, a window without
     ``windows``, a head dim above 128 past its limit) is not owed by a run of that kernel."""
@@ -709,6 +738,10 @@ def allowed_classes(limits: Limits, *, head_dims: Sequence[int] | None = None, g
         "head_dim_over_64": top_d > 64,
         "head_dim_over_128": top_d > 128,
         "head_dim_not_power_of_two": head_dims is None or any(not _power_of_two(d) for d in head_dims),
+        "head_dim_v_wider": head_dim_v and (head_dims is None or len(head_dims) > 1),
+        "head_dim_v_narrower": head_dim_v and (head_dims is None or len(head_dims) > 1),
+        "head_dim_v_mla": head_dim_v and limits.max_head_dim >= MLA_HEAD_DIMS[0] and (
+            head_dims is None or all(d in head_dims for d in MLA_HEAD_DIMS)),
         "kv_tiles_wider": can_causal,
         "k_aligned_q_ragged": can_causal,
         "masked_q_tiles": can_causal and unequal and alignment == "bottom_right",
@@ -749,7 +782,8 @@ _POW2_EDGES = frozenset(_near_powers_of_two(16, 2 ** 16))
 BOUNDARY_CLASSES = ("decode", "decode_causal_gqa", "no_keys", "gqa", "group_4", "group_5_or_7", "group_8",
                     "group_16", "group_over_16", "decode_causal_group_over_4", "prefill_group_over_4", "len_over_64", "len_over_128",
                     "len_at_power_of_two_edge", "context_over_8k", "context_over_64k", "head_dim_over_64", "head_dim_over_128",
-                    "head_dim_not_power_of_two", "kv_tiles_wider", "k_aligned_q_ragged", "masked_q_tiles",
+                    "head_dim_not_power_of_two", "head_dim_v_wider", "head_dim_v_narrower", "head_dim_v_mla",
+                    "kv_tiles_wider", "k_aligned_q_ragged", "masked_q_tiles",
                     "fully_masked_rows", "storage_offset", "scale_zero", "scale_negative", "scale_above_one",
                     "scale_tiny", "scale_not_float16", "window_zero", "window_narrow", "window_at_least_n",
                     "softcap", "softcap_below_one", "alibi", "alibi_causal_gqa", "chunks", "chunks_narrower_than_n",

@@ -105,8 +105,17 @@ class AttentionCase:
     scale: float | None = None
     block_m: int | None = None
     block_n: int | None = None
+    # The value head dim when it is not head_dim (v, out and dout are [..., head_dim_v]: multi-head latent
+    # attention's 192/128); None when v shares q's and k's head dim (it is stored so: equal means None).
+    head_dim_v: int | None = None
 
     def __post_init__(self) -> None:
+        if self.head_dim_v is not None and self.head_dim_v == self.head_dim:
+            object.__setattr__(self, "head_dim_v", None)
+        if self.head_dim_v is not None and (isinstance(self.head_dim_v, bool) or not isinstance(self.head_dim_v, int)
+                                            or self.head_dim_v < 1):
+            raise CaseError(f"head_dim_v={self.head_dim_v!r}, but should be a positive int or null (v shares the "
+                            "head dim of q and k)")
         for name in ("batch", "heads_q", "heads_kv", "head_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -154,18 +163,27 @@ class AttentionCase:
     def causal(self) -> bool:
         return self.spec.causal
 
+    @property
+    def value_dim(self) -> int:
+        """The head dim of v, out and dout: ``head_dim_v``, else ``head_dim``."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
     def describe(self) -> str:
         blocks = f" blocks={self.block_m}x{self.block_n}" if self.block_m is not None else ""
         scale = "" if self.scale is None else f" scale={self.scale}"
         n = self.spec.num_sequences
         batch = f"{n} sequence{'s' * (n != 1)}" if self.spec.varlen else f"B={self.batch}"
         return (f"{batch} Hq={self.heads_q} Hkv={self.heads_kv} Nq={self.len_q} Nk={self.len_k} "
-                f"D={self.head_dim} {self.dtype} {self.spec.describe()}{blocks}{scale} "
+                f"D={self.head_dim}{'' if self.head_dim_v is None else f' Dv={self.head_dim_v}'} {self.dtype} {self.spec.describe()}{blocks}{scale} "
                 f"magnitude={self.magnitude} layout={self.layout} seed={self.seed}")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON; the spec holds only its fields that differ from their defaults (and causal, alignment)."""
-        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "spec": self.spec.to_dict()}
+        """Plain JSON; the spec holds only its fields that differ from their defaults (and causal, alignment);
+        ``head_dim_v`` only when v has a head dim of its own."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.head_dim_v is None:
+            del fields["head_dim_v"]
+        return {**fields, "spec": self.spec.to_dict()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
@@ -199,11 +217,12 @@ class AttentionCase:
         """Generate q, k, v, dout (deterministic in the case), cast to the dtype and laid out."""
         gen = torch.Generator().manual_seed(self.seed)
         b, hq, hkv, nq, nk, d = self.batch, self.heads_q, self.heads_kv, self.len_q, self.len_k, self.head_dim
+        dv = self.value_dim
 
         def normal(*shape):
             return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-        q, k, v, do = normal(b, hq, nq, d), normal(b, hkv, nk, d), normal(b, hkv, nk, d), normal(b, hq, nq, d)
+        q, k, v, do = normal(b, hq, nq, d), normal(b, hkv, nk, d), normal(b, hkv, nk, dv), normal(b, hq, nq, dv)
         q, k, v, do = _MAGNITUDE_BUILDERS[self.magnitude](q, k, v, do, gen, self.torch_dtype)
         dtype = self.torch_dtype
         if self.layout == "packed":

@@ -158,6 +158,14 @@ MUTATIONS = (
              "                          torch.where(empty, NEG_INF, m_i + torch.log(l_i))))",
              "            parts[run % 64:run % 64 + 1] = [(acc / torch.where(empty, 1.0, l_i)[..., None],\n"
              "                                            torch.where(empty, NEG_INF, m_i + torch.log(l_i)))]"),
+    # Bugs of a value head dim of its own (multi-head latent attention): with v as wide as q and k they change
+    # nothing.
+    Mutation("scale_from_value_head_dim", "the default scale taken as 1/sqrt of v's head dim instead of q's and k's",
+             "return _default_scale(q.shape[-1]) if scale is None else float(scale)",
+             "return _default_scale(v.shape[-1]) if scale is None else float(scale)"),
+    Mutation("delta_over_query_head_dim", "the backward's Delta = rowsum(dO * O) summed over q's head dim, not v's",
+             "delta = (do * out.to(acc_dtype)).sum(dim=-1)",
+             "delta = (do[..., :d] * out.to(acc_dtype)[..., :d]).sum(dim=-1)"),
     Mutation("second_head_dim_half_not_rescaled", "for D > 64 the accumulator's second half is not rescaled",
              "acc = acc * alpha[..., None] + pv",
              "acc = torch.cat([acc[..., :64] * alpha[..., None], acc[..., 64:]], dim=-1) + pv"),

@@ -45,8 +45,9 @@ def _name(dtype: torch.dtype) -> str:
 # --- inputs -----------------------------------------------------------------------------------------
 
 def make_inputs(*, seed: int, kind: str, dtype: torch.dtype, batch: int, heads_q: int, heads_kv: int,
-                len_q: int, len_k: int, head_dim: int):
-    """``q, k, v, dout`` in ``dtype`` from a seed and a magnitude class:
+                len_q: int, len_k: int, head_dim: int, head_dim_v: int | None = None):
+    """``q, k, v, dout`` in ``dtype`` from a seed and a magnitude class (``head_dim_v``: v's and dout's head
+    dim, when not ``head_dim``):
 
     normal: N(0, 1); large_logits: q, k scaled so |scale q.k| reaches 1e3..1e4; outliers: 0.1% of the
     entries (at least one) 100x larger; all_negative: every score negative; ties: duplicated keys;
@@ -63,8 +64,9 @@ def make_inputs(*, seed: int, kind: str, dtype: torch.dtype, batch: int, heads_q
 
     q = randn(batch, heads_q, len_q, head_dim)
     k = randn(batch, heads_kv, len_k, head_dim)
-    v = randn(batch, heads_kv, len_k, head_dim)
-    dout = randn(batch, heads_q, len_q, head_dim)
+    dv = head_dim if head_dim_v is None else head_dim_v
+    v = randn(batch, heads_kv, len_k, dv)
+    dout = randn(batch, heads_q, len_q, dv)
     if kind == "large_logits":
         a = 10 ** (1 + float(torch.rand(1, generator=g)))
         q, k = q * a, k * a
@@ -170,6 +172,18 @@ def test_correct_kernels_within_bound(dtype, case):
     ratios = correct_kernel_ratios(q, k, v, dout, causal=case["causal"], block_m=case["block_m"],
                                    block_n=case["block_n"])
     assert_within_bounds(ratios, dtype=dtype, case=str(case))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@settings(max_examples=40, deadline=None)
+@given(case=bound_cases(max_len=32), head_dim_v=st.sampled_from(HEAD_DIMS))
+def test_correct_kernels_within_bound_with_a_value_head_dim_of_its_own(dtype, case, head_dim_v):
+    """v, out and dout ``head_dim_v`` wide, q and k ``head_dim``: the dP and Delta sums run over v's head dim."""
+    shape = {k: case[k] for k in ("batch", "heads_q", "heads_kv", "len_q", "len_k", "head_dim")}
+    q, k, v, dout = make_inputs(seed=case["seed"], kind=case["kind"], dtype=dtype, head_dim_v=head_dim_v, **shape)
+    ratios = correct_kernel_ratios(q, k, v, dout, causal=case["causal"], block_m=case["block_m"],
+                                   block_n=case["block_n"])
+    assert_within_bounds(ratios, dtype=dtype, case=f"{case}, Dv={head_dim_v}")
 
 
 # Every magnitude class at least once per dtype, with shapes that stress it: causal Nq > Nk (fully masked

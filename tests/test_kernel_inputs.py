@@ -22,14 +22,28 @@ FORWARDS = [blocked.fa2_forward, blocked.fa1_forward, blocked.fa2_forward_raw, a
     (lambda: (qkv()[0].numpy(), *qkv()[1:]), TypeError, "q is a ndarray, but should be a torch.Tensor"),
     (lambda: qkv(dtype=torch.int32), ValueError, "q.dtype=int32, but should be one of float16, bfloat16, float32, float64"),
     (lambda: (qkv()[0].half(), *qkv()[1:]), ValueError, "q, k, v dtypes are float16, float32, float32, but should be equal"),
-    (lambda: (qkv()[0], qkv()[1], qkv(nk=7)[2]), ValueError, r"k.shape=\(1, 1, 6, 8\) and v.shape=\(1, 1, 7, 8\) should be equal"),
-    (lambda: (qkv()[0], *qkv(d=4)[1:]), ValueError, "q has head_dim 8 but k and v have head_dim 4"),
+    (lambda: (qkv()[0], qkv()[1], qkv(nk=7)[2]), ValueError, r"k.shape=\(1, 1, 6, 8\) and v.shape=\(1, 1, 7, 8\) should agree in \[batch, heads, seq_len\]"),
+    (lambda: (qkv()[0], *qkv(d=4)[1:]), ValueError, "q has head_dim 8 but k has head_dim 4"),
     (lambda: (qkv(hq=3)[0], *qkv(hkv=2)[1:]), ValueError, "q has 3 heads and k, v have 2"),
     (lambda: (qkv(b=2)[0], *qkv()[1:]), ValueError, "q has batch 2 but k and v have batch 1"),
 ], ids=["rank", "type", "int-dtype", "mixed-dtype", "kv-shape", "head-dim", "heads", "batch"])
 def test_bad_tensors(fn, make, error, words):
     with pytest.raises(error, match=words):
         fn(*make(), causal=False, scale=None)
+
+
+def test_a_value_head_dim_of_its_own_is_refused_where_not_taken_and_bounded_where_it_is():
+    """v [B, Hkv, Nk, Dv] with Dv != D: the kernels that take it return out [..., Dv]; one that does not says so."""
+    q, k, _ = qkv()
+    v = torch.randn(1, 1, 6, 3)
+    out, lse = blocked.fa2_forward(q, k, v, causal=False, scale=None)
+    assert out.shape == (1, 2, 5, 3) and lse.shape == (1, 2, 5)
+    with pytest.raises(ValueError, match=r"sdpa_math: k.shape=\(1, 1, 6, 8\) and v.shape=\(1, 1, 6, 3\) should be "
+                                         r"equal: this kernel takes no value head dim of its own"):
+        adapters.sdpa_math_forward(q, k, v, causal=False, scale=None)
+    with pytest.raises(ValueError, match=r"out.shape=\(1, 2, 5, 8\) and dout.shape=\(1, 2, 5, 8\) should be "
+                                         r"\(1, 2, 5, 3\) \(q's \[batch, heads_q, len_q\] and v's head_dim\)"):
+        blocked.fa2_backward(q, k, v, torch.zeros(1, 2, 5, 8), lse, torch.zeros(1, 2, 5, 8))
 
 
 @pytest.mark.parametrize("fn", [blocked.fa2_forward, blocked.fa1_forward])
@@ -51,7 +65,7 @@ def test_backward_checks_its_extra_tensors():
     out, lse = blocked.fa2_forward_raw(q, k, v)
     with pytest.raises(ValueError, match=r"lse.shape=\(1, 2\), but should be \(1, 2, 5\)"):
         blocked.fa2_backward(q, k, v, out, lse[..., 0], out)
-    with pytest.raises(ValueError, match="out.shape=.* should equal q.shape"):
+    with pytest.raises(ValueError, match=r"out.shape=\(1, 2, 2, 8\) and dout.shape=\(1, 2, 5, 8\) should be \(1, 2, 5, 8\)"):
         blocked.fa2_backward(q, k, v, out[:, :, :2], lse, out)
     with pytest.raises(TypeError, match="dout is a NoneType"):
         blocked.fa2_backward(q, k, v, out, lse, None)

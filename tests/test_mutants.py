@@ -16,8 +16,8 @@ from tests import mutants
 # there) and the fewest, shortest sequences, the smallest page, the fewest splits, the narrowest window. Every
 # failure file the run wrote is held to it.
 def _small(case: dict, most: int = 3, *, heads: bool = True) -> bool:
-    """Every length, the batch, the head dim and (``heads``) the query head count at most ``most``."""
-    return max(case["len_q"], case["len_k"], case["batch"], case["head_dim"],
+    """Every length, the batch, the head dims and (``heads``) the query head count at most ``most``."""
+    return max(case["len_q"], case["len_k"], case["batch"], case["head_dim"], case.get("head_dim_v") or 1,
                case["heads_q"] if heads else 1) <= most
 
 
@@ -52,6 +52,9 @@ MINIMAL = {
                               lambda c, s: s.get("softcap", 0) > 0 and (s["causal"] or "window_left" in s
                                                                         or "window_right" in s
                                                                         or "attention_chunk" in s)),
+    "scale_from_value_head_dim": ("a value head dim of its own and the default scale",
+                                  lambda c, s: c.get("head_dim_v") is not None and c["scale"] is None),
+    "delta_over_query_head_dim": ("v wider than q and k", lambda c, s: (c.get("head_dim_v") or 0) > c["head_dim"]),
 }
 
 
@@ -121,11 +124,14 @@ def test_scale_rounded_to_float16_fails_in_half_precision(dtype, tmp_path):
 
 
 @pytest.mark.parametrize(("name", "before"), [("gqa_large_group_packed_by_4", {"max_group": 3}),
-                                              ("split_partials_in_64_slots", {"max_splits": 5})])
+                                              ("split_partials_in_64_slots", {"max_splits": 5}),
+                                              ("scale_from_value_head_dim", {}),
+                                              ("delta_over_query_head_dim", {})])
 def test_only_the_real_shape_draws_catch_these_mutants(name, before):
-    """Drawn as before groups above 3 and splits above 5 were (``before``), every case gives the mutant's
-    out and LSE bit for bit the unchanged kernel's: only the new draws can catch it (and the suite does,
-    ``test_mutant_fails_the_suite``)."""
+    """Drawn as before groups above 3, splits above 5 and a value head dim of its own were (``before``; the
+    draws below never ask for ``head_dim_v``), every case gives the mutant's out and LSE, and with a declared
+    backward its dq, dk, dv and Delta, bit for bit the unchanged kernel's: only the new draws can catch it
+    (and the suite does, ``test_mutant_fails_the_suite``)."""
     import dataclasses
 
     from hypothesis import given, settings
@@ -146,5 +152,8 @@ def test_only_the_real_shape_draws_catch_these_mutants(name, before):
         got = calls.run_forward(Context(impl=impl, prop="mutant", case=case), case, t.q, t.k, t.v)
         want = calls.run_forward(Context(impl=good, prop="mutant", case=case), case, t.q, t.k, t.v)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), case
+        backward = [i.call_backward(t.q, t.k, t.v, want[0], want[1], t.dout, spec=case.spec, scale=case.scale,
+                                    block_m=case.block_m, block_n=case.block_n) for i in (impl, good)]
+        assert all(torch.equal(a, b) for a, b in zip(*backward)), case
 
     same()

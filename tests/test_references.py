@@ -44,8 +44,10 @@ SETTINGS = dict(max_examples=60, deadline=None)
 # --- inputs -----------------------------------------------------------------------------------------
 
 def make_inputs(*, seed: int, kind: str, dtype: torch.dtype, batch: int, heads_q: int, heads_kv: int,
-                len_q: int, len_k: int, head_dim: int):
-    """``q, k, v, dout`` in ``dtype`` from a seed and a magnitude class (see KINDS)."""
+                len_q: int, len_k: int, head_dim: int, head_dim_v: int | None = None):
+    """``q, k, v, dout`` in ``dtype`` from a seed and a magnitude class (see KINDS); ``head_dim_v``: v's and
+    dout's head dim, when not ``head_dim``."""
+    dv = head_dim if head_dim_v is None else head_dim_v
     g = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -53,8 +55,8 @@ def make_inputs(*, seed: int, kind: str, dtype: torch.dtype, batch: int, heads_q
 
     q = randn(batch, heads_q, len_q, head_dim)
     k = randn(batch, heads_kv, len_k, head_dim)
-    v = randn(batch, heads_kv, len_k, head_dim)
-    dout = randn(batch, heads_q, len_q, head_dim)
+    v = randn(batch, heads_kv, len_k, dv)
+    dout = randn(batch, heads_q, len_q, dv)
     if kind == "large_logits":  # |scale q.k| up to ~1e4
         q, k = q * 100, k * 100
     elif kind == "ties" and len_k > 1:  # duplicated keys: exactly equal scores
@@ -101,13 +103,14 @@ def _spec_of(case: dict) -> AttentionSpec:
 
 # --- tolerances ---------------------------------------------------------------------------------------
 
-def kappa(q, k, *, scale: float, len_k: int) -> float:
-    """First-order relative error of the float64 reference's P, in units of u (module docstring)."""
+def kappa(q, k, *, scale: float, len_k: int, value_dim: int = 0) -> float:
+    """First-order relative error of the float64 reference's P, in units of u (module docstring); the sums
+    downstream run over the larger of q's head dim and ``value_dim`` (v's)."""
     d = q.shape[-1]
     ke = ref_attention.expand_kv(k.to(F64), q.shape[1])
     a = float((abs(scale) * (q.to(F64).abs() @ ke.abs().transpose(-1, -2))).max()) if q.numel() and k.numel() else 0.0
     log_n = math.log(len_k + 1)
-    return 2 * (d + 1) * a + (len_k + 2) + (a + log_n) + (2 * a + log_n) + (len_k + d + 4) + 2
+    return 2 * (d + 1) * a + (len_k + 2) + (a + log_n) + (2 * a + log_n) + (len_k + max(d, value_dim) + 4) + 2
 
 
 def magnitudes(exact, q, k, v, dout, *, scale: float, p_sink=None):
@@ -157,7 +160,7 @@ def check_against_mp(*, q, k, v, dout, causal: bool = False, alignment: str = "b
     # A sink is one more score (no product) and ALiBi's bias adds to them: both count in A.
     extra = max([abs(x) for x in spec.sinks or ()] + [0.0]) + max([abs(x) for x in spec.alibi_slopes or ()] + [0.0]) * (
         q.shape[2] + k.shape[2])
-    kap = kappa(q, k, scale=scale, len_k=k.shape[2]) + 4 * extra
+    kap = kappa(q, k, scale=scale, len_k=k.shape[2], value_dim=v.shape[-1]) + 4 * extra
     mags = magnitudes(exact, q, k, v, dout, scale=scale, p_sink=ref.p_sink)
     names = ("p", "out", "lse") + (("delta", "dq", "dk", "dv") if dout is not None else ())
     names += ("dsinks",) if dout is not None and spec.sinks is not None else ()
@@ -238,6 +241,16 @@ def test_float64_reference_matches_mpmath(case):
     q, k, v, dout = make_inputs(**case)
     check_against_mp(q=q, k=k, v=v, dout=dout, causal=spec.causal, alignment=spec.alignment,
                      window=(spec.window_left, spec.window_right), case=f"{case}, {spec}")
+
+
+@settings(**SETTINGS)
+@given(case=attention_cases(), head_dim_v=st.integers(1, 6))
+def test_float64_reference_matches_mpmath_with_a_value_head_dim_of_its_own(case, head_dim_v):
+    """v (and out, dout, dV) ``head_dim_v`` wide, q and k ``head_dim``: forward and backward against mpmath."""
+    spec = _spec_of(case)
+    q, k, v, dout = make_inputs(**case, head_dim_v=head_dim_v)
+    ref, _ = check_against_mp(q=q, k=k, v=v, dout=dout, spec=spec, case=f"{case}, Dv={head_dim_v}, {spec}")
+    assert ref.out.shape[-1] == ref.dv.shape[-1] == head_dim_v and ref.dq.shape[-1] == ref.dk.shape[-1] == q.shape[-1]
 
 
 ADVERSARIAL = [

@@ -75,13 +75,15 @@ def test_targets_are_distinct_predicates():
 def test_every_class_and_shape_feature_is_reachable(target):
     name, predicate = target
     long_context = name.startswith("class context_")
+    value_dim = name.startswith("class head_dim_v")  # drawn for a kernel that declares head_dim_v only
     blocks = None if long_context else BLOCKS
-    # The gpu profile's limits (KV caches of up to 128k keys) for the long-context classes.
-    limits = limits_for("cuda", "gpu") if long_context else MQA
+    # The gpu profile's limits (KV caches of up to 128k keys, head dims up to 256) for the long-context
+    # classes and multi-head latent attention's 192/128.
+    limits = limits_for("cuda", "gpu") if long_context or name == "class head_dim_v_mla" else MQA
     find(attention_cases(dtype="float16", limits=limits, gqa=True, block_m=blocks,
                          block_n=blocks, windows=True,
                          softcap=True, alibi=True, chunks=True, sinks=True, splits=True,
-                         sequences=("dense", "packed", "padded", "paged")),
+                         sequences=("dense", "packed", "padded", "paged"), head_dim_v=value_dim),
          predicate, settings=settings(max_examples=2000, database=None, derandomize=True))
 
 
@@ -348,3 +350,28 @@ def test_split_kv_partial_outputs_stay_within_the_rows_budget_and_decode_keeps_e
     assert not over, over[:3]
     assert max(n * r for n, r in rows) > limits.max_rows // 8  # the cap is met, not far below
     assert any(c.len_q == 1 and c.spec.num_splits == 128 for c in drawn)
+
+
+def test_a_value_head_dim_is_drawn_only_when_declared_and_within_the_head_dims():
+    """Without ``head_dim_v`` every case has v as wide as q and k; with it, v's head dim differs in both
+    directions, every one within the declared head dims, and a case keeps it through its JSON."""
+    plain = find(attention_cases(dtype="float32", limits=WIDE), lambda c: c.head_dim > 8)
+    assert plain.head_dim_v is None and "head_dim_v" not in plain.to_dict()
+    dims = range(16, 257, 8)
+    strategy = attention_cases(dtype="float32", limits=WIDE, head_dims=dims, head_dim_v=True)
+    wider = find(strategy, lambda c: c.value_dim > c.head_dim)
+    narrower = find(strategy, lambda c: c.value_dim < c.head_dim)
+    for case in (wider, narrower):
+        assert case.head_dim in dims and case.value_dim in dims, case
+        assert AttentionCase.from_json(case.to_json()) == case
+        t = case.build()
+        assert t.v.shape[-1] == t.dout.shape[-1] == case.value_dim and t.k.shape[-1] == case.head_dim
+
+
+def test_a_case_stores_an_equal_value_head_dim_as_none_and_refuses_a_bad_one():
+    same = _case(head_dim=8, head_dim_v=8)
+    assert same.head_dim_v is None and same == _case(head_dim=8)
+    assert "Dv=" not in same.describe() and "Dv=3" in _case(head_dim=8, head_dim_v=3).describe()
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(CaseError, match="head_dim_v="):
+            _case(head_dim_v=bad)

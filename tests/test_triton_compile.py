@@ -80,7 +80,7 @@ CASES = {
     "_attn_bwd_delta_rows": ("triton.attention", "_attn_bwd_delta",
                              dict(BLOCK_D=64, EVEN_D=True, ALIGNED=True, VARLEN=False, ROWS=True, BLOCK_M=64)),
     "_decode_split": ("triton.decode", "_decode_split",
-                      dict(BLOCK_D=64, EVEN_D=True, BLOCK_M=16, BLOCK_N=64, CAUSAL=True, WINDOW=True, SOFTCAP=True,
+                      dict(BLOCK_D=64, EVEN_D=True, BLOCK_DV=64, EVEN_DV=True, BLOCK_M=16, BLOCK_N=64, CAUSAL=True, WINDOW=True, SOFTCAP=True,
                            ALIBI=True, SINKS=True, NATURAL=True, LIBDEVICE=True)),
     "_decode_combine": ("triton.decode", "_decode_combine", dict(BLOCK_D=64, BLOCK_M=16)),
 }

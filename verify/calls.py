@@ -67,7 +67,7 @@ def run_forward(ctx: Context, case, q, k, v, *, sinks: torch.Tensor | None = Non
     if out_of_memory is not None:  # failed outside the except block: the new failure holds no traceback
         ctx.fail(f"the kernel ran out of device memory in its forward ({out_of_memory}); "
                  "its memory was released and the run goes on")
-    check_tensor(ctx, label="out", actual=out, shape=tuple(q.shape), dtype=q.dtype, device=q.device,
+    check_tensor(ctx, label="out", actual=out, shape=(*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device,
                  inputs=(q, k, v))
     if lse is not None:
         check_tensor(ctx, label="lse", actual=lse, shape=tuple(q.shape[:3]), dtype=lse_dtype(q.dtype),

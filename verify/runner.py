@@ -211,7 +211,7 @@ def declared_draws(impl: Implementation, causal: bool | None, draw: dict[str, An
     declared = {"gqa": impl.gqa, "block_m": impl.block_m, "block_n": impl.block_n,
                 "alignment": impl.causal_alignment, "equal_lengths": impl.equal_lengths,
                 "len_q_multiple": mq, "len_k_multiple": mk, "scale_choices": impl.scale_choices,
-                "max_batch_heads": impl.max_batch_heads, "head_dims": impl.head_dims,
+                "max_batch_heads": impl.max_batch_heads, "head_dims": impl.head_dims, "head_dim_v": impl.head_dim_v,
                 **{cap.field: getattr(impl, cap.field) for cap in CAPABILITIES},
                 "sequences": impl.sequences, "page_sizes": impl.page_sizes, "max_len_q": impl.max_len_q}
     if causal is None and not (impl.causal and impl.non_causal):

@@ -70,7 +70,7 @@ def eager_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     seqs = _Sequences(q, k, v, kernel="eager", **sequences) if any(x is not None for x in sequences.values()) else None
     qr, kr, vr = (q, k, v) if seqs is None else (
         torch.cat(seqs.queries(q), dim=2), torch.cat(seqs.keys(k), dim=2), torch.cat(seqs.keys(v), dim=2))
-    _validate.check_attention_inputs(qr, kr, vr, kernel="eager", dtypes=ALL_DTYPES, scale=scale)
+    _validate.check_attention_inputs(qr, kr, vr, kernel="eager", dtypes=ALL_DTYPES, scale=scale, head_dim_v=True)
     var = _validate.variant(qr, kernel="eager", window_size=window_size, attention_chunk=attention_chunk,
                             softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, num_splits=num_splits)
     _per_head_slopes(var, q, kernel="eager")
@@ -84,7 +84,7 @@ def eager_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     out, lse = _Eager.apply(qr, kr, vr, var.sinks, spec, scale)
     if seqs is None:
         return out, lse
-    return (seqs.join_queries(list(out.split(seqs.lens_q, dim=2)), q),
+    return (seqs.join_queries(list(out.split(seqs.lens_q, dim=2)), q, dim=v.shape[-1]),
             seqs.join_rows(list(lse.split(seqs.lens_q, dim=2))))
 
 

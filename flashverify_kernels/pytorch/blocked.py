@@ -206,16 +206,16 @@ def _check(q, k, v, *, kernel, scale, block_m, block_n):
     """Validate the inputs and return the softmax scale (``1/sqrt(head_dim)`` when None)."""
     _validate.check_block("block_m", block_m, kernel=kernel)
     _validate.check_block("block_n", block_n, kernel=kernel)
-    _validate.check_attention_inputs(q, k, v, kernel=kernel, dtypes=ALL_DTYPES, scale=scale)
+    _validate.check_attention_inputs(q, k, v, kernel=kernel, dtypes=ALL_DTYPES, scale=scale, head_dim_v=True)
     return _default_scale(q.shape[-1]) if scale is None else float(scale)
 
 
 def _outputs(q, k, v, out, lse, *, kernel):
     """The ``(out, lse)`` tensors to write: the caller's buffers where given (validated), else new ones."""
     _validate.check_out_buffers(q, k, v, out, lse, kernel=kernel, lse_dtypes=(_acc_dtype(q.dtype),))
-    b, hq, len_q, d = q.shape
+    b, hq, len_q = q.shape[:3]
     if out is None:
-        out = torch.empty(b, hq, len_q, d, dtype=q.dtype, device=q.device)
+        out = torch.empty(b, hq, len_q, v.shape[-1], dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(b, hq, len_q, dtype=_acc_dtype(q.dtype), device=q.device)
     return out, lse
@@ -274,7 +274,7 @@ def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
         parts = []
         for run, (k0, k1) in enumerate(_key_runs(len_k, block_n, var.splits)):
             m_i, l_i = _start((b, hq, m1 - m0), var.sink if run == 0 else None, acc_dtype, q.device)
-            acc = torch.zeros((b, hq, m1 - m0, d), dtype=acc_dtype, device=q.device)
+            acc = torch.zeros((b, hq, m1 - m0, v.shape[-1]), dtype=acc_dtype, device=q.device)
             for n0 in range(k0, min(k1, kv_end), block_n):
                 n1 = min(n0 + block_n, len_k)
                 s = _scores(q_tile, k_all[:, :, n0:n1], scale, acc_dtype)
@@ -315,7 +315,7 @@ def fa1_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
     k_all, v_all = _expand_kv(k, hq), _expand_kv(v, hq)
     parts = []
     for run, (k0, k1) in enumerate(_key_runs(len_k, block_n, var.splits)):
-        o = torch.zeros((b, hq, len_q, d), dtype=acc_dtype, device=q.device)
+        o = torch.zeros((b, hq, len_q, v.shape[-1]), dtype=acc_dtype, device=q.device)
         m, l = _start((b, hq, len_q), var.sink if run == 0 else None, acc_dtype, q.device)
         for n0 in range(k0, k1, block_n):
             n1 = min(n0 + block_n, len_k)
@@ -370,12 +370,12 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     lse_ref = torch.where(lse == NEG_INF, float("inf"), lse.to(acc_dtype))
     dq = torch.zeros((b, hq, len_q, d), dtype=acc_dtype, device=q.device)
     dk = torch.zeros((b, hq, len_k, d), dtype=acc_dtype, device=q.device)
-    dv = torch.zeros((b, hq, len_k, d), dtype=acc_dtype, device=q.device)
+    dv = torch.zeros((b, hq, len_k, v.shape[-1]), dtype=acc_dtype, device=q.device)
     for n0 in range(0, len_k, block_n):
         n1 = min(n0 + block_n, len_k)
         k_tile, v_tile = k_all[:, :, n0:n1], v_all[:, :, n0:n1].to(acc_dtype)
         dk_acc = torch.zeros((b, hq, n1 - n0, d), dtype=acc_dtype, device=q.device)
-        dv_acc = torch.zeros((b, hq, n1 - n0, d), dtype=acc_dtype, device=q.device)
+        dv_acc = torch.zeros((b, hq, n1 - n0, v.shape[-1]), dtype=acc_dtype, device=q.device)
         for m0 in range(_q_start(n0, len_q, len_k, block_m, causal), len_q, block_m):
             m1 = min(m0 + block_m, len_q)
             q_tile, do_tile = q[:, :, m0:m1], do[:, :, m0:m1]
@@ -454,7 +454,7 @@ def _apply(q, k, v, *, causal, scale, block_m, block_n, forward_raw, out, lse, k
         o, l_s = _dense(qs, ks, vs, causal, scale, block_m, block_n, forward_raw, None, None, kernel, one, sinks)
         outs.append(o)
         lses.append(l_s)
-    return seqs.join_queries(outs, q), seqs.join_rows(lses)
+    return seqs.join_queries(outs, q, dim=v.shape[-1]), seqs.join_rows(lses)
 
 
 def _sequences_backward(q, k, v, out, lse, dout, *, causal, scale, block_m, block_n, sinks, **keywords):
@@ -488,9 +488,10 @@ class _Sequences:
         device = q.device
         if block_table is not None:
             self.kind = "paged"
-            if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-                raise ValueError(f"{kernel}: a paged KV cache takes q [S, Hq, Nq, D] and k, v [pages, page_size, Hkv, "
-                                 f"D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+            if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:-1] != v.shape[:-1]:
+                raise ValueError(f"{kernel}: a paged KV cache takes q [S, Hq, Nq, D], k [pages, page_size, Hkv, D] and "
+                                 f"v [pages, page_size, Hkv, Dv]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                                 f"{tuple(v.shape)}")
             pages, self.page_size = k.shape[0], k.shape[1]
             self.lens_q = [q.shape[2]] * q.shape[0]
             self.lens_k = _validate.check_seqlens("seqlens_k", seqlens_k, batch=q.shape[0],
@@ -500,9 +501,9 @@ class _Sequences:
                                                      kernel=kernel)
         elif cu_seqlens_q is not None or cu_seqlens_k is not None:
             self.kind = "packed"
-            if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
-                raise ValueError(f"{kernel}: packed sequences take q [total_q, Hq, D] and k, v [total_k, Hkv, D]; got "
-                                 f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+            if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[:-1] != v.shape[:-1]:
+                raise ValueError(f"{kernel}: packed sequences take q [total_q, Hq, D], k [total_k, Hkv, D] and v "
+                                 f"[total_k, Hkv, Dv]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
             self.cq = _validate.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=device,
                                                  kernel=kernel)
             self.ck = _validate.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total=k.shape[0], device=device,
@@ -516,9 +517,10 @@ class _Sequences:
             _validate.check_max_seqlen("max_seqlen_k", max_seqlen_k, self.lens_k, kernel=kernel)
         else:
             self.kind = "padded"
-            if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0]:
-                raise ValueError(f"{kernel}: padded sequences take q [S, Hq, Nq, D] and k, v [S, Hkv, Nk, D]; got q "
-                                 f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+            if (q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:-1] != v.shape[:-1]
+                    or k.shape[0] != q.shape[0]):
+                raise ValueError(f"{kernel}: padded sequences take q [S, Hq, Nq, D], k [S, Hkv, Nk, D] and v [S, Hkv, "
+                                 f"Nk, Dv]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
             self.lens_q = _validate.check_seqlens("seqlens_q", seqlens_q, batch=q.shape[0], most=q.shape[2],
                                                   device=device, kernel=kernel)
             self.lens_k = _validate.check_seqlens("seqlens_k", seqlens_k, batch=q.shape[0], most=k.shape[2],
@@ -563,11 +565,12 @@ class _Sequences:
             out.append(rows.transpose(0, 1)[None])
         return out
 
-    def join_queries(self, parts, like) -> torch.Tensor:
-        """Per-sequence ``[1, H, n, D]`` results in the layout of the query-like tensor ``like`` (padding rows 0)."""
+    def join_queries(self, parts, like, *, dim: int | None = None) -> torch.Tensor:
+        """Per-sequence ``[1, H, n, D]`` results in the layout of the query-like tensor ``like`` (padding rows 0);
+        ``dim``: the results' head dim when it is not ``like``'s (the output has v's)."""
         if self.kind == "packed":
             if not parts:
-                return like.new_zeros(like.shape)
+                return like.new_zeros((*like.shape[:-1], like.shape[-1] if dim is None else dim))
             return torch.cat([p[0].transpose(0, 1) for p in parts], dim=0)
         width = like.shape[2]
         return torch.cat([torch.nn.functional.pad(p, (0, 0, 0, width - p.shape[2])) for p in parts], dim=0)
