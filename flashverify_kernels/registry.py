@@ -199,13 +199,13 @@ if triton_attention is not None and triton_softmax is not None:
     )
     def _triton_attention(**fields) -> Implementation:
         """The fields the Triton FA1 and FA2 share: their dtypes, devices and head dims, GQA, the variants
-        (windows, chunks, softcap, ALiBi, sinks, packed sequences), the drawn tiles, the FA2 backward,
+        (windows, chunks, softcap, ALiBi, sinks, packed sequences, a value head dim of its own), the drawn tiles, the FA2 backward,
         deterministic, out= buffers, the interpreter's limits."""
         return Implementation(**{
             "backward": triton_attention.fa2_backward, "deterministic": True, "block_m": _ATTENTION_BLOCKS,
             "block_n": _ATTENTION_BLOCKS, "max_examples": _MAX_EXAMPLES, "dtypes": triton_attention.DTYPES,
             "devices": triton_attention.DEVICES, "head_dims": triton_attention.HEAD_DIMS, "gqa": True,
-            "windows": True, "chunks": True, "softcap": True, "alibi": True, "sinks": True,
+            "head_dim_v": True, "windows": True, "chunks": True, "softcap": True, "alibi": True, "sinks": True,
             "sequences": ("dense", "packed"), "out_buffers": True, "environment_limits": _ENVIRONMENT_LIMITS,
             "max_batch_heads": _MAX_BATCH_HEADS, **fields})
 
@@ -250,7 +250,7 @@ if triton_attention is not None and triton_softmax is not None:
     # Registered on a GPU of compute capability 9.0 only: the deterministic one in the default selection
     # there, the one whose dK/dV kernel adds dQ (deterministic=False) when named.
     _GLUON_FIELDS = dict(dtypes=(torch.float16, torch.bfloat16), head_dims=triton_attention.gluon_forward.HEAD_DIMS,
-                         windows=False, chunks=False, softcap=False, alibi=False, sinks=False, sequences=("dense",),
+                         head_dim_v=False, windows=False, chunks=False, softcap=False, alibi=False, sinks=False, sequences=("dense",),
                          scales=(None, 0.5, 0.125, 1.0, 2.5, 1e-8, 0.1, 1 / 3))
     _GLUON = () if _INTERPRET or not triton_attention.gluon_forward.AVAILABLE or not torch.cuda.is_available() \
         or torch.cuda.get_device_capability() != (9, 0) else (_triton_attention(

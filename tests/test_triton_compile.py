@@ -36,10 +36,14 @@ POINTERS = {"Q": F16, "K": F16, "V": F16, "Out": F16, "DO": F16, "DOut": F16, "D
             "Lse": F32, "Delta": F32, "Rows": F32, "Slopes": F32, "Sinks": F32, "OutPart": F32, "LsePart": F32,
             "CuQ": I32, "CuK": I32, "BlockTable": I32, "SeqlensK": I32}
 FLOATS = {"qk_scale", "sm_scale", "softcap"}
-DESCRIPTORS = {"DescK": ("fp16", "BLOCK_N"), "DescV": ("fp16", "BLOCK_N"), "DescQ": ("fp16", "BLOCK_M"),
-               "DescDO": ("fp16", "BLOCK_M"), "DescDQ": ("fp32", "BLOCK_M")}
+# descriptor -> (dtype, its rows' constant, its columns' constant: v and dO are v's head dim wide)
+DESCRIPTORS = {"DescK": ("fp16", "BLOCK_N", "BLOCK_D"), "DescV": ("fp16", "BLOCK_N", "BLOCK_DV"),
+               "DescQ": ("fp16", "BLOCK_M", "BLOCK_D"), "DescDO": ("fp16", "BLOCK_M", "BLOCK_DV"),
+               "DescDQ": ("fp32", "BLOCK_M", "BLOCK_D")}
 VARIANTS = ("WINDOW", "CHUNK", "SOFTCAP", "ALIBI", "SINKS", "VARLEN")
-TILE = dict(BLOCK_D=64, EVEN_D=True, BLOCK_M=64, BLOCK_N=64)
+TILE = dict(BLOCK_D=64, EVEN_D=True, BLOCK_DV=64, EVEN_DV=True, SAME_DV=True, BLOCK_M=64, BLOCK_N=64)
+# Multi-head latent attention's q/k 192 (a 256 tile, masked) with v 128: v's own tile, no TMA.
+MLA_TILE = dict(BLOCK_D=256, EVEN_D=False, BLOCK_DV=128, EVEN_DV=True, SAME_DV=False, BLOCK_M=64, BLOCK_N=64)
 
 
 def _flags(on: bool) -> dict:
@@ -74,14 +78,21 @@ CASES = {
            ("_atomic_dq", _BWD_FLAGS, False, True),
            ("_tma_atomic_dq", {**_BWD_FLAGS, "WINDOW": False, "CHUNK": False, "VARLEN": False}, True, True))
        if kernel == "_attn_bwd_dkdv" or not atomic},
+    # A value head dim of its own (head_dim_v): forward, dK/dV and dQ kernels with v's own tile width.
+    **{f"{kernel}_mla": ("triton.attention", kernel,
+                         {**MLA_TILE, **(_flags(True) if kernel == "_attn_fwd" else _BWD_FLAGS), "ALIGNED": True,
+                          "CAUSAL": True, "SPLIT": True, "NATURAL": True, "LIBDEVICE": True, "TMA": False,
+                          **({"INNER_SCALED": False} if kernel == "_attn_fwd" else {"MASKED_TMA": False}),
+                          **({"ATOMIC_DQ": False, "GQA": True} if kernel == "_attn_bwd_dkdv" else {})})
+       for kernel in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq")},
     "_attn_bwd_delta": ("triton.attention", "_attn_bwd_delta",
                         dict(BLOCK_D=64, EVEN_D=True, ALIGNED=True, VARLEN=True, ROWS=False, BLOCK_M=64)),
     # ROWS: also the Gluon dK/dV kernel's rows buffer (dense batches)
     "_attn_bwd_delta_rows": ("triton.attention", "_attn_bwd_delta",
                              dict(BLOCK_D=64, EVEN_D=True, ALIGNED=True, VARLEN=False, ROWS=True, BLOCK_M=64)),
     "_decode_split": ("triton.decode", "_decode_split",
-                      dict(BLOCK_D=64, EVEN_D=True, BLOCK_DV=64, EVEN_DV=True, BLOCK_M=16, BLOCK_N=64, CAUSAL=True, WINDOW=True, SOFTCAP=True,
-                           ALIBI=True, SINKS=True, NATURAL=True, LIBDEVICE=True)),
+                      dict(BLOCK_D=64, EVEN_D=True, BLOCK_DV=64, EVEN_DV=True, BLOCK_M=16, BLOCK_N=64, CAUSAL=True,
+                           WINDOW=True, SOFTCAP=True, ALIBI=True, SINKS=True, NATURAL=True, LIBDEVICE=True)),
     "_decode_combine": ("triton.decode", "_decode_combine", dict(BLOCK_D=64, BLOCK_M=16)),
 }
 
@@ -107,10 +118,10 @@ def _compile_one(module: str, name: str, constexprs: dict) -> tuple[str, str]:
     if name == "_attn_bwd_dkdv":
         signature["DQ"] = "*fp32"  # the float32 dQ sums the launcher gives it (atomic dQ)
     # Descriptor arguments: host-built [B, H, N, D] descriptors with TMA, the tensors themselves without.
-    for desc, (dtype, rows) in DESCRIPTORS.items():
+    for desc, (dtype, rows, cols) in DESCRIPTORS.items():
         if desc in signature:
             on = constexprs["TMA"] and (desc != "DescDQ" or constexprs["ATOMIC_DQ"])
-            signature[desc] = (f"tensordesc<{dtype}[1,1,{constexprs[rows]},{constexprs['BLOCK_D']}]>" if on
+            signature[desc] = (f"tensordesc<{dtype}[1,1,{constexprs[rows]},{constexprs[cols]}]>" if on
                                else f"*{dtype}")
     try:
         triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),

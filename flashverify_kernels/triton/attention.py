@@ -67,6 +67,15 @@ are loaded as zero, and their scores are masked, so such values never reach the 
 through their strides (no copies); grouped-query attention maps query head ``h`` to key/value head
 ``h // (Hq // Hkv)``.
 
+Value head dim: ``v`` may have a head dim ``Dv`` of its own (``v [B, Hkv, Nk, Dv]``, as multi-head latent
+attention's D = 192 with Dv = 128, FlashAttention-3's ``headdim_v``); ``out`` and ``dO`` then have ``Dv``
+columns, ``dQ`` and ``dK`` ``D``, ``dV`` ``Dv``, and ``Delta = rowsum(dO * O)`` runs over ``Dv``. The kernels
+tile q, k, dq and dk ``BLOCK_D`` wide (``head_dim``, ``EVEN_D``) and v, out, dO, dV and the output
+accumulator ``BLOCK_DV`` wide (``head_dim_v``, ``EVEN_DV``); with ``Dv = D`` (``SAME_DV``) the two are the
+same tiles and masks, and the compiled kernels, tiles and configurations those of a single head dim. The
+default scale is ``1/sqrt(D)`` whatever ``Dv`` is. Descriptors (below) and the Gluon kernels take ``Dv = D``
+only.
+
 Tensor descriptors: on Hopper (and under the interpreter, which emulates them) the tiles of the unmasked
 loops, where every key of a tile is visible to every row (forward and dQ: K and V; dK/dV: Q and dO), are
 read through ``[B, H, N, D]`` descriptors built once per launch on the host (TMA), for dense
@@ -134,8 +143,9 @@ def _seq_bucket(length: int) -> int:
 
 
 def _launch_options(block_m: int, block_n: int, block_d: int, dtype: torch.dtype) -> dict:
-    """Warps and pipeline depth for explicitly given tiles. Float32 IEEE dots run on the FMA units,
-    unrolled per thread: more warps keep each thread's code, and the compile time, smaller."""
+    """Warps and pipeline depth for explicitly given tiles (``block_d``: the wider head-dim tile,
+    :func:`_tile_width`). Float32 IEEE dots run on the FMA units, unrolled per thread: more warps keep each
+    thread's code, and the compile time, smaller."""
     if dtype == torch.float32:
         # About 512 FMAs per thread per dot: 64x64 tiles with head dim 256 compile in seconds, not minutes.
         warps = min(16, max(4, triton.next_power_of_2(block_m * block_n * block_d // (32 * 512))))
@@ -144,8 +154,8 @@ def _launch_options(block_m: int, block_n: int, block_d: int, dtype: torch.dtype
 
 
 # Integer arguments Triton would otherwise compile a variant for by value (divisible by 16, equal to 1):
-# the head dim and the lengths and head counts only bound masks and loops, so one compiled kernel per
-# padded head dim serves them all (31 accepted head dims, 5 padded ones). EVEN_D (head dim = padded
+# the head dims (q/k's and v's) and the lengths and head counts only bound masks and loops, so one compiled
+# kernel per padded head dim serves them all (31 accepted head dims, 5 padded ones). EVEN_D (head dim = padded
 # head dim) keeps the unmasked column loads of the common head dims. The batch and head strides change
 # with every length (Nq * D, Hq * Nq * D): one flag, ALIGNED (every one of them a multiple of 16), tells
 # the kernel what the per-stride specialisation did, so that aligned tiles still load in vectors; the
@@ -153,8 +163,9 @@ def _launch_options(block_m: int, block_n: int, block_d: int, dtype: torch.dtype
 _ALIGNABLE = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb", "stride_vh", "stride_ob", "stride_oh",
               "stride_gb", "stride_gh", "stride_dkb", "stride_dkh", "stride_dvb", "stride_dvh", "stride_dqb",
               "stride_dqh")
-_NOT_SPECIALIZED = ("head_dim", "len_q", "len_k", "heads_q", "heads_kv", "group", "stride_lb", "stride_lh",
-                    "stride_db", "stride_dh", "stride_sb", "window_left", "window_right", "chunk", *_ALIGNABLE)
+_NOT_SPECIALIZED = ("head_dim", "head_dim_v", "len_q", "len_k", "heads_q", "heads_kv", "group", "stride_lb",
+                    "stride_lh", "stride_db", "stride_dh", "stride_sb", "window_left", "window_right", "chunk",
+                    *_ALIGNABLE)
 
 
 def _kernel(fn):
@@ -163,8 +174,24 @@ def _kernel(fn):
     return triton.jit(fn, do_not_specialize=[name for name in _NOT_SPECIALIZED if name in params])
 
 
-def _head_dim_meta(head_dim: int, block_d: int) -> dict:
-    return {"head_dim": head_dim, "BLOCK_D": block_d, "EVEN_D": head_dim == block_d}
+def _head_dim_meta(head_dim: int, head_dim_v: int | None = None) -> dict:
+    """A kernel's head-dim arguments: ``head_dim`` (q's and k's) padded to BLOCK_D (EVEN_D: no padding) and,
+    given, ``head_dim_v`` (v's: v, out, dO, dV, the output accumulator) padded to BLOCK_DV (EVEN_DV), and
+    SAME_DV (Dv = D: :func:`_v_columns`). The Delta kernel, which reads out and dO only, takes v's head dim
+    as its one ``head_dim``."""
+    block_d = _padded_head_dim(head_dim)
+    meta = {"head_dim": head_dim, "BLOCK_D": block_d, "EVEN_D": head_dim == block_d}
+    if head_dim_v is not None:
+        block_dv = _padded_head_dim(head_dim_v)
+        meta.update(head_dim_v=head_dim_v, BLOCK_DV=block_dv, EVEN_DV=head_dim_v == block_dv,
+                    SAME_DV=head_dim_v == head_dim)
+    return meta
+
+
+def _tile_width(meta: dict) -> int:
+    """The wider of a launch's two head-dim tiles (BLOCK_D, BLOCK_DV): what its shared memory, registers
+    and per-thread work grow with, so what its tile class and warps are chosen by (BLOCK_D when Dv = D)."""
+    return max(meta["BLOCK_D"], meta["BLOCK_DV"])
 
 
 def _aligned(*tensors) -> bool:
@@ -203,9 +230,12 @@ _DESC_REDUCE = tl.constexpr(not INTERPRET)
 
 def _use_tma(call: "_Call", head_dim: int, block_d: int, *tensors) -> bool:
     """Descriptors for a call's unmasked tiles: dense float16/bfloat16 rows (``tensors`` readable through
-    them), head dim a power of two up to 128, Hopper or later."""
+    them), head dim a power of two up to 128, v's head dim the same, Hopper or later. A value head dim of
+    its own keeps pointer loads: the descriptors' tiles are sized per operand (:func:`_set_tiles`), but the
+    descriptor path and its choices (MASKED_TMA by the head dim) have been timed and checked on Hopper with
+    one head dim only."""
     return (_split_stages(call.q.dtype) and not call.varlen and head_dim == block_d <= 128
-            and _tma_capable(call.q.device) and _tma_rows(*tensors))
+            and call.v.shape[3] == head_dim and _tma_capable(call.q.device) and _tma_rows(*tensors))
 
 
 def _descriptors(tensors, tma: bool) -> tuple:
@@ -216,19 +246,21 @@ def _descriptors(tensors, tma: bool) -> tuple:
     return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, t.shape[3]]) for t in tensors)
 
 
-# Descriptor arguments and the tile dimension each one's tiles span: KV rows, or Q rows.
-_DESCRIPTOR_TILES = {"DescK": "BLOCK_N", "DescV": "BLOCK_N", "DescQ": "BLOCK_M", "DescDO": "BLOCK_M",
-                     "DescDQ": "BLOCK_M"}
+# Descriptor arguments and the tile dimensions each one's tiles span: KV rows or Q rows, and q/k's head-dim
+# tile or v's (V and dO).
+_DESCRIPTOR_TILES = {"DescK": ("BLOCK_N", "BLOCK_D"), "DescV": ("BLOCK_N", "BLOCK_DV"),
+                     "DescQ": ("BLOCK_M", "BLOCK_D"), "DescDO": ("BLOCK_M", "BLOCK_DV"),
+                     "DescDQ": ("BLOCK_M", "BLOCK_D")}
 
 
 def _set_tiles(nargs: dict) -> None:
     """Give a launch's descriptors (``nargs``: the kernel's arguments by name, tile sizes included) the
-    ``[1, 1, rows, BLOCK_D]`` tile of its configuration: an autotuning configuration's pre-hook, and
+    ``[1, 1, rows, columns]`` tile of its configuration: an autotuning configuration's pre-hook, and
     called before a launch with fixed tiles."""
-    for name, rows in _DESCRIPTOR_TILES.items():
+    for name, (rows, columns) in _DESCRIPTOR_TILES.items():
         desc = nargs.get(name)
         if isinstance(desc, TensorDescriptor):
-            desc.block_shape = [1, 1, nargs[rows], nargs["BLOCK_D"]]
+            desc.block_shape = [1, 1, nargs[rows], nargs[columns]]
 
 
 def _check_blocks(block_m, block_n, *, kernel: str) -> tuple[int | None, int | None]:
@@ -249,8 +281,9 @@ def _fixed_blocks(block_m, block_n) -> tuple[int, int] | None:
 
 def _check_inputs(q, k, v, *, kernel: str, scale, block_m, block_n) -> float:
     _check_blocks(block_m, block_n, kernel=kernel)
+    # v may have a head dim of its own (module docstring); the default scale is 1/sqrt(q's head dim)
     scale = _validate.check_attention_inputs(q, k, v, kernel=kernel, dtypes=DTYPES, devices=DEVICES,
-                                             gqa=True, head_dims=HEAD_DIMS, scale=scale)
+                                             gqa=True, head_dims=HEAD_DIMS, scale=scale, head_dim_v=True)
     return scale
 
 
@@ -271,7 +304,8 @@ _BWD_TILES = {
 
 
 def _tile_class(block_d: int, dtype: torch.dtype) -> str:
-    """float16/bfloat16 ("half") or float32, with padded head dim up to 128 or above ("wide")."""
+    """float16/bfloat16 ("half") or float32, with padded head dim (the wider of q/k's and v's:
+    :func:`_tile_width`) up to 128 or above ("wide")."""
     return ("fp32" if dtype == torch.float32 else "half") + ("_wide" if block_d > 128 else "")
 
 
@@ -286,7 +320,7 @@ def _pruner(table: dict):
     and the element size; float32 IEEE dots compile to long FMA sequences, so they get one config)."""
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
-        wanted = set(table[_tile_class(args["BLOCK_D"], args["Q"].dtype)])
+        wanted = set(table[_tile_class(_tile_width(args), args["Q"].dtype)])
         return [c for c in configs
                 if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
     return prune
@@ -294,7 +328,8 @@ def _pruner(table: dict):
 
 def _bwd_tiles(block_m: int, block_n: int, block_d: int, dtype: torch.dtype):
     """Tiles of the (dK/dV, dQ) kernels for given block sizes. The backward holds more tiles at once
-    than the forward, so with a padded head dim of 256 it caps them to fit shared memory: at 64 for
+    than the forward, so with a padded head dim of 256 (``block_d``, the wider of q/k's and v's:
+    :func:`_tile_width`) it caps them to fit shared memory: at 64 for
     float16/bfloat16, and for float32 the inner tile of each kernel (dK/dV: Q rows, dQ: KV rows) at 32
     and the outer one at 64. The gradients are the same sums; only their order changes."""
     tile_class = _tile_class(block_d, dtype)
@@ -333,6 +368,16 @@ def _hint16(stride, ALIGNED: tl.constexpr):
     if ALIGNED:
         stride = (stride // 16) * 16
     return stride
+
+
+@triton.jit
+def _v_columns(head_dim, head_dim_v, SAME_DV: tl.constexpr):
+    """The bound of v's columns (v, out, dO, dV): with Dv = D (SAME_DV) q's and k's ``head_dim`` itself, so
+    that v's column masks are theirs and the kernel compiles exactly as for one head dim (a second runtime
+    bound, equal but not known to be, makes second masks, which take registers of their own)."""
+    if SAME_DV:
+        head_dim_v = head_dim
+    return head_dim_v
 
 
 @triton.jit
@@ -407,9 +452,10 @@ def _modified(qk, sm_scale, softcap, slope, q_idx, k_idx, causal_offset,
 
 @triton.jit
 def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, tma_b, tma_h, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                    lo, hi, kv_end, causal_offset, qk_scale, sm_scale, softcap, slope,
+                    offs_dv, lo, hi, kv_end, causal_offset, qk_scale, sm_scale, softcap, slope,
                     window_left, window_right, chunk, len_q,
-                    head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    head_dim, head_dim_v, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    EVEN_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, MASKED: tl.constexpr, INNER_SCALED: tl.constexpr,
                     WINDOW: tl.constexpr, CHUNK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                     NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr, TMA: tl.constexpr):
@@ -421,7 +467,8 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, tma_b, tma_h, stride
     MASKED: keys at or past ``kv_end`` are loaded as 0 and their scores (and those of keys a row may not
     see: CAUSAL, WINDOW, CHUNK) are set to -inf; otherwise every key in [lo, hi) is visible to every row.
     TMA (unmasked blocks only): K and V tiles come through the ``[B, Hkv, Nk, D]`` tensor descriptors
-    ``desc_k``, ``desc_v``, at batch ``tma_b`` and KV head ``tma_h``.
+    ``desc_k``, ``desc_v``, at batch ``tma_b`` and KV head ``tma_h``. ``V`` points at v's columns
+    ``offs_dv`` (``head_dim_v`` of them; BLOCK_DV wide, as ``acc``), ``K`` at k's ``offs_d``.
     """
     sign = tl.where(qk_scale < 0, -1.0, 1.0)
     c_abs = qk_scale * sign
@@ -430,10 +477,11 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, tma_b, tma_h, stride
         cols = start_n + offs_n
         if TMA:
             k = desc_k.load([tma_b, tma_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-            v = desc_v.load([tma_b, tma_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = desc_v.load([tma_b, tma_h, start_n, 0]).reshape(BLOCK_N, BLOCK_DV)
         else:
             k = _load_rows(K + cols[:, None] * stride_kn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
-            v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
+            v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_dv, head_dim_v, BLOCK_DV, EVEN_DV,
+                           MASKED)
         if NATURAL:  # -- the modified scores s' in natural units
             qk, _ = _modified(tl.dot(q, tl.trans(k), input_precision="ieee"), sm_scale, softcap, slope,
                               offs_m[:, None], cols[None, :], causal_offset, SOFTCAP, ALIBI, LIBDEVICE)
@@ -510,11 +558,13 @@ def _attn_fwd(Q, K, V, Out, Lse, DescK, DescV, qk_scale, sm_scale, Slopes, Sinks
               stride_ob, stride_oh, stride_om, stride_od,
               stride_lb, stride_lh, stride_lm, stride_sb,
               heads_q, group, len_q, len_k, seq_bucket, window_left, window_right, chunk, softcap,
-              head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
+              head_dim, head_dim_v, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              EVEN_DV: tl.constexpr, SAME_DV: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
               INNER_SCALED: tl.constexpr, ALIGNED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, VARLEN: tl.constexpr,
               NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr):
+    head_dim_v = _v_columns(head_dim, head_dim_v, SAME_DV)
     stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
     stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
     stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
@@ -540,14 +590,16 @@ def _attn_fwd(Q, K, V, Out, Lse, DescK, DescV, qk_scale, sm_scale, Slopes, Sinks
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)  # v's columns: those of acc and out
         q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
                        + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                        offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
         if not NATURAL:  # raw units: q times sign(scale) (exact), so that the loop's largest q.k is the max
             q = (q * tl.where(qk_scale < 0, -1.0, 1.0)).to(Q.dtype.element_ty)
-        # [1, BLOCK_D] pointers to the head-dim columns of this (batch, kv head); the loop adds the key rows.
+        # [1, BLOCK_D] (v: [1, BLOCK_DV]) pointers to the head-dim columns of this (batch, kv head); the loop
+        # adds the key rows.
         K_cols = K + off_b * stride_kb + off_hkv * stride_kh + k_start * stride_kn + offs_d[None, :] * stride_kd
-        V_cols = V + off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn + offs_d[None, :] * stride_vd
+        V_cols = V + off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn + offs_dv[None, :] * stride_vd
         slope = 0.0
         if ALIBI:
             slope = tl.load(Slopes + off_b * stride_sb + off_h).to(tl.float32)
@@ -558,7 +610,7 @@ def _attn_fwd(Q, K, V, Out, Lse, DescK, DescV, qk_scale, sm_scale, Slopes, Sinks
         else:
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
         # KV range: [lo, kv_end) is what some row of this block sees; [0, full_end) what every row sees.
         causal_offset = len_k - len_q
@@ -570,9 +622,10 @@ def _attn_fwd(Q, K, V, Out, Lse, DescK, DescV, qk_scale, sm_scale, Slopes, Sinks
             full_end = (full_end // BLOCK_N) * BLOCK_N
             acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K_cols, V_cols, DescK, DescV, off_b.to(tl.int32),
                                             off_hkv.to(tl.int32), stride_kn, stride_vn,
-                                            offs_m, offs_n, offs_d, 0, full_end, kv_end, causal_offset, qk_scale,
-                                            sm_scale, softcap, slope, window_left, window_right, chunk, len_q,
-                                            head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, False, INNER_SCALED,
+                                            offs_m, offs_n, offs_d, offs_dv, 0, full_end, kv_end, causal_offset,
+                                            qk_scale, sm_scale, softcap, slope, window_left, window_right, chunk,
+                                            len_q, head_dim, head_dim_v, BLOCK_D, EVEN_D, BLOCK_DV, EVEN_DV, BLOCK_N,
+                                            CAUSAL, False, INNER_SCALED,
                                             WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA)
         else:
             full_end = lo
@@ -580,9 +633,10 @@ def _attn_fwd(Q, K, V, Out, Lse, DescK, DescV, qk_scale, sm_scale, Slopes, Sinks
         # (every block the tile sees if not SPLIT).
         acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, K_cols, V_cols, DescK, DescV, off_b.to(tl.int32),
                                         off_hkv.to(tl.int32), stride_kn, stride_vn,
-                                        offs_m, offs_n, offs_d, full_end, kv_end, kv_end, causal_offset, qk_scale,
-                                        sm_scale, softcap, slope, window_left, window_right, chunk, len_q,
-                                        head_dim, BLOCK_D, EVEN_D, BLOCK_N, CAUSAL, True, INNER_SCALED,
+                                        offs_m, offs_n, offs_d, offs_dv, full_end, kv_end, kv_end, causal_offset,
+                                        qk_scale, sm_scale, softcap, slope, window_left, window_right, chunk, len_q,
+                                        head_dim, head_dim_v, BLOCK_D, EVEN_D, BLOCK_DV, EVEN_DV, BLOCK_N, CAUSAL,
+                                        True, INNER_SCALED,
                                         WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, False)
 
         # Epilogue: rows with no visible key have l = 0, acc = 0: out = 0, lse = -inf (with a sink l = 1 and
@@ -603,8 +657,8 @@ def _attn_fwd(Q, K, V, Out, Lse, DescK, DescV, qk_scale, sm_scale, Slopes, Sinks
             c_abs = tl.where(qk_scale < 0, -qk_scale, qk_scale)
         lse = tl.where(empty, float("-inf"), (m_i * c_abs + tl.log2(l_safe)) * _LN2)
         _store_rows(Out + off_b * stride_ob + off_h * stride_oh + q_start * stride_om
-                    + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-                    out.to(Out.dtype.element_ty), offs_m, len_q, offs_d, head_dim, EVEN_D)
+                    + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+                    out.to(Out.dtype.element_ty), offs_m, len_q, offs_dv, head_dim_v, EVEN_DV)
         tl.store(Lse + off_b * stride_lb + off_h * stride_lh + (q_start + offs_m) * stride_lm, lse,
                  mask=offs_m < len_q)
 
@@ -612,7 +666,7 @@ def _attn_fwd(Q, K, V, Out, Lse, DescK, DescV, qk_scale, sm_scale, Slopes, Sinks
 _VARIANT_KEY = ["WINDOW", "CHUNK", "SOFTCAP", "ALIBI", "SINKS", "VARLEN"]
 _attn_fwd_tuned = triton.autotune(
     configs=_configs(_FWD_TILES),
-    key=["BLOCK_D", "CAUSAL", "INNER_SCALED", "seq_bucket", "TMA", *_VARIANT_KEY],
+    key=["BLOCK_D", "BLOCK_DV", "CAUSAL", "INNER_SCALED", "seq_bucket", "TMA", *_VARIANT_KEY],
     prune_configs_by={"early_config_prune": _pruner(_FWD_TILES)},
 )(_attn_fwd)
 
@@ -630,6 +684,7 @@ def _attn_bwd_delta(Out, DOut, Delta, CuQ, Lse, Rows,
                     head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, ALIGNED: tl.constexpr,
                     VARLEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
     """Delta = rowsum(dO * O) in float32, stored with the LSE's layout ([B, Hq, Nq]; [Hq, total] packed).
+    It reads out and dO only: ``head_dim`` (BLOCK_D, EVEN_D) is v's head dim here.
     ROWS (dense batches; the grid covers the padding rows): also the Gluon dK/dV kernel's rows buffer
     (flashverify_kernels/hopper/backward.py, ``rows_buffer``): LSE * log2(e) at ``Rows``, +inf where LSE is -inf and
     past Nq, and Delta ``stride_rs`` after it, 0 past Nq."""
@@ -666,9 +721,10 @@ def _attn_bwd_delta(Out, DOut, Delta, CuQ, Lse, Rows,
 @triton.jit
 def _attn_bwd_dkdv_block(dk, dv, k, v, start_m, off_h, Q, DO, Lse, Delta, DQ, Slopes, desc_q, desc_do, desc_dq, tma_b,
                          stride_qh, stride_qm, stride_gh, stride_gm, stride_lh, stride_lm, stride_dh, stride_dqh,
-                         stride_dqm, stride_dqd, offs_n, offs_d, len_q, len_k, causal_offset,
+                         stride_dqm, stride_dqd, offs_n, offs_d, offs_dv, len_q, len_k, causal_offset,
                          qk_scale, sm_scale, softcap, window_left, window_right, chunk,
-                         head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         head_dim, head_dim_v, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                         EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                          CAUSAL: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
                          SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, NATURAL: tl.constexpr,
                          LIBDEVICE: tl.constexpr, TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
@@ -680,16 +736,17 @@ def _attn_bwd_dkdv_block(dk, dv, k, v, start_m, off_h, Q, DO, Lse, Delta, DQ, Sl
     MASKED_TMA; rows past Nq read as 0): the Q and dO tiles come through the ``[B, Hq, Nq, D]``
     descriptors ``desc_q``, ``desc_do``, at batch ``tma_b``. ATOMIC_DQ: the
     block's share of dQ, ``scale * dS K``, is added to the float32 rows at ``DQ`` with atomics (the fifth
-    tile product; no dQ kernel then), with TMA as one reduce-add of the tile through ``desc_dq``."""
+    tile product; no dQ kernel then), with TMA as one reduce-add of the tile through ``desc_dq``. ``DO`` points
+    at dO's columns ``offs_dv`` (v's head dim), ``Q`` and ``DQ`` are ``offs_d`` wide."""
     rows = start_m + tl.arange(0, BLOCK_M)
     if TMA:
         q = desc_q.load([tma_b, off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
-        do = desc_do.load([tma_b, off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        do = desc_do.load([tma_b, off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_DV)
     else:
         q = _load_rows(Q + off_h * stride_qh + rows[:, None] * stride_qm, rows, len_q, offs_d, head_dim,
                        BLOCK_D, EVEN_D, MASKED)
-        do = _load_rows(DO + off_h * stride_gh + rows[:, None] * stride_gm, rows, len_q, offs_d, head_dim,
-                        BLOCK_D, EVEN_D, MASKED)
+        do = _load_rows(DO + off_h * stride_gh + rows[:, None] * stride_gm, rows, len_q, offs_dv, head_dim_v,
+                        BLOCK_DV, EVEN_DV, MASKED)
     lse_ptrs = Lse + off_h * stride_lh + rows * stride_lm
     delta_ptrs = Delta + off_h * stride_dh + rows
     if MASKED:
@@ -739,9 +796,10 @@ def _attn_bwd_dkdv_block(dk, dv, k, v, start_m, off_h, Q, DO, Lse, Delta, DQ, Sl
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, Slopes, desc_q, desc_do, desc_dq, tma_b,
                          stride_qh, stride_qm, stride_gh, stride_gm, stride_lh, stride_lm, stride_dh, stride_dqh,
-                         stride_dqm, stride_dqd, off_hkv, group, offs_n, offs_d, lo, hi, len_q, len_k, causal_offset,
-                         qk_scale, sm_scale, softcap, window_left, window_right, chunk,
-                         head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         stride_dqm, stride_dqd, off_hkv, group, offs_n, offs_d, offs_dv, lo, hi, len_q, len_k,
+                         causal_offset, qk_scale, sm_scale, softcap, window_left, window_right, chunk,
+                         head_dim, head_dim_v, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                         EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                          CAUSAL: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
                          SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, NATURAL: tl.constexpr,
                          LIBDEVICE: tl.constexpr, TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, GQA: tl.constexpr):
@@ -762,8 +820,9 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, Slopes, desc_q, de
             dk, dv = _attn_bwd_dkdv_block(dk, dv, k, v, start_m, off_hkv * group + g, Q, DO, Lse, Delta, DQ, Slopes,
                                           desc_q, desc_do, desc_dq, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
                                           stride_lh, stride_lm, stride_dh, stride_dqh, stride_dqm, stride_dqd, offs_n,
-                                          offs_d, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
-                                          window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
+                                          offs_d, offs_dv, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
+                                          window_left, window_right, chunk, head_dim, head_dim_v, BLOCK_D, EVEN_D,
+                                          BLOCK_DV, EVEN_DV, BLOCK_M,
                                           CAUSAL, MASKED, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA,
                                           ATOMIC_DQ)
     else:
@@ -772,8 +831,9 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta, DQ, Slopes, desc_q, de
             dk, dv = _attn_bwd_dkdv_block(dk, dv, k, v, start_m, off_hkv, Q, DO, Lse, Delta, DQ, Slopes,
                                           desc_q, desc_do, desc_dq, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
                                           stride_lh, stride_lm, stride_dh, stride_dqh, stride_dqm, stride_dqd, offs_n,
-                                          offs_d, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
-                                          window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
+                                          offs_d, offs_dv, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
+                                          window_left, window_right, chunk, head_dim, head_dim_v, BLOCK_D, EVEN_D,
+                                          BLOCK_DV, EVEN_DV, BLOCK_M,
                                           CAUSAL, MASKED, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA,
                                           ATOMIC_DQ)
     return dk, dv
@@ -818,11 +878,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, DescQ, DescDO, DescDQ, s
                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                    heads_q, heads_kv, group, len_q, len_k, seq_bucket, window_left, window_right, chunk, softcap,
-                   head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
+                   head_dim, head_dim_v, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   EVEN_DV: tl.constexpr, SAME_DV: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                    ALIGNED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, VARLEN: tl.constexpr, NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr,
                    TMA: tl.constexpr, MASKED_TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, GQA: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    head_dim_v = _v_columns(head_dim, head_dim_v, SAME_DV)
     stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
     stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
     stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
@@ -844,15 +906,16 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, DescQ, DescDO, DescDQ, s
     if start_n < len_k:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)  # v's columns: those of dO and dV
         # The KV tile stays in registers for the whole program; keys past len_k read as 0 (never stored).
         k = _load_rows(K + off_b * stride_kb + off_hkv * stride_kh + k_start * stride_kn
                        + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                        offs_n, len_k, offs_d, head_dim, BLOCK_D, EVEN_D, True)
         v = _load_rows(V + off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn
-                       + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                       offs_n, len_k, offs_d, head_dim, BLOCK_D, EVEN_D, True)
+                       + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                       offs_n, len_k, offs_dv, head_dim_v, BLOCK_DV, EVEN_DV, True)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
         # Q range: rows in [lo, hi) may see the tile; causally, rows >= diag_end see every key of it.
         causal_offset = len_k - len_q
@@ -863,7 +926,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, DescQ, DescDO, DescDQ, s
         # The batch's rows (query head 0); the inner loops step through the group's query heads, each in
         # a fixed order (deterministic, no atomics).
         Qb = Q + off_b * stride_qb + q_start * stride_qm + offs_d[None, :] * stride_qd
-        DOb = DO + off_b * stride_gb + q_start * stride_gm + offs_d[None, :] * stride_gd
+        DOb = DO + off_b * stride_gb + q_start * stride_gm + offs_dv[None, :] * stride_gd
         Lseb = Lse + off_b * stride_lb + q_start * stride_lm
         Deltab = Delta + off_b * stride_db + q_start
         DQb = DQ + off_b * stride_dqb + q_start * stride_dqm
@@ -874,52 +937,53 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, DQ, DescQ, DescDO, DescDQ, s
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb,
                                           DescQ, DescDO, DescDQ, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
                                           stride_lh, stride_lm, stride_dh, stride_dqh, stride_dqm, stride_dqd,
-                                          off_hkv, group, offs_n, offs_d,
+                                          off_hkv, group, offs_n, offs_d, offs_dv,
                                           lo, diag_end, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
-                                          window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
-                                          CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, MASKED_TMA,
-                                          ATOMIC_DQ, GQA)
+                                          window_left, window_right, chunk, head_dim, head_dim_v, BLOCK_D, EVEN_D,
+                                          BLOCK_DV, EVEN_DV, BLOCK_M, CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI,
+                                          NATURAL, LIBDEVICE, MASKED_TMA, ATOMIC_DQ, GQA)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb,
                                           DescQ, DescDO, DescDQ, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
                                           stride_lh, stride_lm, stride_dh, stride_dqh, stride_dqm, stride_dqd,
-                                          off_hkv, group, offs_n, offs_d,
+                                          off_hkv, group, offs_n, offs_d, offs_dv,
                                           diag_end, even_end, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
-                                          window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
-                                          CAUSAL, False, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA,
-                                          ATOMIC_DQ, GQA)
+                                          window_left, window_right, chunk, head_dim, head_dim_v, BLOCK_D, EVEN_D,
+                                          BLOCK_DV, EVEN_DV, BLOCK_M, CAUSAL, False, WINDOW, CHUNK, SOFTCAP, ALIBI,
+                                          NATURAL, LIBDEVICE, TMA, ATOMIC_DQ, GQA)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb,
                                           DescQ, DescDO, DescDQ, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
                                           stride_lh, stride_lm, stride_dh, stride_dqh, stride_dqm, stride_dqd,
-                                          off_hkv, group, offs_n, offs_d,
+                                          off_hkv, group, offs_n, offs_d, offs_dv,
                                           even_end, len_q, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
-                                          window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
-                                          CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, MASKED_TMA,
-                                          ATOMIC_DQ, GQA)
+                                          window_left, window_right, chunk, head_dim, head_dim_v, BLOCK_D, EVEN_D,
+                                          BLOCK_DV, EVEN_DV, BLOCK_M, CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI,
+                                          NATURAL, LIBDEVICE, MASKED_TMA, ATOMIC_DQ, GQA)
         else:
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qb, DOb, Lseb, Deltab, DQb, Slopesb,
                                           DescQ, DescDO, DescDQ, tma_b, stride_qh, stride_qm, stride_gh, stride_gm,
                                           stride_lh, stride_lm, stride_dh, stride_dqh, stride_dqm, stride_dqd,
-                                          off_hkv, group, offs_n, offs_d,
+                                          off_hkv, group, offs_n, offs_d, offs_dv,
                                           lo, hi, len_q, len_k, causal_offset, qk_scale, sm_scale, softcap,
-                                          window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D, BLOCK_M,
-                                          CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, MASKED_TMA,
-                                          ATOMIC_DQ, GQA)
+                                          window_left, window_right, chunk, head_dim, head_dim_v, BLOCK_D, EVEN_D,
+                                          BLOCK_DV, EVEN_DV, BLOCK_M, CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI,
+                                          NATURAL, LIBDEVICE, MASKED_TMA, ATOMIC_DQ, GQA)
 
         dk = dk * sm_scale
         _store_rows(DK + off_b * stride_dkb + off_hkv * stride_dkh + k_start * stride_dkn
                     + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
                     dk.to(DK.dtype.element_ty), offs_n, len_k, offs_d, head_dim, EVEN_D)
         _store_rows(DV + off_b * stride_dvb + off_hkv * stride_dvh + k_start * stride_dvn
-                    + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
-                    dv.to(DV.dtype.element_ty), offs_n, len_k, offs_d, head_dim, EVEN_D)
+                    + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
+                    dv.to(DV.dtype.element_ty), offs_n, len_k, offs_dv, head_dim_v, EVEN_DV)
 
 
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, desc_k, desc_v, tma_b, tma_h, stride_kn, stride_vn, offs_m,
-                       offs_n, offs_d,
+                       offs_n, offs_d, offs_dv,
                        lo, hi, kv_end, len_q, causal_offset, qk_scale, sm_scale, softcap, slope,
                        window_left, window_right, chunk,
-                       head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       head_dim, head_dim_v, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       EVEN_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
                        SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr,
                        TMA: tl.constexpr):
@@ -932,10 +996,11 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, desc_k, desc_v, tma_b, tma_
         cols = start_n + offs_n
         if TMA:
             k = desc_k.load([tma_b, tma_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-            v = desc_v.load([tma_b, tma_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = desc_v.load([tma_b, tma_h, start_n, 0]).reshape(BLOCK_N, BLOCK_DV)
         else:
             k = _load_rows(K + cols[:, None] * stride_kn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
-            v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_d, head_dim, BLOCK_D, EVEN_D, MASKED)
+            v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_dv, head_dim_v, BLOCK_DV, EVEN_DV,
+                           MASKED)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         if NATURAL:
             s, t = _modified(qk, sm_scale, softcap, slope, offs_m[:, None], cols[None, :], causal_offset,
@@ -965,10 +1030,12 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, sm_scale, qk_scale, 
                  stride_lb, stride_lh, stride_lm, stride_db, stride_dh, stride_sb,
                  stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                  heads_q, group, len_q, len_k, seq_bucket, window_left, window_right, chunk, softcap,
-                 head_dim, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
+                 head_dim, head_dim_v, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 EVEN_DV: tl.constexpr, SAME_DV: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                  ALIGNED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, SOFTCAP: tl.constexpr,
                  ALIBI: tl.constexpr, VARLEN: tl.constexpr, NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr,
                  TMA: tl.constexpr, MASKED_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    head_dim_v = _v_columns(head_dim, head_dim_v, SAME_DV)
     stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
     stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
     stride_vb, stride_vh = _hint16(stride_vb, ALIGNED), _hint16(stride_vh, ALIGNED)
@@ -994,12 +1061,13 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, sm_scale, qk_scale, 
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)  # v's columns: those of dO
         q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
                        + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                        offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
         do = _load_rows(DO + off_b * stride_gb + off_h * stride_gh + q_start * stride_gm
-                        + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd,
-                        offs_m, len_q, offs_d, head_dim, BLOCK_D, EVEN_D, True)
+                        + offs_m[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
+                        offs_m, len_q, offs_dv, head_dim_v, BLOCK_DV, EVEN_DV, True)
         lse = tl.load(Lse + off_b * stride_lb + off_h * stride_lh + (q_start + offs_m) * stride_lm,
                       mask=offs_m < len_q, other=float("inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
@@ -1009,7 +1077,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, sm_scale, qk_scale, 
         if ALIBI:
             slope = tl.load(Slopes + off_b * stride_sb + off_h).to(tl.float32)
         K_cols = K + off_b * stride_kb + off_hkv * stride_kh + k_start * stride_kn + offs_d[None, :] * stride_kd
-        V_cols = V + off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn + offs_d[None, :] * stride_vd
+        V_cols = V + off_b * stride_vb + off_hkv * stride_vh + k_start * stride_vn + offs_dv[None, :] * stride_vd
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
         causal_offset = len_k - len_q
@@ -1020,25 +1088,25 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, sm_scale, qk_scale, 
             full_end = (full_end // BLOCK_N) * BLOCK_N
             dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_cols, V_cols, DescK, DescV, off_b.to(tl.int32),
                                     off_hkv.to(tl.int32), stride_kn, stride_vn,
-                                    offs_m, offs_n, offs_d, 0, full_end, kv_end, len_q, causal_offset, qk_scale,
-                                    sm_scale, softcap, slope, window_left, window_right, chunk, head_dim, BLOCK_D,
-                                    EVEN_D, BLOCK_N, CAUSAL, False, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE,
-                                    TMA)
+                                    offs_m, offs_n, offs_d, offs_dv, 0, full_end, kv_end, len_q, causal_offset,
+                                    qk_scale, sm_scale, softcap, slope, window_left, window_right, chunk, head_dim,
+                                    head_dim_v, BLOCK_D, EVEN_D, BLOCK_DV, EVEN_DV, BLOCK_N, CAUSAL, False, WINDOW,
+                                    CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE, TMA)
         else:
             full_end = lo
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_cols, V_cols, DescK, DescV, off_b.to(tl.int32),
                                 off_hkv.to(tl.int32), stride_kn, stride_vn,
-                                offs_m, offs_n, offs_d, full_end, kv_end, kv_end, len_q, causal_offset, qk_scale,
-                                sm_scale, softcap, slope, window_left, window_right, chunk, head_dim, BLOCK_D, EVEN_D,
-                                BLOCK_N, CAUSAL, True, WINDOW, CHUNK, SOFTCAP, ALIBI, NATURAL, LIBDEVICE,
-                                MASKED_TMA)
+                                offs_m, offs_n, offs_d, offs_dv, full_end, kv_end, kv_end, len_q, causal_offset,
+                                qk_scale, sm_scale, softcap, slope, window_left, window_right, chunk, head_dim,
+                                head_dim_v, BLOCK_D, EVEN_D, BLOCK_DV, EVEN_DV, BLOCK_N, CAUSAL, True, WINDOW, CHUNK,
+                                SOFTCAP, ALIBI, NATURAL, LIBDEVICE, MASKED_TMA)
         dq = dq * sm_scale
         _store_rows(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm
                     + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
                     dq.to(DQ.dtype.element_ty), offs_m, len_q, offs_d, head_dim, EVEN_D)
 
 
-_bwd_key = ["BLOCK_D", "CAUSAL", "seq_bucket", "TMA", "WINDOW", "CHUNK", "SOFTCAP", "ALIBI", "VARLEN"]
+_bwd_key = ["BLOCK_D", "BLOCK_DV", "CAUSAL", "seq_bucket", "TMA", "WINDOW", "CHUNK", "SOFTCAP", "ALIBI", "VARLEN"]
 # ATOMIC_DQ adds into DQ: each configuration timed while autotuning starts from zeros, and so does the real run.
 _attn_bwd_dkdv_tuned = triton.autotune(configs=_configs(_BWD_TILES), key=[*_bwd_key, "ATOMIC_DQ", "GQA"],
                                        prune_configs_by={"early_config_prune": _pruner(_BWD_TILES)},
@@ -1066,7 +1134,9 @@ def _signature(kernel, args: tuple, meta: dict) -> tuple:
 
 def _run(kernel, tuned, grid_of, args: tuple, meta: dict, blocks, block_d: int, dtype, *, name: str):
     """Launch ``kernel`` with fixed tiles, or ``tuned`` (its autotuned twin) when ``blocks`` is None: the
-    first launch of a signature through the autotuner, the next ones with its choice (``_CHOSEN``)."""
+    first launch of a signature through the autotuner, the next ones with its choice (``_CHOSEN``).
+    ``block_d``: the launch's wider head-dim tile (:func:`_tile_width`), which fixed tiles' warps and
+    stages follow."""
     if blocks is None:
         signature = _signature(kernel, args, meta)
         config = _CHOSEN.get(signature)
@@ -1090,7 +1160,7 @@ def _run(kernel, tuned, grid_of, args: tuple, meta: dict, blocks, block_d: int, 
     except triton.runtime.errors.OutOfResources as exc:
         if options["num_stages"] == 1:
             raise ValueError(f"{name}: block_m={block_m}, block_n={block_n} do not fit this GPU for "
-                             f"head_dim padded to {block_d} and {dtype}: {exc}") from exc
+                             f"head dims padded to {block_d} at most and {dtype}: {exc}") from exc
         replay.launch(kernel, grid, *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
                       num_warps=options["num_warps"], num_stages=1)
 
@@ -1099,9 +1169,9 @@ def _outputs(q, k, v, out, lse, *, kernel: str):
     """The ``(out, lse)`` tensors the forward writes: the caller's buffers where given (validated; the
     kernel writes through their strides, so any strided view works), else new contiguous ones."""
     _validate.check_out_buffers(q, k, v, out, lse, kernel=kernel, lse_dtypes=(torch.float32,))
-    b, hq, len_q, d = q.shape
-    if out is None:
-        out = replay.empty((b, hq, len_q, d), dtype=q.dtype, device=q.device)
+    b, hq, len_q, _ = q.shape
+    if out is None:  # [B, Hq, Nq, Dv]: v's head dim
+        out = replay.empty((b, hq, len_q, v.shape[3]), dtype=q.dtype, device=q.device)
     if lse is None:
         lse = replay.empty((b, hq, len_q), dtype=torch.float32, device=q.device)
     return out, lse
@@ -1121,8 +1191,9 @@ class _Call:
         if self.varlen:
             for label, t in (("q", q), ("k", k), ("v", v)):
                 if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                    raise ValueError(f"{kernel}: packed sequences take q [total_q, Hq, D] and k, v [total_k, Hkv, "
-                                     f"D]; {label} is {tuple(t.shape) if isinstance(t, torch.Tensor) else t!r}")
+                    raise ValueError(f"{kernel}: packed sequences take q [total_q, Hq, D], k [total_k, Hkv, D] and "
+                                     f"v [total_k, Hkv, Dv]; {label} is "
+                                     f"{tuple(t.shape) if isinstance(t, torch.Tensor) else t!r}")
             q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))
         else:
             q4, k4, v4 = q, k, v
@@ -1197,6 +1268,12 @@ def _gluon_plan(call: _Call, head_dim: int, tensors, *, inner_scaled: bool, fixe
     or a ValueError naming what rules the call out."""
     if gluon is False:
         return False
+    if call.v.shape[3] != head_dim:  # the Gluon kernels tile q, k and v alike: one head dim
+        if gluon:
+            raise ValueError(f"{call.kernel}: gluon=True, but v's head dim {call.v.shape[3]} differs from q's and "
+                             f"k's {head_dim}: the Gluon kernels take one head dim; only the Triton kernels "
+                             "(gluon=None or False) take a value head dim of its own")
+        return False
     variant = any(call.flags[name] for name in _VARIANT_KEY if name != "SINKS") or call.sinks is not None
     common = dict(device=call.q.device, dtype=call.q.dtype, head_dim=head_dim, scale=call.scale, variant=variant,
                   inner_scaled=inner_scaled)
@@ -1246,7 +1323,7 @@ def _plan_key(name: str, tensors: tuple, settings: tuple, variant: dict) -> tupl
 def _forward(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scaled: bool, kernel: str,
              out=None, lse=None, sinks=None, gluon: bool | None = None, **variant):
     """Shared launcher of the FA1 and FA2 forward kernels: returns ``(out, lse)``, no autograd (``[total_q,
-    Hq, D]`` and ``[Hq, total_q]`` for packed sequences). ``out``/``lse`` given (dense only): the kernel
+    Hq, Dv]`` and ``[Hq, total_q]`` for packed sequences). ``out``/``lse`` given (dense only): the kernel
     writes into them and they are returned. ``gluon``: see :func:`_gluon_plan`. A plain call replays the
     launch plan of its signature where one was recorded (:mod:`flashverify_kernels.triton.replay`)."""
     tensors = (q, k, v)
@@ -1269,11 +1346,12 @@ def _forward_full(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scale
     if call.varlen:
         if out is not None or lse is not None:
             raise ValueError(f"{kernel}: out=/lse= buffers are taken for a dense batch only, not with cu_seqlens")
-        out4 = torch.empty_like(q, memory_format=torch.contiguous_format).transpose(0, 1)[None]
+        # [total_q, Hq, Dv] (v's head dim), as [1, Hq, total_q, Dv]
+        out4 = q.new_empty((*q.shape[:2], v.shape[2])).transpose(0, 1)[None]
         lse4 = call.rows_buffer()
     else:
         out4, lse4 = _outputs(q, k, v, out, lse, kernel=kernel)
-    hq, hkv, d = q4.shape[1], k4.shape[1], q4.shape[3]
+    hq, hkv, d, d_v = q4.shape[1], k4.shape[1], q4.shape[3], v4.shape[3]
     flags = call.flags
     work = call.batch * hq * call.max_q > 0
     gluon_plan = work and _gluon_plan(call, d, (call.q, call.k, call.v, out4), inner_scaled=inner_scaled,
@@ -1282,21 +1360,20 @@ def _forward_full(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scale
         # Hopper: the warp-specialized Gluon forward (flashverify_kernels/hopper/forward.py), same numerics.
         gluon_forward.forward(q4, k4, v4, out4, lse4, causal=causal, scale=call.scale)
     elif work:
-        block_d = _padded_head_dim(d)
+        dims = _head_dim_meta(d, d_v)
         # Descriptors (TMA) for the unmasked KV tiles: dense float16/bfloat16 rows, head dim a power of two
-        # up to 128, Hopper or later.
-        tma = _use_tma(call, d, block_d, k4, v4)
+        # up to 128 (v's the same), Hopper or later.
+        tma = _use_tma(call, d, dims["BLOCK_D"], k4, v4)
         args = (q4, k4, v4, out4, lse4, *_descriptors((k4, v4), tma), call.scale * LOG2E, call.scale,
                 *call.pointers(q4),
                 *call.batch_strides(q4), *call.batch_strides(k4), *call.batch_strides(v4), *call.batch_strides(out4),
                 *call.batch_strides(lse4), call.stride_sb,
                 hq, hq // hkv, q4.shape[2], k4.shape[2], call.seq_bucket(), *call.scalars)
-        meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype),
-                "INNER_SCALED": inner_scaled, "ALIGNED": _aligned(q4, k4, v4, out4), **flags,
-                "SINKS": call.sinks is not None, "TMA": tma,
+        meta = {**dims, "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), "INNER_SCALED": inner_scaled,
+                "ALIGNED": _aligned(q4, k4, v4, out4), **flags, "SINKS": call.sinks is not None, "TMA": tma,
                 "NATURAL": flags["SOFTCAP"] or flags["ALIBI"] or call.sinks is not None}
         _run(_attn_fwd, _attn_fwd_tuned, lambda bm, bn: (triton.cdiv(call.max_q, bm), call.batch * hq), args, meta,
-             _fixed_blocks(block_m, block_n), block_d, q.dtype, name=kernel)
+             _fixed_blocks(block_m, block_n), _tile_width(dims), q.dtype, name=kernel)
     if call.varlen:
         return out4[0].transpose(0, 1), lse4[0]
     return out4, lse4
@@ -1326,7 +1403,8 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     LSE's layout), and with ``sinks`` their gradient ``dsinks`` fifth (``-sum_{b, i} P_sink Delta``, a
     fixed-order torch sum).
 
-    ``dk`` and ``dv`` have ``k``'s shape (summed over the query heads of each group). Deterministic:
+    ``out`` and ``dout`` have v's head dim ``Dv`` (``[B, Hq, Nq, Dv]``), over which Delta sums; ``dq`` has
+    ``q``'s shape, ``dk`` ``k``'s and ``dv`` ``v``'s (summed over the query heads of each group). Deterministic:
     every sum runs in a fixed order (no atomics, or adds in an order the programs wait for).
     ``deterministic=False``: no dQ kernel; the dK/dV kernel also adds each tile's share of dQ to a float32
     buffer with atomics (5 tile products per (Q, KV) tile pair instead of 7), so dQ's last bits depend on
@@ -1370,12 +1448,13 @@ def _backward_full(q, k, v, out, lse, dout, *, causal: bool, scale, block_m, blo
         _validate.check_backward_inputs(q, k, v, out, lse, dout, kernel=kernel)
     if lse4.dtype != torch.float32:
         raise ValueError(f"{kernel}: lse.dtype={_validate.dtype_name(lse4.dtype)}, but should be float32")
-    hq, hkv, d = q4.shape[1], k4.shape[1], q4.shape[3]
+    hq, hkv, d, d_v = q4.shape[1], k4.shape[1], q4.shape[3], v4.shape[3]
     group = hq // hkv
-    block_d = _padded_head_dim(d)
+    dims = _head_dim_meta(d, d_v)
+    block_d, width = dims["BLOCK_D"], _tile_width(dims)
     bucket = call.seq_bucket()
     blocks = _fixed_blocks(block_m, block_n)
-    dkdv_blocks, dq_blocks = (None, None) if blocks is None else _bwd_tiles(*blocks, block_d, q.dtype)
+    dkdv_blocks, dq_blocks = (None, None) if blocks is None else _bwd_tiles(*blocks, width, q.dtype)
     dq, dk, dv = (replay.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dq4, dk4, dv4 = (t.transpose(0, 1)[None] for t in (dq, dk, dv)) if call.varlen else (dq, dk, dv)
     delta = call.rows_buffer()
@@ -1389,12 +1468,14 @@ def _backward_full(q, k, v, out, lse, dout, *, causal: bool, scale, block_m, blo
         call, d, (q4, k4, v4, dout4), inner_scaled=False, fixed=blocks is not None, gluon=gluon, backward=True)
     rows = gluon_backward.rows_buffer(lse4) if gluon_dkdv else None
     if call.batch * hq * call.max_q > 0:
-        delta_block = 32 if INTERPRET or block_d > 128 else 64
+        # out and dO, the Delta kernel's only tiles, are v's head dim wide
+        delta_dims = _head_dim_meta(d_v)
+        delta_block = 32 if INTERPRET or delta_dims["BLOCK_D"] > 128 else 64
         rows_args = (lse4, rows, *lse4.stride(), *rows.stride()[:3]) if gluon_dkdv else (delta, delta, *[0] * 6)
         replay.launch(
             _attn_bwd_delta, (triton.cdiv(rows.shape[3] if gluon_dkdv else call.max_q, delta_block), call.batch * hq),
             out4, dout4, delta, call.cu_q, *rows_args[:2], *call.batch_strides(out4), *call.batch_strides(dout4),
-            *stride_delta[:2], *rows_args[2:], hq, q4.shape[2], **_head_dim_meta(d, block_d),
+            *stride_delta[:2], *rows_args[2:], hq, q4.shape[2], **delta_dims,
             ALIGNED=_aligned(out4, dout4), VARLEN=call.varlen, ROWS=gluon_dkdv, BLOCK_M=delta_block)
     common = (call.scale, call.scale * LOG2E, pointers[0], pointers[2], pointers[3],
               *call.batch_strides(q4), *call.batch_strides(k4), *call.batch_strides(v4), *call.batch_strides(dout4),
@@ -1403,7 +1484,7 @@ def _backward_full(q, k, v, out, lse, dout, *, causal: bool, scale, block_m, blo
     # 128 for the masked ones too (MASKED_TMA: rows past the end read as 0, as masked pointer loads read
     # them); at 64 the masked pointer loads are the faster.
     tma = _use_tma(call, d, block_d, q4, k4, v4, dout4)
-    meta = {**_head_dim_meta(d, block_d), "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), "TMA": tma,
+    meta = {**dims, "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), "TMA": tma,
             "MASKED_TMA": tma and block_d == 128, **variant_meta}
     # deterministic at head dim 128 on Hopper: dQ added by the Gluon dK/dV kernel too, in a fixed order (fixed
     # tiles, which only gluon=True takes here, are the dQ kernel's: none runs)
@@ -1423,7 +1504,7 @@ def _backward_full(q, k, v, out, lse, dout, *, causal: bool, scale, block_m, blo
               *common, *call.batch_strides(dk4),
               *call.batch_strides(dv4), *(call.batch_strides(dq_arg) if atomic else (0, 0, 0, 0)), hq, hkv, group,
               q4.shape[2], k4.shape[2], bucket, *call.scalars),
-             {**meta, "ATOMIC_DQ": atomic, "GQA": group > 1}, dkdv_blocks, block_d, q.dtype, name=kernel)
+             {**meta, "ATOMIC_DQ": atomic, "GQA": group > 1}, dkdv_blocks, width, q.dtype, name=kernel)
     if atomic:
         replay.copy(dq4, dq_sum)
     elif call.batch * hq * call.max_q > 0:
@@ -1432,7 +1513,7 @@ def _backward_full(q, k, v, out, lse, dout, *, causal: bool, scale, block_m, blo
              (q4, k4, v4, dout4, lse4, delta, dq4, *_descriptors((k4, v4), tma), *common, *call.batch_strides(dq4),
               hq, group, q4.shape[2],
               k4.shape[2], bucket, *call.scalars),
-             meta, dq_blocks, block_d, q.dtype, name=kernel)
+             meta, dq_blocks, width, q.dtype, name=kernel)
     delta = delta[0] if call.varlen else delta
     if call.sinks is None:
         return dq, dk, dv, delta
@@ -1475,20 +1556,22 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
                 deterministic: bool = True, gluon: bool | None = None):
     """Triton FlashAttention-2 forward: ``(out, lse)``; gradients flow through ``out`` (and to ``sinks``).
 
-    ``q`` is ``[B, Hq, Nq, D]``, ``k`` and ``v`` ``[B, Hkv, Nk, D]`` (``Hq % Hkv == 0``), any strides;
-    float16, bfloat16 or float32; ``D`` in 16..256, a multiple of 8. ``causal`` is bottom-right aligned;
-    ``scale=None`` means ``1/sqrt(D)``. ``block_m``/``block_n`` (powers of two >= 16) fix the tiles;
-    both ``None`` autotunes them on the GPU. ``out=`` (q's shape and dtype) and ``lse=`` (``[B, Hq, Nq]``
-    float32), views with any strides, receive the results and are returned (``out_buffers`` in
-    :class:`flashverify_kernels.registry.Implementation`); gradients still flow to q, k, v through the returned out.
+    ``q`` is ``[B, Hq, Nq, D]``, ``k`` ``[B, Hkv, Nk, D]`` and ``v`` ``[B, Hkv, Nk, Dv]`` (``Hq % Hkv ==
+    0``), any strides; float16, bfloat16 or float32; ``D`` and ``Dv`` in 16..256, multiples of 8 (``Dv`` may
+    differ from ``D``, as multi-head latent attention's 192/128; ``out`` is then ``[B, Hq, Nq, Dv]``).
+    ``causal`` is bottom-right aligned; ``scale=None`` means ``1/sqrt(D)``, whatever ``Dv`` is.
+    ``block_m``/``block_n`` (powers of two >= 16) fix the tiles; both ``None`` autotunes them on the GPU.
+    ``out=`` (``[B, Hq, Nq, Dv]``, q's dtype) and ``lse=`` (``[B, Hq, Nq]`` float32), views with any strides,
+    receive the results and are returned (``out_buffers`` in :class:`flashverify_kernels.registry.Implementation`);
+    gradients still flow to q, k, v through the returned out.
 
     Variants (flash_attn's keywords): ``window_size=(left, right)`` (-1 unbounded), ``attention_chunk``,
     ``softcap`` (0.0: none), ``alibi_slopes`` (float32 ``[Hq]`` or ``[B, Hq]``), ``sinks`` (``[Hq]``
-    logits, float32) and packed variable-length sequences: ``q [total_q, Hq, D]``, ``k``, ``v [total_k,
-    Hkv, D]`` with ``cu_seqlens_q``, ``cu_seqlens_k`` (int32) and ``max_seqlen_q``, ``max_seqlen_k``,
-    returning ``out [total_q, Hq, D]`` and ``lse [Hq, total_q]``. ``deterministic=False``: the backward adds
-    dQ with atomics (see :func:`fa2_backward`): fewer tile products and no dQ kernel, but dQ not bitwise
-    reproducible.
+    logits, float32) and packed variable-length sequences: ``q [total_q, Hq, D]``, ``k [total_k, Hkv, D]``,
+    ``v [total_k, Hkv, Dv]`` with ``cu_seqlens_q``, ``cu_seqlens_k`` (int32) and ``max_seqlen_q``,
+    ``max_seqlen_k``, returning ``out [total_q, Hq, Dv]`` and ``lse [Hq, total_q]``. ``deterministic=False``:
+    the backward adds dQ with atomics (see :func:`fa2_backward`): fewer tile products and no dQ kernel, but dQ
+    not bitwise reproducible.
 
     On Hopper (compute capability 9.0) the forward of a plain call (no variant keyword; float16/bfloat16;
     head dim 64 or 128; ``scale > 0``; tiles not fixed) runs the warp-specialized Gluon kernel of
@@ -1496,8 +1579,9 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     :mod:`flashverify_kernels.hopper.backward` (the Delta kernel, and in the deterministic backward the dQ kernel,
     stay Triton ones): same numerics.
     ``gluon=False`` keeps the Triton kernels; ``gluon=True`` requires the Gluon ones (a ValueError names
-    what rules the call out; ``block_m``/``block_n`` then fix the dQ kernel's tiles only; inputs no
-    descriptor reads are copied contiguous first).
+    what rules the call out, a value head dim of its own among them: the Gluon kernels take ``Dv = D``
+    only; ``block_m``/``block_n`` then fix the dQ kernel's tiles only; inputs no descriptor reads are
+    copied contiguous first).
 
     A plain call (no variant keyword, no sinks, no ``out``/``lse`` buffers) whose tensors have the shapes,
     strides, dtypes and alignment of an earlier call, with the same other arguments, replays the launches
