@@ -130,10 +130,10 @@ def summary(report_dir: str | Path) -> dict:
     (only judged when the run wrote coverage records at all)."""
     records = read_coverage(report_dir)
     return {"by_property": by_property(records),
-            "required_missing": missing(records, allowed=_allowed(report_dir)) if records else []}
+            "required_missing": missing(records, allowed=allowed(report_dir)) if records else []}
 
 
-def _allowed(report_dir: str | Path) -> set[str] | None:
+def allowed(report_dir: str | Path) -> set[str] | None:
     """The classes some implementation of the run allows, from the run headers (None when no header says)."""
     impls = [i for run in read_runs(report_dir) for i in run.get("implementations") or [] if isinstance(i, dict)]
     if not impls or any("allowed_classes" not in i for i in impls):

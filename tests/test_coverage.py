@@ -78,7 +78,10 @@ def test_a_ci_run_reaches_every_required_class_and_draws_distinct_cases(tmp_path
     # reached by construction, not by luck of a long run.
     report = _run_ci(tmp_path, "--impl", "fa2_blocked", "-k", "float32")
     records = coverage.read_coverage(report)
-    assert coverage.missing(records) == []
+    # Owed is what the declaration and the profile allow: all the required classes but multi-head latent
+    # attention's 192/128, which needs head dim 192 (the cpu profiles stop at 136; a GPU run owes it).
+    assert set(coverage.REQUIRED) - coverage.allowed(report) == {"head_dim_v_mla"}
+    assert coverage.missing(records, allowed=coverage.allowed(report)) == []
     # Distinct seeds: the properties of one kernel and dtype measure mostly different cases.
     rows = [json.loads(line) for path in report.glob("measurements-*.jsonl") for line in path.open()]
     per_prop = {}
