@@ -2,8 +2,8 @@
 
 A verdict of the suite is sound only if no correct kernel fails it, whatever legitimate algorithm it runs;
 ``tests/test_zoo.py`` runs every kernel here through ``pytest verify`` and fails on any failure. Each is
-small, written to the contract (dense ``[B, H, N, D]``, grouped-query attention, bottom-right causal masks,
-tunable ``block_m``/``block_n``, an FA2 backward exposing Delta), and none is registered by default: name
+small, written to the contract (dense ``[B, H, N, D]``, grouped-query attention, a value head dim of its own,
+bottom-right causal masks, tunable ``block_m``/``block_n``, an FA2 backward exposing Delta), and none is registered by default: name
 one with ``--impl tests.zoo:NAME``.
 
 ========================  =====================================================================================
@@ -47,8 +47,8 @@ from tests.zoo.common import BLOCKS, fa2_backward, with_autograd
 def _zoo(name: str, forward, description: str, backward=fa2_backward, **fields) -> Implementation:
     # max_tiles: the tile loops run in Python, a few launches a tile (as flashverify_kernels/pytorch/blocked.py's).
     return Implementation(name=f"zoo_{name}", forward=with_autograd(forward, backward), backward=backward,
-                          gqa=True, block_m=BLOCKS, block_n=BLOCKS, selector=f"tests.zoo:{name}", max_tiles=1024,
-                          description=description, in_default=False, **fields)
+                          gqa=True, head_dim_v=True, block_m=BLOCKS, block_n=BLOCKS, selector=f"tests.zoo:{name}",
+                          max_tiles=1024, description=description, in_default=False, **fields)
 
 
 def _ours(name: str, description: str) -> Implementation:

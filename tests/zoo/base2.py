@@ -42,13 +42,13 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=16, block_n=16):
     hq, len_q, len_k = q.shape[1], q.shape[2], k.shape[2]
     ke, ve = expand(k, hq), expand(v, hq)
     c = _c(scale, acc)
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:3], v.shape[3]))  # v may have a head dim of its own
     lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
     for m0, m1 in tiles(len_q, block_m):
         shape = (q.shape[0], hq, m1 - m0)
         m2 = torch.full(shape, NEG_INF, dtype=acc, device=q.device)
         l = torch.zeros(shape, dtype=acc, device=q.device)
-        o = torch.zeros(shape + (q.shape[3],), dtype=acc, device=q.device)
+        o = torch.zeros(shape + (v.shape[3],), dtype=acc, device=q.device)
         for n0, n1 in tiles(len_k, block_n):
             if not any_visible(m1, n0, len_q, len_k, causal):
                 continue

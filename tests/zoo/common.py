@@ -83,7 +83,7 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     delta = (do * out.to(acc)).sum(dim=-1)
     parts_dq: dict[int, list] = {m0: [] for m0, _ in tiles(len_q, block_m)}
     dk = torch.zeros((b, hq, len_k, d), dtype=acc, device=q.device)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros((b, hq, len_k, v.shape[3]), dtype=acc, device=q.device)  # v's head dim
     for n0, n1 in tiles(len_k, block_n):
         k_tile, v_tile = ke[:, :, n0:n1], ve[:, :, n0:n1].to(acc)
         parts_dk, parts_dv = [], []

@@ -50,7 +50,7 @@ def _per_q_tile(q, k, v, *, causal, scale, block_m, block_n, count, merge):
     scale = softmax_scale(q, scale)
     hq, len_k = q.shape[1], k.shape[2]
     ke, ve = expand(k, hq), expand(v, hq)
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:3], v.shape[3]))  # v may have a head dim of its own
     lse = torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype), device=q.device)
     for m0, m1 in tiles(q.shape[2], block_m):
         parts = [partial(q, ke, ve, m0=m0, m1=m1, k0=k0, k1=k1, causal=causal, scale=scale, block_n=block_n)

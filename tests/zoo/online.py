@@ -27,7 +27,7 @@ def partial(q, ke, ve, *, m0, m1, k0, k1, causal, scale, block_n, reverse=False,
     shape = (q.shape[0], q.shape[1], m1 - m0)
     m = torch.full(shape, NEG_INF, dtype=acc, device=q.device)
     l = torch.zeros(shape, dtype=acc, device=q.device)
-    o = torch.zeros(shape + (q.shape[3],), dtype=acc, device=q.device)
+    o = torch.zeros(shape + (ve.shape[3],), dtype=acc, device=q.device)
     runs = [(k0 + a, k0 + b) for a, b in tiles(k1 - k0, block_n)]
     for n0, n1 in (reversed(runs) if reverse else runs):
         if not any_visible(m1, n0, len_q, len_k, causal):
@@ -52,7 +52,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=16, block_n=16, revers
     scale = softmax_scale(q, scale)
     hq, len_k = q.shape[1], k.shape[2]
     ke, ve = expand(k, hq), expand(v, hq)
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:3], v.shape[3]))  # v may have a head dim of its own
     lse = torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype), device=q.device)
     for m0, m1 in tiles(q.shape[2], block_m):
         o, lse[:, :, m0:m1] = partial(q, ke, ve, m0=m0, m1=m1, k0=0, k1=len_k, causal=causal, scale=scale,

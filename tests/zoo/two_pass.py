@@ -14,7 +14,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=16, block_n=16):
     acc = acc_dtype(q.dtype)
     hq, len_q, len_k = q.shape[1], q.shape[2], k.shape[2]
     ke, ve = expand(k, hq), expand(v, hq)
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:3], v.shape[3]))  # v may have a head dim of its own
     lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
     for m0, m1 in tiles(len_q, block_m):
         key_tiles = [(n0, n1, visible(m0, m1, n0, n1, len_q, len_k, causal, q.device))
@@ -25,7 +25,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=16, block_n=16):
             m = torch.maximum(m, masked_scores(q[:, :, m0:m1], ke[:, :, n0:n1], scale, acc, vis).amax(dim=-1))
         m_ref = torch.where(torch.isneginf(m), 0.0, m)
         l = torch.zeros(shape, dtype=acc, device=q.device)
-        o = torch.zeros(shape + (q.shape[3],), dtype=acc, device=q.device)
+        o = torch.zeros(shape + (v.shape[3],), dtype=acc, device=q.device)
         for n0, n1, vis in key_tiles:  # pass 2: the sum and the output, against the final max
             p = torch.exp(masked_scores(q[:, :, m0:m1], ke[:, :, n0:n1], scale, acc, vis) - m_ref[..., None])
             l = l + p.sum(dim=-1)
