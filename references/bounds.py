@@ -814,7 +814,7 @@ def backward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, out: torch.T
     ref_model = REFERENCE_MODEL
     sinks = ref.sink is not None
     sink_k = sink_r = (0.0, 0.0)  # with sinks: [Hq] sums over batch and rows of the sink's dS error and size
-    d = kk.dv  # Delta sums dO * O over v's head dim
+    terms = kk.dv  # Delta = rowsum(dO * O): products and additions over v's head dim
     dq = torch.zeros(q.shape, dtype=F64, device=q.device)
     delta = torch.zeros(q.shape[:3], dtype=F64, device=q.device)
     k_sums = r_sums = None  # per-head dK and dV sums over the rows, added chunk by chunk
@@ -829,11 +829,11 @@ def backward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, out: torch.T
         do_abs = do.abs()
         o_k = torch.where(rows, out[:, :, r].detach().to(F64), 0.0)
         diff = o_k - c.o
-        measured = (do * diff).sum(-1).abs() + gamma(d + 2, ref_model.u_acc) * (do_abs * diff.abs()).sum(-1)
+        measured = (do * diff).sum(-1).abs() + gamma(terms + 2, ref_model.u_acc) * (do_abs * diff.abs()).sum(-1)
         from_ref_out = (do_abs * out_r).sum(-1)
         # Delta: D products and D - 1 additions, each with an absolute eta for underflow.
-        kernel_sum = gamma(d, model.u_acc) * (do_abs * o_k.abs()).sum(-1) + 2 * d * model.eta_acc
-        ref_sum = gamma(d, ref_model.u_acc) * (do_abs * c.o.abs()).sum(-1) + 2 * d * ref_model.eta_acc
+        kernel_sum = gamma(terms, model.u_acc) * (do_abs * o_k.abs()).sum(-1) + 2 * terms * model.eta_acc
+        ref_sum = gamma(terms, ref_model.u_acc) * (do_abs * c.o.abs()).sum(-1) + 2 * terms * ref_model.eta_acc
         dp = _column(chunk.dp, 0.0) if sinks else chunk.dp  # the sink's value is 0: dP_sink = 0
         g = torch.where(c.vis, (dp - ref.delta[:, :, r, None]).abs(), 0.0)
         dp_abs = torch.where(c.vis, dp.abs(), 0.0)
