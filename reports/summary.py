@@ -72,8 +72,10 @@ def read_failures(report_dir: str | Path) -> list[dict]:
 
 
 # What a failure is, read from the words its message starts with (verify/asserts.py, verify/faults.py and verify/failures.py
-# write them): the first that matches names it. The first two are the kernel's limits, not wrong answers.
+# write them): the first that matches names it. The first is no verdict on the kernel (the suite's own code raised:
+# first, as the exception it quotes may hold any words); the next two are the kernel's limits, not wrong answers.
 FAILURE_KINDS = (
+    ("the suite itself raised (a bug in flashverify, not a verdict on the kernel)", "suite raised"),
     ("resource limit (not a wrong answer)", "resource limit (not a wrong answer)"),
     ("compile failure (not a wrong answer)", "compile failure (not a wrong answer)"),
     ("Timeout:", "timeout"),
@@ -105,7 +107,7 @@ def brief(failure: dict) -> list[str]:
     own = [line for line in lines if line.startswith(("property:", "case:", "replay:"))]
     body = [line for line in lines if line not in own]
     reason = body[:1] + [line for line in body[1:] if "FAILED]" in line]
-    if failure_kind(failure) == "kernel raised" and len(body) > 1:
+    if failure_kind(failure) in ("kernel raised", "suite raised") and len(body) > 1:
         reason = [body[0].split(" on a case its declaration allows")[0], body[-1]]
     out = [f"{failure.get('test')}:", *(f"  {line}" for line in reason[:3])]
     if failure.get("case"):

@@ -6,15 +6,25 @@ No pytest run here: fake items and reports stand in for pytest's (the whole runs
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import inspect
 import shlex
 import types
 
 import pytest
+import torch
 
-from flashverify_kernels import registry
+import references.attention
+from flashverify_kernels import _validate, registry
 from references.spec import AttentionSpec
+from reports import summary
+from reports.failures import raised_by_suite
 from strategies.cases import AttentionCase
-from verify import failures, replay
+from tests.fixtures.outside_kernels import attention
+from tests.fixtures.raising_kernels import attention_raises_on_long_keys
+from verify import failures, properties, replay
+from verify.calls import run_backward
 from verify.context import Context, PropertyFailure, TimeoutFailure
 from verify.faults import OutOfMemoryError
 from verify.runner import run_example
@@ -74,6 +84,154 @@ def test_a_kernel_exception_takes_the_case_of_the_example_it_left(context):
                       "implementation": "fa2_blocked", "note": None}
     assert message.startswith("fa2_blocked: the kernel raised (not a wrong answer) at tests/test_failures.py:")
     assert message.endswith("\nRuntimeError: kernel gave up") and "declare its limits" in message
+
+
+def _example_error(prop, ctx, case=CASE) -> Exception:
+    """What ``prop`` raised on ``case`` as a property example (marked with its context)."""
+    with pytest.raises(Exception) as info:
+        run_example(prop, ctx, case, types.SimpleNamespace(device="cpu"))
+    return info.value
+
+
+def _line_of(fn, text: str) -> int:
+    """The line of ``fn``'s source that holds ``text``."""
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_the_suite_raising_in_an_example_says_so_not_that_the_kernel_raised(context, monkeypatch):
+    # The kernel's forward runs and returns; the suite's float64 reference then raises (its chunking budget broken).
+    monkeypatch.setattr(references.attention, "DEFAULT_BUDGET_BYTES", 0)
+    error = _example_error(properties.PROPERTIES[PROP], context)
+    fields = failures.other_failure(_item(), error)
+    message = fields.pop("message")
+    assert fields == {"replay": context.replay_command(), "case": CASE.to_dict(), "prop": PROP,
+                      "implementation": "fa2_blocked", "note": None}
+    line = _line_of(references.attention.rows_per_chunk, 'raise ValueError(f"budget=')
+    assert message == ("fa2_blocked: the suite itself raised (a bug in flashverify, not a verdict on the kernel) at "
+                       f"references/attention.py:{line} (rows_per_chunk) on this case; please report it with the "
+                       "replay command\nValueError: budget=0, but should be a positive number of bytes")
+    assert summary.failure_kind({"message": message}) == "suite raised"
+
+    # The terminal's note and the run's summary say it too, with the replay command and no hint to declare limits.
+    (explained,) = failures.explain_failure(_item(), error, worker=None)
+    assert explained["message"] == message and explained["replay"] == context.replay_command()
+    assert error.__notes__[-1] == (f"flashverify: fa2_blocked [{PROP}] case: {failures._case_text(CASE.to_dict())}\n"
+                                   f"  replay: {context.replay_command()}")
+    assert summary.brief({"test": TEST, **explained})[1:3] == [
+        f"  {message.splitlines()[0]}", "  ValueError: budget=0, but should be a positive number of bytes"]
+
+
+def test_torch_raising_inside_the_suite_s_reference_is_the_suite_s(context):
+    def out_matches_reference(ctx, case):
+        t = case.build("cpu")
+        references.attention.forward(t.q.to_sparse(), t.k, t.v, spec=case.spec)  # a property's own bug: torch raises
+
+    message = failures.other_failure(_item(), _example_error(out_matches_reference, context))["message"]
+    assert message.startswith("fa2_blocked: the suite itself raised (a bug in flashverify, not a verdict on the "
+                              "kernel) at references/attention.py:")
+    assert "declare its limits" not in message
+    assert message.splitlines()[-1] == "NotImplementedError: Cannot access storage of SparseTensorImpl"
+
+
+def test_a_kernel_raising_in_a_real_property_is_still_the_kernel_s(context):
+    impl = registry.from_callable(attention_raises_on_long_keys, "raises", device="cpu")
+    ctx = dataclasses.replace(context, impl=impl)
+    case = dataclasses.replace(CASE, len_k=6)
+    fields = failures.other_failure(_item(), _example_error(properties.PROPERTIES[PROP], ctx, case))
+    assert fields["message"].startswith("raises: the kernel raised (not a wrong answer) at "
+                                        "tests/fixtures/raising_kernels.py:")
+    assert "declare its limits" in fields["message"] and fields["replay"] == ctx.replay_command()
+    assert summary.failure_kind(fields) == "kernel raised"
+
+
+def _breaks_its_graph(q, k, v, *, causal=False, scale=None):
+    """Correct values, but a backward that cannot run: it modifies in place what autograd saved."""
+    out, lse = attention(q, k, v, causal=causal, scale=scale)
+    saved = out.exp()
+    saved.mul_(1.0)
+    return out + 0 * (saved - saved.detach()), lse
+
+
+@pytest.mark.parametrize("how", ["out.backward", "gradcheck"])
+def test_a_kernel_s_backward_raising_in_autograd_is_the_kernel_s_though_no_frame_of_it_is_left(context, how):
+    # Autograd raises in C++: the innermost frame outside torch is the suite's call of the kernel's backward.
+    ctx = dataclasses.replace(context, impl=registry.from_callable(_breaks_its_graph, "breaks", device="cpu"))
+
+    def backward(ctx, case):  # the suite's out.backward(dout), in its stage("kernel") block
+        t = case.build("cpu")
+        run_backward(ctx, case, t.q, t.k, t.v, t.dout)
+
+    if how == "gradcheck":  # torch.autograd.gradcheck's backward, called from the property itself
+        error = _example_error(properties.PROPERTIES["gradcheck_float64"], ctx, dataclasses.replace(CASE, dtype="float64"))
+    else:
+        error = _example_error(backward, ctx)
+    assert "modified by an inplace operation" in str(error)
+    assert failures.other_failure(_item(), error)["message"].startswith("breaks: the kernel raised (not a wrong answer)")
+
+
+def _module_at(path, source: str):
+    """A module loaded from ``source`` written to ``path`` (its functions' frames name that file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"fake_{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FAKE = """
+import torch
+from verify.stages import stage
+
+def raises():
+    raise RuntimeError("raised here")
+
+def torch_raises():
+    return torch.nn.functional.softmax(torch.ones(2), dim=5)
+
+def calls_the_kernel():
+    with stage("kernel"):
+        return torch.nn.functional.softmax(torch.ones(2), dim=5)
+"""
+
+
+@pytest.mark.parametrize("folder, suite", [("references", True), ("verify", True), ("strategies", True),
+                                           ("reports", True), ("flashverify_kernels", False),
+                                           ("tests/fixtures", False), ("my_kernels", False)])
+def test_who_raised_is_the_innermost_frame_outside_the_libraries(tmp_path, folder, suite):
+    module = _module_at(tmp_path / folder / "fake.py", FAKE)
+    assert raised_by_suite(_error_of(module.raises), tmp_path) is suite
+    assert raised_by_suite(_error_of(module.torch_raises), tmp_path) is suite  # torch's frames are left out
+    assert raised_by_suite(_error_of(module.calls_the_kernel), tmp_path) is False  # the suite calling the kernel
+
+
+def test_a_suite_error_raised_in_a_library_names_the_suite_s_line_and_the_library_s(context, tmp_path, monkeypatch):
+    module = _module_at(tmp_path / "references" / "fake.py", FAKE)
+    monkeypatch.setattr(failures, "ROOT", tmp_path)
+    message = failures.other_failure(_item(), _example_error(lambda ctx, case: module.torch_raises(), context))["message"]
+    line = _line_of(module.torch_raises, "softmax")
+    assert message.startswith("fa2_blocked: the suite itself raised (a bug in flashverify, not a verdict on the kernel) "
+                              f"at references/fake.py:{line} (torch_raises), inside torch/nn/functional.py:")
+    assert "(softmax) on this case; please report it with the replay command\n" in message
+
+
+def _error_of(fn) -> BaseException:
+    with pytest.raises(Exception) as info:
+        fn()
+    return info.value
+
+
+def test_the_real_suite_and_the_kernels_validation_are_told_apart(monkeypatch):
+    root = failures.ROOT
+    assert raised_by_suite(_error_of(lambda: references.attention.expand_kv(torch.zeros(1, 2, 1, 1), 3)), root)
+    assert raised_by_suite(_error_of(lambda: references.attention.rows_per_chunk(5, 4, 1, budget=0)), root)
+    assert not raised_by_suite(_error_of(lambda: _validate.check_window("both", kernel="fa2")), root)
+    assert not raised_by_suite(RuntimeError("never raised: no traceback"), root)
+    # A sticky CUDA error surfaces wherever the device is next waited for: the suite's frame does not own it.
+    monkeypatch.setenv(references.attention.CHUNK_ROWS_ENV, STICKY)
+    sticky = _error_of(lambda: references.attention.rows_per_chunk(5, 4, 1))
+    assert raised_by_suite(sticky, root) and failures.suite_raised_at(sticky) is None
 
 
 def test_an_exception_no_example_marked_names_where_it_was_raised_and_no_case(context):

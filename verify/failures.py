@@ -161,19 +161,40 @@ def out_of_memory_message(item, oom, fields) -> str:
     return "\n  ".join(lines)
 
 
+def suite_raised_at(exc) -> str | None:
+    """``at verify/x.py:N (fn)``: where the suite's own code raised ``exc`` (a bug in flashverify, not the
+    kernel: :func:`reports.failures.suite_frame`), with the innermost frame when a library raised it there;
+    None when the kernel raised it. A sticky CUDA error or an out-of-memory error is never the suite's: the
+    first surfaces wherever the device is next waited for (the kernel broke the context), the second has its
+    own words (:func:`out_of_memory_message`)."""
+    from reports.failures import frame_at, suite_frame
+
+    frame = suite_frame(exc, ROOT)
+    if frame is None or gpu.sticky_cuda_error(exc) is not None or out_of_memory(exc) is not None:
+        return None
+    innermost = traceback.extract_tb(exc.__traceback__)[-1]
+    inside = "" if innermost == frame else f", inside {frame_at(innermost, root=ROOT)}"
+    return f"at {frame_at(frame, root=ROOT)}{inside}"
+
+
 def other_failure(item, exc) -> dict:
-    """Failure-file fields for one failure other than a PropertyFailure (a kernel that raises): the case
-    is the one the property example was running when the exception was raised (the example marks its
-    exceptions: :func:`verify.context.attach_context`), with its replay command; without one, a note
-    saying where the exception was raised, outside any example."""
-    from reports.failures import KERNEL_RAISED, exception_text, raised_at
+    """Failure-file fields for one failure other than a PropertyFailure (a kernel that raises, or the
+    suite's own code: :func:`suite_raised_at`): the case is the one the property example was running when
+    the exception was raised (the example marks its exceptions: :func:`verify.context.attach_context`), with
+    its replay command; without one, a note saying where the exception was raised, outside any example."""
+    from reports.failures import KERNEL_RAISED, SUITE_RAISED, exception_text, raised_at
     from verify.faults import declare_hint
     from verify.context import failing_context
 
     ctx = failing_context(exc)
     if ctx is not None and hasattr(ctx.case, "to_dict"):
-        message = (f"{ctx.impl.name}: {KERNEL_RAISED} {raised_at(exc, root=ROOT)} on a case its declaration allows"
-                   f"{declare_hint(exc, case=ctx.case)}\n{exception_text(exc)}")
+        where = suite_raised_at(exc)
+        if where is not None:
+            message = (f"{ctx.impl.name}: {SUITE_RAISED} {where} on this case; please report it with the replay "
+                       f"command\n{exception_text(exc)}")
+        else:
+            message = (f"{ctx.impl.name}: {KERNEL_RAISED} {raised_at(exc, root=ROOT)} on a case its declaration "
+                       f"allows{declare_hint(exc, case=ctx.case)}\n{exception_text(exc)}")
         return {"message": message, "replay": ctx.replay_command(), "case": ctx.case.to_dict(),
                 "prop": ctx.prop, "implementation": ctx.impl.name, "note": None}
     params = getattr(getattr(item, "callspec", None), "params", {})
@@ -253,7 +274,7 @@ def explain_failure(item, exc, *, worker: str | None) -> list[dict]:
             where.append(f"  replay: {fields['replay']}" if fields.get("replay")
                          else f"  no replay command: {fields.get('note')}")
             ctx = failing_context(leaf)
-            if ctx is not None and oom is None and hasattr(ctx.case, "head_dim"):
+            if ctx is not None and oom is None and hasattr(ctx.case, "head_dim") and suite_raised_at(leaf) is None:
                 where.append(declare_hint(leaf, case=ctx.case).strip())
             if oom is not None:
                 where.insert(0, fields["message"])
