@@ -213,6 +213,30 @@ def check_out_buffers(q, k, v, out, lse, *, kernel: str, lse_dtypes: Iterable[to
 
 
 # --- variants: chunks, sinks, split-KV and the sequences of variable-length and paged attention --------------
+def check_descales(q: torch.Tensor, k: torch.Tensor, descales, *, kernel: str):
+    """Validate float8 inputs' ``(q_descale, k_descale, v_descale)`` (any may be None: a factor of 1) and return
+    them: each a float32 ``[B, Hkv]`` tensor on q's device with finite positive entries; only with float8
+    q, k, v (``torch.float8_e4m3fn``, ``torch.float8_e5m2``)."""
+    given = [(name, d) for name, d in zip(("q_descale", "k_descale", "v_descale"), descales) if d is not None]
+    if given and q.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"{kernel}: {', '.join(name for name, _ in given)} given with {dtype_name(q.dtype)} inputs; "
+                         "descales come with float8 inputs (float8_e4m3fn, float8_e5m2) only")
+    b, hkv = q.shape[0], k.shape[1]
+    for name, d in given:
+        if not isinstance(d, torch.Tensor):
+            raise TypeError(f"{kernel}: {name} is a {type(d).__name__}, but should be a torch.Tensor")
+        if tuple(d.shape) != (b, hkv):
+            raise ValueError(f"{kernel}: {name}.shape={tuple(d.shape)}, but should be [batch, kv_heads] = [{b}, {hkv}]")
+        if d.dtype != torch.float32:
+            raise ValueError(f"{kernel}: {name}.dtype={dtype_name(d.dtype)}, but should be float32")
+        if d.device != q.device:
+            raise ValueError(f"{kernel}: {name} is on {d.device}, but should be on q's device {q.device}")
+        if d.numel() and not bool((torch.isfinite(d) & (d > 0)).all()):
+            raise ValueError(f"{kernel}: {name} holds {d.flatten()[~(torch.isfinite(d.flatten()) & (d.flatten() > 0))][0].item()!r}, "
+                             "but should hold finite positive factors")
+    return tuple(descales)
+
+
 def check_attention_chunk(chunk, *, kernel: str) -> int:
     """``attention_chunk`` (FlashAttention-3's convention): an int >= 0, 0 meaning no chunks."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:

@@ -17,9 +17,12 @@ import torch
 
 from flashverify_kernels import conventions
 from flashverify_kernels._validate import dtype_name, dtype_names
+from references.fp8 import DESCALES, FP8_DTYPES, is_fp8
 from references.spec import ALIGNMENTS, SEQUENCES, AttentionSpec, require_spec
 
 ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# What a declaration's dtypes may hold: the four above (a plain callable's default) and the float8 formats.
+DECLARABLE_DTYPES = (*ALL_DTYPES, *FP8_DTYPES)
 KINDS = ("attention", "softmax")
 # The scales drawn for a kernel that declares ``scales="power_of_two"`` (the first is what failures shrink to).
 POWER_OF_TWO_SCALES = (0.125, 0.5, 0.25, 1.0, 2.0, 0.0625, 0.03125)
@@ -72,6 +75,9 @@ class Implementation:
               [, num_splits][, <the sequences' keywords>][, block_m, block_n][, out, lse]) -> (out, lse) or out
       backward(q, k, v, out, lse, dout, *, <the forward's keywords but out, lse>) -> (dq, dk, dv, delta), and
                dsinks fifth with sinks
+    Float8 inputs (``dtypes`` holding ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``; forward only): ``out``
+    is bfloat16, and with ``descale`` the forward also takes ``q_descale``, ``k_descale``, ``v_descale``
+    (float32 ``[B, Hkv]``, FlashAttention-3's) whenever the case has them (``references/fp8.py``).
     ``window_size``, ``attention_chunk``, ``softcap``, ``alibi_slopes``, ``sinks`` and ``num_splits`` are
     passed only when the case has them (and the declaration has ``windows``, ``chunks``, ``softcap``,
     ``alibi``, ``sinks``, ``splits``); the tensors and keywords of variable-length sequences (``packed``,
@@ -91,6 +97,9 @@ class Implementation:
     # and k's D (multi-head latent attention's 192/128, FlashAttention-3's headdim_v); head_dims bound both.
     head_dim_v: bool = False
     gqa: bool = False
+    # Float8 inputs with descales: the forward takes q_descale, k_descale, v_descale (float32 [B, Hkv]: the
+    # factor each batch entry's key/value head, and its group of query heads, is multiplied by).
+    descale: bool = False
     causal: bool = True
     causal_alignment: str = "bottom_right"
     # Sliding windows (flash_attn's convention): the forward takes window_size=(left, right), -1 unbounded.
@@ -168,9 +177,12 @@ class Implementation:
             raise ImplementationError(
                 f"{self.name}: causal_alignment={self.causal_alignment!r}, but should be one of {ALIGNMENTS}"
             )
-        bad = [d for d in self.dtypes if d not in ALL_DTYPES]
+        bad = [d for d in self.dtypes if d not in DECLARABLE_DTYPES]
         if bad or not self.dtypes:
-            raise ImplementationError(f"{self.name}: dtypes={self.dtypes!r}; allowed: {ALL_DTYPES}")
+            raise ImplementationError(f"{self.name}: dtypes={self.dtypes!r}; allowed: {DECLARABLE_DTYPES}")
+        if self.descale is True and not any(is_fp8(d) for d in self.dtypes):
+            raise ImplementationError(f"{self.name}: descale=True, but dtypes={dtype_names(self.dtypes)} holds no "
+                                      f"float8 format ({dtype_names(FP8_DTYPES)}): descales come with float8 inputs")
         for field in ("block_m", "block_n"):
             sizes = getattr(self, field)
             if sizes is not None and (len(sizes) == 0 or any(int(s) < 1 for s in sizes)):
@@ -194,7 +206,7 @@ class Implementation:
             positive_int(field, getattr(self, field))
         positive_int("min_len", self.min_len, zero=True)
         for field in ("equal_lengths", "non_causal", "contiguous_only", "causal", "windows", "softcap",
-                      "alibi", "chunks", "sinks", "splits", "head_dim_v"):
+                      "alibi", "chunks", "sinks", "splits", "head_dim_v", "descale"):
             if not isinstance(getattr(self, field), bool):
                 raise ImplementationError(f"{self.name}: {field}={getattr(self, field)!r}, but should be a bool")
         bad = [s for s in self.sequences if s not in SEQUENCES] if isinstance(self.sequences, tuple) else None
@@ -226,9 +238,9 @@ class Implementation:
         limits = self.max_head_dim
         if isinstance(limits, Mapping):
             for dtype, d in limits.items():
-                if dtype not in ALL_DTYPES:
+                if dtype not in DECLARABLE_DTYPES:
                     raise ImplementationError(f"{self.name}: max_head_dim has key {dtype!r}; keys should be "
-                                              f"among {dtype_names(ALL_DTYPES)}")
+                                              f"among {dtype_names(DECLARABLE_DTYPES)}")
                 positive_int(f"max_head_dim[{dtype_name(dtype)}]", d)
         elif limits is not None:
             positive_int("max_head_dim", limits)
@@ -318,6 +330,11 @@ class Implementation:
                 out.append(f"{words}: {why}")
         if "paged" in self.sequences and self.page_sizes is not None:
             out.append(f"pages of other sizes than {', '.join(map(str, self.page_sizes))}: {why}")
+        formats = [d for d in FP8_DTYPES if d not in self.dtypes]
+        if formats:
+            out.append(f"float8 inputs ({dtype_names(formats)}): {why}")
+        if any(is_fp8(d) for d in self.dtypes) and not self.descale:
+            out.append(f"float8 inputs with descales (q_descale, k_descale, v_descale): {why}")
         return out
 
     @property
@@ -413,7 +430,7 @@ class Implementation:
     def call(self, q, k, v, *, spec: AttentionSpec, scale: float | None = None,
              block_m: int | None = None, block_n: int | None = None,
              out: torch.Tensor | None = None, lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-             handed: Callable[[dict[str, Any]], None] | None = None):
+             handed: Callable[[dict[str, Any]], None] | None = None, descales=None):
         """Run the forward on the attention ``spec`` describes and normalise the result to
         ``(out, lse_or_None)``. ``q, k, v`` are in the references' frame (``[B, H, N, D]``; variable-length
         sequences packed into one batch) and so are the results: the spec's convention
@@ -421,12 +438,21 @@ class Implementation:
         becomes the kernel's own keywords (``causal``, ...); a spec the declaration does not support is
         refused. ``out``/``lse`` are passed on as the forward's ``out=``/``lse=`` buffers; only for a
         declaration with ``out_buffers`` and a dense batch. ``sinks``: the sinks tensor to pass (a leaf
-        whose gradient the caller reads), instead of one made from the spec's values. ``handed``: called with
+        whose gradient the caller reads), instead of one made from the spec's values. ``descales``: float8
+        inputs' ``(q_descale, k_descale, v_descale)``, passed as those keywords (a dense batch only, and only to
+        a declaration with ``descale``). ``handed``: called with
         what the kernel is handed, just before the call (``q``, ``k``, ``v`` in its convention and the
         convention's keywords: ``cu_seqlens_q``, ``block_table``, ...)."""
         kwargs = self.kernel_keywords(spec, scale, block_m, block_n, device=q.device, dtype=q.dtype)
         if sinks is not None:
             kwargs["sinks"] = sinks
+        if descales is not None:
+            if not self.descale:
+                raise ImplementationError(f"{self.name} declares no descale: its forward takes no q_descale, "
+                                          "k_descale, v_descale")
+            if spec.varlen:
+                raise ImplementationError(f"{self.name}: descales are passed for a dense batch only")
+            kwargs.update(zip(DESCALES, descales))
         if out is not None or lse is not None:
             if spec.varlen:
                 raise ImplementationError(f"{self.name}: out=/lse= buffers are passed for a dense batch only")

@@ -99,7 +99,8 @@ _EVERY_VARIANT = dict(gqa=True, windows=True, chunks=True, softcap=True, alibi=T
 FA2_BLOCKED = Implementation(
     name="fa2_blocked", forward=blocked.fa2_forward, backward=blocked.fa2_backward, **_EVERY_VARIANT,
     block_m=_BLOCKS, block_n=_BLOCKS, sibling="fa1_blocked", out_buffers=True, max_tiles=_MAX_TILES,
-    description="blocked PyTorch FlashAttention-2: outer-scaled forward, blocked backward",
+    dtypes=(*ALL_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2), descale=True,
+    description="blocked PyTorch FlashAttention-2: outer-scaled forward (float8 with descales too), blocked backward",
 )
 FA1_BLOCKED = Implementation(
     name="fa1_blocked", forward=blocked.fa1_forward, backward=blocked.fa2_backward, **_EVERY_VARIANT,

@@ -19,8 +19,14 @@ backward
     ``1 - tanh^2`` in float32) cast to the input
     dtype, ``dQ = scale dS K`` and ``dK = scale dS^T Q`` accumulated in float32, each rounded once;
     with sinks, ``dt_h = -sum_{b, i} P_sink Delta`` in float32 (the sink's own ``dS``), returned fifth.
+float8 forward (``references/fp8.py``; there is no float8 backward), as FlashAttention-3's fp8 forward runs it
+    the float8 values up-cast to float32, scores ``(q k^T) (scale q_descale k_descale)`` and the softmax in
+    float32; the softmax's numerator ``exp(s - m)`` (at most 1, not yet divided by the row sum) cast to
+    v's float8 format, ``P @ V`` accumulated in float32, divided by the float32 row sum of the uncast
+    numerators, times ``v_descale``, rounded to bfloat16 once. (A cast of the normalised ``P`` would flush
+    every weight of a long uniform row below float8's smallest subnormal to zero.)
 
-Products of two float16 or bfloat16 numbers are exact in float32, so up-casting both operands and
+Products of two float16, bfloat16 or float8 numbers are exact in float32, so up-casting both operands and
 multiplying in float32 is what a tensor-core dot with a float32 accumulator computes.
 
 Both run in chunks of query rows (``references.attention.row_chunks``): everything but ``dK`` and
@@ -36,6 +42,7 @@ import math
 import torch
 
 from references.attention import expand_kv, reduce_group, row_chunks
+from references.fp8 import is_fp8, out_dtype
 from references.spec import AttentionSpec, require_spec
 
 
@@ -48,9 +55,10 @@ def _low(t: torch.Tensor, dtype: torch.dtype, acc: torch.dtype) -> torch.Tensor:
     return t.to(dtype).to(acc)
 
 
-def _softmax(s, sink):
-    """Eager softmax of masked scores ``s`` ``[B, Hq, rows, n]`` (-inf where hidden), with each head's
-    ``sink`` logit ``[Hq]`` in the denominator (None: none): ``(P, lse)``, 0 and -inf on empty rows."""
+def _numerators(s, sink):
+    """The softmax's numerators ``exp(s - m)`` of masked scores ``s`` ``[B, Hq, rows, n]`` (-inf where hidden),
+    with each head's ``sink`` logit ``[Hq]`` in the denominator (None: none), the row max (or the sink above
+    it) subtracted: ``(numerators, row sums, lse)``, 0, 0 and -inf on empty rows."""
     m = s.amax(dim=-1, keepdim=True) if s.shape[-1] else torch.full((*s.shape[:3], 1), -math.inf, dtype=s.dtype,
                                                                     device=s.device)
     if sink is not None:
@@ -60,8 +68,13 @@ def _softmax(s, sink):
     l = e.sum(dim=-1, keepdim=True)
     if sink is not None:
         l = l + torch.exp(sink[:, None, None] - m)
-    p = torch.where(l == 0, 0.0, e / torch.where(l == 0, 1.0, l))
-    return p, torch.where(l == 0, -math.inf, m + torch.log(l)).squeeze(-1)
+    return e, l, torch.where(l == 0, -math.inf, m + torch.log(l)).squeeze(-1)
+
+
+def _softmax(s, sink):
+    """Eager softmax of masked scores (:func:`_numerators`): ``(P, lse)``, 0 and -inf on empty rows."""
+    e, l, lse = _numerators(s, sink)
+    return torch.where(l == 0, 0.0, e / torch.where(l == 0, 1.0, l)), lse
 
 
 def _merge(parts):
@@ -76,8 +89,17 @@ def _merge(parts):
     return out, lse
 
 
-def forward(q, k, v, *, spec: AttentionSpec = AttentionSpec(), scale: float | None = None):
-    """Eager ``(out, lse)`` at the precision of the inputs (see module docstring)."""
+def _descale_heads(descale, hq: int, like: torch.Tensor) -> torch.Tensor:
+    """A ``[B, Hkv]`` descale as float32 ``[B, Hq, 1, 1]`` (1 without one)."""
+    if descale is None:
+        return torch.ones((1, 1, 1, 1), dtype=torch.float32, device=like.device)
+    return descale.to(device=like.device, dtype=torch.float32).repeat_interleave(
+        hq // descale.shape[1], dim=1)[:, :, None, None]
+
+
+def forward(q, k, v, *, spec: AttentionSpec = AttentionSpec(), scale: float | None = None, descales=None):
+    """Eager ``(out, lse)`` at the precision of the inputs (see module docstring); float8 inputs with their
+    ``descales`` ``(q_descale, k_descale, v_descale)`` (None: all 1) give out in bfloat16."""
     require_spec(spec)
     dtype, acc = q.dtype, acc_dtype(q.dtype)
     b, hq, len_q, d = q.shape
@@ -87,23 +109,33 @@ def forward(q, k, v, *, spec: AttentionSpec = AttentionSpec(), scale: float | No
     sink = spec.sink_logits(hq, device=q.device, dtype=acc)
     splits = spec.key_splits(len_k, device=q.device) if spec.num_splits > 1 else None
     ke, ve = expand_kv(k, hq).to(acc), expand_kv(v, hq).to(acc)
-    out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=dtype, device=q.device)
+    out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=out_dtype(dtype), device=q.device)
     lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
+    if is_fp8(dtype):  # one float32 score factor per head; v's descale on the normalised output
+        qd, kd, vd = descales if descales is not None else (None, None, None)
+        scale = (torch.tensor(scale, dtype=acc, device=q.device) * _descale_heads(qd, hq, q)) * _descale_heads(kd, hq, q)
+        v_factor = _descale_heads(vd, hq, q)
+
+        def part(s, sink_t):  # the numerators cast to float8, divided by the uncast row sum after P @ V
+            e, l, lse_t = _numerators(s, sink_t)
+            pv = _low(e, dtype, acc) @ ve
+            return torch.where(l == 0, 0.0, pv / torch.where(l == 0, 1.0, l)) * v_factor, lse_t
+    else:
+        def part(s, sink_t):  # P normalised, then cast
+            p, lse_t = _softmax(s, sink_t)
+            return _low(p, dtype, acc) @ ve, lse_t
+
     for r0, r1 in row_chunks(len_q, len_k, d, b * hq):
         rows = slice(r0, r1)
         visible = spec.rows(len_q, len_k, device=q.device, rows=(r0, r1))
         raw = (q[:, :, rows].to(acc) @ ke.transpose(-1, -2)) * scale
         s = torch.where(visible, spec.modify(raw, len_q, len_k, rows=(r0, r1)), -math.inf)
         if splits is None:
-            p, lse[:, :, rows] = _softmax(s, sink)
-            out[:, :, rows] = (_low(p, dtype, acc) @ ve).to(dtype)
-            continue
-        parts = []
-        for t in range(spec.num_splits):  # each split an eager attention with a float32 output
-            p, lse_t = _softmax(torch.where(splits == t, s, -math.inf), sink if t == 0 else None)
-            parts.append((_low(p, dtype, acc) @ ve, lse_t))
-        merged, lse[:, :, rows] = _merge(parts)
-        out[:, :, rows] = merged.to(dtype)
+            o, lse[:, :, rows] = part(s, sink)
+        else:  # each split an eager attention with a float32 output (the sink joins the first)
+            o, lse[:, :, rows] = _merge([part(torch.where(splits == t, s, -math.inf), sink if t == 0 else None)
+                                         for t in range(spec.num_splits)])
+        out[:, :, rows] = o.to(out.dtype)
     return out, lse
 
 

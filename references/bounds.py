@@ -305,7 +305,22 @@ column, ``P_sink (0 - Delta)``, is the sink's gradient: ``dt_h = sum_{b, i} dS_s
 errors plus ``gamma`` of its ``B Nq`` additions and the rounding of the float32 result, and leaves the
 ``dK``, ``dV`` sums.
 
-16. Which term covers which family of algorithm
+16. Float8 inputs (forward only)
+--------------------------------
+The quantities of sections 2-6 are those of the dequantised inputs (``references/fp8.py``: what the
+float8 values and their descales stand for, exact in float64). A float8 kernel (FlashAttention-3's fp8
+forward) differs from (M1)-(M5) in three places, each in the model of :func:`kernel_model`:
+
+* scores: the dot of two float8 vectors in float32 (products of 4-bit significands are exact, ``D - 1``
+  additions) times ``fl(fl(fl(sigma) q_descale) k_descale)``: four roundings beyond the additions, relative
+  to ``sigma sum_t |q_t| |k_jt|`` of the dequantised values (the descales scale both sides alike);
+* the cast of the unnormalised ``p <= 1`` to v's float8 format (section 4): ``u_cast`` is float8's unit
+  roundoff (``2^-4`` e4m3, ``2^-3`` e5m2) and ``eta_cast`` half its smallest subnormal spacing
+  (``2^-10``, ``2^-17``): a weight below it may be flushed to zero, which term (B) prices per key;
+* the output: the accumulator times ``v_descale`` (one more rounding beside the division's two) and the
+  final rounding to bfloat16 (``u_out = 2^-8``), not to the inputs' format.
+
+17. Which term covers which family of algorithm
 -----------------------------------------------
 ``tests/zoo`` holds a correct kernel of each family and ``tests/test_zoo.py`` runs them all through
 ``pytest verify``; docs/soundness.md has their margins. What each family's arithmetic costs, and where:
@@ -334,6 +349,7 @@ import torch
 
 from references.attention import (CENTRED_CHUNK_ELEMENTS, EXACT_CENTRED_LIMIT, Chunk, Reference, expand_kv,
                                   reduce_group)
+from references.fp8 import FP8_OUT_DTYPE, is_fp8
 from references.metrics import unit_roundoff
 
 F64 = torch.float64
@@ -362,6 +378,7 @@ class Model:
     ``autograd_eager``: the backward is PyTorch autograd through the eager forward (section 11);
     ``merges``: the computation may merge partials through stored LSEs (section 14); ``lag``: how far its
     running max may trail the scores seen (section 3). Every kernel may do both, the float64 reference neither.
+    ``out_roundings``: roundings of the accumulator beyond the division's (float8's ``v_descale``, section 16).
     """
 
     name: str
@@ -376,6 +393,7 @@ class Model:
     autograd_eager: bool = False
     merges: bool = True
     lag: float = MAX_LAG
+    out_roundings: int = 0
 
 
 def kernel_model(dtype: torch.dtype, *, truncating_dots: bool = False, autograd_eager: bool = False) -> Model:
@@ -384,6 +402,11 @@ def kernel_model(dtype: torch.dtype, *, truncating_dots: bool = False, autograd_
     u_in = unit_roundoff(dtype)
     dots = 2.0 if truncating_dots else 1.0
     name = str(dtype).removeprefix("torch.")
+    if is_fp8(dtype):  # section 16: forward only; scores through the descales, p cast to float8, out bfloat16
+        u_a, eta_a = unit_roundoff(torch.float32), torch.finfo(torch.float32).tiny
+        u_out = unit_roundoff(FP8_OUT_DTYPE)
+        return Model(name, u_a, eta_a, dots * u_a, 4, u_in, torch.finfo(dtype).tiny * u_in, u_out,
+                     torch.finfo(FP8_OUT_DTYPE).tiny * u_out, autograd_eager=autograd_eager, out_roundings=1)
     if dtype == torch.float64:
         return Model(name, u_in, torch.finfo(F64).tiny, dots * u_in, 3, autograd_eager=autograd_eager)
     u_a = unit_roundoff(torch.float32)
@@ -675,7 +698,8 @@ def _out_kernel(c: _Case, model: Model, phi: torch.Tensor) -> torch.Tensor:
     merge = _merge_error(c, model)[..., None]  # a common factor on every weight: the output is off by it
     pre = pre + merge * (c.o.abs() + pre)
     x = c.o.abs() + pre
-    div = rounding_error(x, 2 * model.u_acc, model.eta_acc)  # a division, or a reciprocal and a multiply
+    # a division, or a reciprocal and a multiply (and float8's v_descale)
+    div = rounding_error(x, (2 + model.out_roundings) * model.u_acc, (1 + model.out_roundings) * model.eta_acc)
     out = pre + div + rounding_error(x + div, model.u_out, model.eta_out)
     return torch.where(c.rows[:, None], out, 0.0)
 
@@ -802,6 +826,9 @@ def backward_bounds(ref: Reference, q, k, v, *, dtype: torch.dtype, out: torch.T
     from which it computes Delta."""
     if ref.dout is None:
         raise ValueError("backward_bounds: ref has no backward; compute it with attention(..., dout=dout)")
+    if is_fp8(dtype):
+        raise ValueError(f"backward_bounds: dtype={dtype} is a float8 format, which the contract takes in the "
+                         "forward only (section 16)")
     if tuple(out.shape) != (*q.shape[:3], v.shape[-1]):
         raise ValueError(f"backward_bounds: out.shape={tuple(out.shape)}, but should be q's [B, Hq, Nq] and v's head "
                          f"dim: {(*q.shape[:3], v.shape[-1])}")

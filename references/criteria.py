@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from references.fp8 import is_fp8, out_dtype
 from references.metrics import unit_roundoff
 
 FACTOR = {"out": 2.0, "lse": 2.0, "delta": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0, "dsinks": 3.0}
@@ -74,10 +75,10 @@ def magnitudes(op: str, ref, *, lse_error: float = 0.0) -> Magnitudes:
 
 def stored_dtype(op: str, input_dtype: torch.dtype) -> torch.dtype:
     """The dtype a kernel stores ``op`` in: LSE, Delta and the sinks' gradient (the sinks are float32) in
-    float32 (float64 for float64 inputs)."""
+    float32 (float64 for float64 inputs); out of float8 inputs in bfloat16."""
     if op in ("lse", "delta", "dsinks"):
         return torch.float64 if input_dtype == torch.float64 else torch.float32
-    return input_dtype
+    return out_dtype(input_dtype)
 
 
 def summand_magnitude(op: str, ref) -> float:
@@ -205,6 +206,8 @@ def score_roundings(input_dtype: torch.dtype, head_dim: int, *, op: str = "out")
     float64 one at D = 184 (12 steps), eager (cuBLAS) 1.2 u |s|."""
     if input_dtype in (torch.float16, torch.bfloat16):
         return max(1.0, 2.0 * -(-head_dim // MATRIX_UNIT_K))
+    if is_fp8(input_dtype):  # the same matrix-unit steps, and the descales' two roundings of the score factor
+        return max(1.0, 2.0 * -(-head_dim // MATRIX_UNIT_K)) + 2.0
     if input_dtype == torch.float64:
         return 2.0 * math.sqrt(head_dim)
     return max(1.0, math.sqrt(head_dim)) if op in GRADIENTS else 1.0

@@ -21,8 +21,11 @@ UNIT_ROUNDOFF = {
     torch.bfloat16: 2.0 ** -8,
     torch.float32: 2.0 ** -24,
     torch.float64: 2.0 ** -53,
+    torch.float8_e4m3fn: 2.0 ** -4,
+    torch.float8_e5m2: 2.0 ** -3,
 }
-MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23, torch.float64: 52}
+MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23, torch.float64: 52,
+                 torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

@@ -35,7 +35,7 @@ import torch
 from hypothesis import strategies as st
 
 from references.spec import SEQUENCES, AttentionSpec
-from strategies.cases import LAYOUTS, MAGNITUDES, SCALES, AttentionCase
+from strategies.cases import FP8_NAMES, LAYOUTS, MAGNITUDES, SCALES, AttentionCase
 
 SHAPE_CLASSES = ("plain", "decode", "no_keys", "long", "wide_head", "kv_tiles_wider", "k_aligned_q_ragged",
                  "masked_q_tiles", "long_context")
@@ -205,10 +205,13 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                     max_batch_heads: int | None = None, windows: bool = False, softcap: bool = False,
                     alibi: bool = False, chunks: bool = False, sinks: bool = False, splits: bool = False,
                     sequences: Sequence[str] = ("dense",), page_sizes: Sequence[int] | None = None,
-                    max_len_q: int | None = None, min_len: int = 0, head_dim_v: bool = False):
+                    max_len_q: int | None = None, min_len: int = 0, head_dim_v: bool = False,
+                    descale: bool = False):
     """Return a strategy for :class:`AttentionCase` values.
 
     dtype          the dtype name (``"float16"`` ...), fixed by the test's parametrisation
+    descale        with a float8 dtype, also draw descales (none first; a dense batch only): q, k and v
+                   quantised with one factor per batch entry and key/value head (``references/fp8.py``)
     limits         size limits (lengths, head dim, batch, heads, tiles)
     head_dims      head dims the kernel accepts (None: any up to ``limits.max_head_dim``)
     head_dim_v     also draw a value head dim of its own (v, out and dout ``[..., Dv]``; the same as q's and
@@ -450,6 +453,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                    else batch * len_q)
         num_splits = _splits_within(num_splits, queries=queries, heads=heads_kv * group, head_dim=widest,
                                     limits=limits)
+    descaled = (draw(st.booleans(), label="descale") if descale and dtype in FP8_NAMES and not sequence_fields
+                else False)
     seed = draw(st.integers(0, 2 ** 16), label="seed")
     return AttentionCase(batch=batch, heads_q=heads_kv * group, heads_kv=heads_kv, len_q=len_q,
                          len_k=len_k, head_dim=head_dim, dtype=dtype,
@@ -458,7 +463,7 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                                             attention_chunk=chunk, sinks=sink, num_splits=num_splits,
                                             **sequence_fields),
                          magnitude=magnitude, seed=seed, layout=layout, scale=scale,
-                         block_m=bm, block_n=bn, head_dim_v=value_dim)
+                         block_m=bm, block_n=bn, head_dim_v=value_dim, descale=descaled)
 
 
 # Multi-head latent attention (DeepSeek-V2/V3) as FlashAttention-3 runs its prefill: q and k 192 wide
@@ -630,6 +635,7 @@ def boundary_classes(case: AttentionCase) -> list[str]:
         "head_dim_v_wider": case.value_dim > case.head_dim,
         "head_dim_v_narrower": case.value_dim < case.head_dim,
         "head_dim_v_mla": (case.head_dim, case.value_dim) == MLA_HEAD_DIMS,
+        "fp8_descaled": case.descale,
         "kv_tiles_wider": causal and any(n > m and nk >= 2 * n for m, n in pairs),
         "k_aligned_q_ragged": causal and nk > 0 and any(nk % n == 0 and nq % m != 0 for m, n in pairs),
         "masked_q_tiles": causal and any(nq - nk >= m for m, _ in pairs),
@@ -709,7 +715,7 @@ def allowed_classes(limits: Limits, *, head_dims: Sequence[int] | None = None, g
                     sinks: bool = False, splits: bool = False, sequences: Sequence[str] = ("dense",),
                     page_sizes: Sequence[int] | None = None, max_len_q: int | None = None,
                     max_batch_heads: int | None = None, min_len: int = 0, head_dim_v: bool = False,
-                    **_other) -> list[str]:
+                    descale: bool = False, **_other) -> list[str]:
     """The boundary classes :func:`attention_cases` can draw with these arguments (a declaration's draws:
     ``verify.runner.declared_draws``): a class a declaration rules out (GQA without ``gqa``, a window without
     ``windows``, a head dim above 128 past its limit) is not owed by a run of that kernel."""
@@ -742,6 +748,7 @@ def allowed_classes(limits: Limits, *, head_dims: Sequence[int] | None = None, g
         "head_dim_v_narrower": head_dim_v and (head_dims is None or len(head_dims) > 1),
         "head_dim_v_mla": head_dim_v and limits.max_head_dim >= MLA_HEAD_DIMS[0] and (
             head_dims is None or all(d in head_dims for d in MLA_HEAD_DIMS)),
+        "fp8_descaled": descale and "dense" in sequences,
         "kv_tiles_wider": can_causal,
         "k_aligned_q_ragged": can_causal,
         "masked_q_tiles": can_causal and unequal and alignment == "bottom_right",
@@ -783,7 +790,7 @@ BOUNDARY_CLASSES = ("decode", "decode_causal_gqa", "no_keys", "gqa", "group_4", 
                     "group_16", "group_over_16", "decode_causal_group_over_4", "prefill_group_over_4", "len_over_64", "len_over_128",
                     "len_at_power_of_two_edge", "context_over_8k", "context_over_64k", "head_dim_over_64", "head_dim_over_128",
                     "head_dim_not_power_of_two", "head_dim_v_wider", "head_dim_v_narrower", "head_dim_v_mla",
-                    "kv_tiles_wider", "k_aligned_q_ragged", "masked_q_tiles",
+                    "fp8_descaled", "kv_tiles_wider", "k_aligned_q_ragged", "masked_q_tiles",
                     "fully_masked_rows", "storage_offset", "scale_zero", "scale_negative", "scale_above_one",
                     "scale_tiny", "scale_not_float16", "window_zero", "window_narrow", "window_at_least_n",
                     "softcap", "softcap_below_one", "alibi", "alibi_causal_gqa", "chunks", "chunks_narrower_than_n",

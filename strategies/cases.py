@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from references.fp8 import FP8_DTYPES, out_dtype, quantise
 from references.spec import AttentionSpec
 
 MAGNITUDES = ("normal", "large_logits", "sparse_outliers", "all_negative", "ties", "dominant_key",
@@ -51,7 +52,8 @@ MAGNITUDES = ("normal", "large_logits", "sparse_outliers", "all_negative", "ties
 RENAMED_MAGNITUDES = {"outliers": "sparse_outliers"}
 LAYOUTS = ("contiguous", "bnhd", "padded", "packed")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-          "float64": torch.float64}
+          "float64": torch.float64, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+FP8_NAMES = tuple(name for name, dtype in DTYPES.items() if dtype in FP8_DTYPES)
 SCALES = (0.5, 0.125, 0.0, -0.5, 1.0, 2.5, 1e-8, 0.1, 1 / 3, -1 / 3)
 
 
@@ -87,6 +89,8 @@ class Tensors:
     k: torch.Tensor
     v: torch.Tensor
     dout: torch.Tensor
+    # float8 cases with descales: (q_descale, k_descale, v_descale), each float32 [B, Hkv] (references/fp8.py).
+    descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +112,10 @@ class AttentionCase:
     # The value head dim when it is not head_dim (v, out and dout are [..., head_dim_v]: multi-head latent
     # attention's 192/128); None when v shares q's and k's head dim (it is stored so: equal means None).
     head_dim_v: int | None = None
+    # float8 inputs with descales (references/fp8.py): q, k and v each quantised with one factor per batch
+    # entry and key/value head, handed to the kernel as q_descale, k_descale, v_descale. False: no descales
+    # (always, for the other dtypes).
+    descale: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim_v is not None and self.head_dim_v == self.head_dim:
@@ -128,6 +136,11 @@ class AttentionCase:
             raise CaseError(f"heads_q={self.heads_q} is not a multiple of heads_kv={self.heads_kv}")
         if self.dtype not in DTYPES:
             raise CaseError(f"dtype={self.dtype!r}, but should be one of {tuple(DTYPES)}")
+        if not isinstance(self.descale, bool):
+            raise CaseError(f"descale={self.descale!r}, but should be true or false")
+        if self.descale and self.dtype not in FP8_NAMES:
+            raise CaseError(f"descale=true with dtype={self.dtype!r}: descales come with float8 inputs only "
+                            f"({', '.join(FP8_NAMES)})")
         if not isinstance(self.spec, AttentionSpec):
             raise CaseError(f"spec={self.spec!r}, but should be a references.spec.AttentionSpec")
         if self.spec.varlen:  # the references' frame: the sequences packed one after another in one batch
@@ -156,6 +169,15 @@ class AttentionCase:
         return DTYPES[self.dtype]
 
     @property
+    def out_dtype(self) -> torch.dtype:
+        """The dtype of ``out``: the inputs' own, bfloat16 for float8 inputs."""
+        return out_dtype(self.torch_dtype)
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype in FP8_NAMES
+
+    @property
     def group(self) -> int:
         return self.heads_q // self.heads_kv
 
@@ -174,15 +196,18 @@ class AttentionCase:
         n = self.spec.num_sequences
         batch = f"{n} sequence{'s' * (n != 1)}" if self.spec.varlen else f"B={self.batch}"
         return (f"{batch} Hq={self.heads_q} Hkv={self.heads_kv} Nq={self.len_q} Nk={self.len_k} "
-                f"D={self.head_dim}{'' if self.head_dim_v is None else f' Dv={self.head_dim_v}'} {self.dtype} {self.spec.describe()}{blocks}{scale} "
+                f"D={self.head_dim}{'' if self.head_dim_v is None else f' Dv={self.head_dim_v}'} {self.dtype}"
+                f"{' descaled' if self.descale else ''} {self.spec.describe()}{blocks}{scale} "
                 f"magnitude={self.magnitude} layout={self.layout} seed={self.seed}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON; the spec holds only its fields that differ from their defaults (and causal, alignment);
-        ``head_dim_v`` only when v has a head dim of its own."""
+        ``head_dim_v`` only when v has a head dim of its own, ``descale`` only when true."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.head_dim_v is None:
             del fields["head_dim_v"]
+        if not self.descale:
+            del fields["descale"]
         return {**fields, "spec": self.spec.to_dict()}
 
     def to_json(self) -> str:
@@ -214,7 +239,9 @@ class AttentionCase:
 
     # ----------------------------------------------------------------------------- tensors
     def build(self, device: str | torch.device = "cpu") -> Tensors:
-        """Generate q, k, v, dout (deterministic in the case), cast to the dtype and laid out."""
+        """Generate q, k, v, dout (deterministic in the case), cast to the dtype and laid out. Float8 inputs
+        are quantised (:func:`references.fp8.quantise`: with descales when the case has them) and dout, which
+        a float8 forward has no use for, is drawn in the output's dtype (bfloat16)."""
         gen = torch.Generator().manual_seed(self.seed)
         b, hq, hkv, nq, nk, d = self.batch, self.heads_q, self.heads_kv, self.len_q, self.len_k, self.head_dim
         dv = self.value_dim
@@ -225,9 +252,17 @@ class AttentionCase:
         q, k, v, do = normal(b, hq, nq, d), normal(b, hkv, nk, d), normal(b, hkv, nk, dv), normal(b, hq, nq, dv)
         q, k, v, do = _MAGNITUDE_BUILDERS[self.magnitude](q, k, v, do, gen, self.torch_dtype)
         dtype = self.torch_dtype
+        if not self.fp8:
+            if self.layout == "packed":
+                return Tensors(*_pack([t.to(dtype) for t in (q, k, v, do)], device))
+            return Tensors(*(_lay_out(t.to(dtype), self.layout, device) for t in (q, k, v, do)))
+        (q, qd), (k, kd), (v, vd) = (quantise(t, dtype, heads_kv=self.heads_kv, descaled=self.descale)
+                                     for t in (q, k, v))
+        descales = tuple(d.to(device) for d in (qd, kd, vd)) if self.descale else None
+        do = _lay_out(do.to(self.out_dtype), "contiguous", device)  # its own buffer: another dtype
         if self.layout == "packed":
-            return Tensors(*_pack([t.to(dtype) for t in (q, k, v, do)], device))
-        return Tensors(*(_lay_out(t.to(dtype), self.layout, device) for t in (q, k, v, do)))
+            return Tensors(*_pack([q, k, v], device), do, descales)
+        return Tensors(*(_lay_out(t, self.layout, device) for t in (q, k, v)), do, descales)
 
 
 # --------------------------------------------------------------------------------- magnitudes

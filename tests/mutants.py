@@ -166,6 +166,11 @@ MUTATIONS = (
     Mutation("delta_over_query_head_dim", "the backward's Delta = rowsum(dO * O) summed over q's head dim, not v's",
              "delta = (do * out.to(acc_dtype)).sum(dim=-1)",
              "delta = (do[..., :d] * out.to(acc_dtype)[..., :d]).sum(dim=-1)"),
+    # Bugs of float8 inputs with descales: without descales (or with every factor 1) they change nothing.
+    Mutation("k_descale_from_q", "float8: the scores scaled by q's descale twice, k's never",
+             ") * _descale_heads(kd, hq, q.device)", ") * _descale_heads(qd, hq, q.device)"),
+    Mutation("v_descale_dropped", "float8: v's descale never multiplies the output",
+             "out[:, :, m0:m1] = (o * v_factor).to(out.dtype)", "out[:, :, m0:m1] = o.to(out.dtype)"),
     Mutation("second_head_dim_half_not_rescaled", "for D > 64 the accumulator's second half is not rescaled",
              "acc = acc * alpha[..., None] + pv",
              "acc = torch.cat([acc[..., :64] * alpha[..., None], acc[..., 64:]], dim=-1) + pv"),

@@ -55,6 +55,8 @@ MINIMAL = {
     "scale_from_value_head_dim": ("a value head dim of its own and the default scale",
                                   lambda c, s: c.get("head_dim_v") is not None and c["scale"] is None),
     "delta_over_query_head_dim": ("v wider than q and k", lambda c, s: (c.get("head_dim_v") or 0) > c["head_dim"]),
+    "k_descale_from_q": ("float8 with descales", lambda c, s: c.get("descale") is True),
+    "v_descale_dropped": ("float8 with descales", lambda c, s: c.get("descale") is True),
 }
 
 
@@ -126,10 +128,11 @@ def test_scale_rounded_to_float16_fails_in_half_precision(dtype, tmp_path):
 @pytest.mark.parametrize(("name", "before"), [("gqa_large_group_packed_by_4", {"max_group": 3}),
                                               ("split_partials_in_64_slots", {"max_splits": 5}),
                                               ("scale_from_value_head_dim", {}),
-                                              ("delta_over_query_head_dim", {})])
+                                              ("delta_over_query_head_dim", {}),
+                                              ("k_descale_from_q", {}), ("v_descale_dropped", {})])
 def test_only_the_real_shape_draws_catch_these_mutants(name, before):
-    """Drawn as before groups above 3, splits above 5 and a value head dim of its own were (``before``; the
-    draws below never ask for ``head_dim_v``), every case gives the mutant's out and LSE, and with a declared
+    """Drawn as before groups above 3, splits above 5, a value head dim of its own and float8 inputs were
+    (``before``; the draws below never ask for ``head_dim_v`` and are float32), every case gives the mutant's out and LSE, and with a declared
     backward its dq, dk, dv and Delta, bit for bit the unchanged kernel's: only the new draws can catch it
     (and the suite does, ``test_mutant_fails_the_suite``)."""
     import dataclasses

@@ -13,6 +13,7 @@ import torch
 
 from flashverify_kernels.conventions import ContractError
 from flashverify_kernels.declaration import sinks_tensor
+from references.fp8 import out_dtype
 from strategies.cases import dtype_name
 from verify.context import Context, NotForThisKernel, StickyDeviceError
 from verify.faults import OutOfMemoryError, release_out_of_memory, resource_failures_fail
@@ -41,17 +42,20 @@ def check_tensor(ctx: Context, *, label: str, actual: Any, shape: tuple[int, ...
             ctx.fail(f"{label} is (a view of) one of the input tensors, not a newly computed result")
 
 
-def run_forward(ctx: Context, case, q, k, v, *, sinks: torch.Tensor | None = None, handed=None):
+def run_forward(ctx: Context, case, q, k, v, *, sinks: torch.Tensor | None = None, handed=None, descales=None):
     """Call the implementation's forward and check the output contract; returns ``(out, lse|None)`` in the
     references' frame (``Implementation.call``). ``sinks``: the sinks tensor to pass (a leaf whose gradient
-    the caller reads), instead of one made from the spec; ``handed``: ``Implementation.call``'s."""
+    the caller reads), instead of one made from the spec; ``handed``: ``Implementation.call``'s;
+    ``descales``: a float8 case's (``Tensors.descales``), required when the case has them."""
     __tracebackhide__ = True
+    if getattr(case, "descale", False) and descales is None:
+        raise ValueError(f"{ctx.prop}: the case has descales, and the property passed none to run_forward")
     out_of_memory = None
     contract = None
     try:
         with resource_failures_fail(ctx, case, device=q.device, where="forward"), stage("kernel"):
-            out, lse = ctx.impl.call(q, k, v, spec=case.spec, scale=case.scale,
-                                     block_m=case.block_m, block_n=case.block_n, sinks=sinks, handed=handed)
+            out, lse = ctx.impl.call(q, k, v, spec=case.spec, scale=case.scale, block_m=case.block_m,
+                                     block_n=case.block_n, sinks=sinks, handed=handed, descales=descales)
     except ContractError as exc:
         contract = str(exc)
     except OutOfMemoryError as exc:
@@ -67,8 +71,8 @@ def run_forward(ctx: Context, case, q, k, v, *, sinks: torch.Tensor | None = Non
     if out_of_memory is not None:  # failed outside the except block: the new failure holds no traceback
         ctx.fail(f"the kernel ran out of device memory in its forward ({out_of_memory}); "
                  "its memory was released and the run goes on")
-    check_tensor(ctx, label="out", actual=out, shape=(*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device,
-                 inputs=(q, k, v))
+    check_tensor(ctx, label="out", actual=out, shape=(*q.shape[:3], v.shape[-1]), dtype=out_dtype(q.dtype),
+                 device=q.device, inputs=(q, k, v))
     if lse is not None:
         check_tensor(ctx, label="lse", actual=lse, shape=tuple(q.shape[:3]), dtype=lse_dtype(q.dtype),
                      device=q.device, inputs=(q, k, v))

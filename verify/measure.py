@@ -17,6 +17,7 @@ from functools import cached_property
 import torch
 
 from references import attention as reference, baseline, bounds
+from references.fp8 import dequantise, is_fp8
 from references.criteria import magnitudes
 from references.metrics import ErrorStats, abs_error
 from verify.asserts import assert_accurate
@@ -69,18 +70,33 @@ class Truth:
     ``dout``: of the backward too) under the case's attention spec; each computed once, when first needed.
 
     Nothing here depends on the kernel but the gradient bounds, which :meth:`gradient_bounds` computes
-    per kernel: kernels that compute the same spec can share one ``Truth``."""
+    per kernel: kernels that compute the same spec can share one ``Truth``.
+
+    Float8 inputs come with their ``descales`` (``(q_descale, k_descale, v_descale)`` or None): the
+    reference and the bounds see the dequantised values (:func:`references.fp8.dequantise`), the eager
+    baseline the float8 ones and the descales, as a float8 kernel does."""
 
     def __init__(self, case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                 dout: torch.Tensor | None = None):
+                 dout: torch.Tensor | None = None, descales=None):
         self.case, self.q, self.k, self.v, self.dout = case, q, k, v, dout
         self.options = {"spec": case.spec, "scale": case.scale}
+        self.descales = descales
+        if descales is not None and not is_fp8(q.dtype):
+            raise ValueError(f"descales come with float8 inputs only; q is {q.dtype}")
+
+    @cached_property
+    def exact_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v`` as the values they stand for: the inputs themselves, float8 ones dequantised."""
+        if not is_fp8(self.q.dtype):
+            return self.q, self.k, self.v
+        descales = self.descales if self.descales is not None else (None, None, None)
+        return tuple(dequantise(x, d) for x, d in zip((self.q, self.k, self.v), descales))
 
     @cached_property
     def ref(self) -> reference.Reference:
         try:
             with stage("reference"):
-                ref = reference.attention(self.q, self.k, self.v, dout=self.dout, **self.options)
+                ref = reference.attention(*self.exact_inputs, dout=self.dout, **self.options)
         except OutOfMemoryError as exc:
             # The suite's own float64 reference, not the kernel, ran out: the case is too large for this
             # device, which says nothing about the kernel. Skip with the reason (the memory is released).
@@ -112,7 +128,8 @@ class Truth:
 
     def _eager(self, options: dict) -> dict[str, torch.Tensor]:
         with stage("baseline"):
-            out, lse = baseline.forward(self.q, self.k, self.v, **options)
+            out, lse = baseline.forward(self.q, self.k, self.v, **options,
+                                        **({"descales": self.descales} if self.descales is not None else {}))
             results = {"out": out, "lse": lse}
             if self.dout is not None:
                 grads = baseline.backward(self.q, self.k, self.v, self.dout, out=out, **options)
@@ -131,7 +148,7 @@ class Truth:
         """The rounding bounds of ``out`` and ``lse``."""
         ref = self.ref
         with stage("bounds"):
-            return dict(zip(("out", "lse"), bounds.forward_bounds(ref, self.q, self.k, self.v, dtype=self.q.dtype)))
+            return dict(zip(("out", "lse"), bounds.forward_bounds(ref, *self.exact_inputs, dtype=self.q.dtype)))
 
     def lse_error(self, lse: torch.Tensor | None) -> float:
         """The largest error of the kernel's stored ``lse`` on a row with keys, each row's capped at that

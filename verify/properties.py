@@ -42,9 +42,10 @@ def _rng(case: AttentionCase, salt: int) -> torch.Generator:
     return torch.Generator().manual_seed(case.seed * 1_000_003 + salt)
 
 
-def _truth(ctx: Context, case: AttentionCase, q, k, v, dout=None) -> measure.Truth:
-    """What the kernel's results on ``q, k, v`` are compared with: the attention the case's spec describes."""
-    return measure.Truth(case, q, k, v, dout=dout)
+def _truth(ctx: Context, case: AttentionCase, q, k, v, dout=None, *, descales=None) -> measure.Truth:
+    """What the kernel's results on ``q, k, v`` are compared with: the attention the case's spec describes
+    (of the dequantised values, for float8 inputs with ``descales``)."""
+    return measure.Truth(case, q, k, v, dout=dout, descales=descales)
 
 
 def _needs_lse(ctx: Context, lse) -> None:
@@ -64,8 +65,8 @@ def _same(ctx: Context, *, what: str, a, b, tol) -> None:
 def out_matches_reference(ctx: Context, case: AttentionCase) -> None:
     """``out`` vs the float64 reference: criterion 1 (baseline-relative) and 2 (rounding bound)."""
     t = case.build(ctx.device)
-    out, _ = run_forward(ctx, case, t.q, t.k, t.v)
-    truth = _truth(ctx, case, t.q, t.k, t.v)
+    out, _ = run_forward(ctx, case, t.q, t.k, t.v, descales=t.descales)
+    truth = _truth(ctx, case, t.q, t.k, t.v, descales=t.descales)
     measure.check(ctx, truth, "out", out, truth.forward_bounds)
 
 
@@ -73,9 +74,9 @@ def out_matches_reference(ctx: Context, case: AttentionCase) -> None:
 def lse_matches_reference(ctx: Context, case: AttentionCase) -> None:
     """``lse`` (natural log, over the visible keys) vs the float64 reference, both criteria."""
     t = case.build(ctx.device)
-    _, lse = run_forward(ctx, case, t.q, t.k, t.v)
+    _, lse = run_forward(ctx, case, t.q, t.k, t.v, descales=t.descales)
     _needs_lse(ctx, lse)
-    truth = _truth(ctx, case, t.q, t.k, t.v)
+    truth = _truth(ctx, case, t.q, t.k, t.v, descales=t.descales)
     measure.check(ctx, truth, "lse", lse, truth.forward_bounds)
 
 
@@ -84,9 +85,9 @@ def lse_between_max_and_max_plus_log_n(ctx: Context, case: AttentionCase) -> Non
     """``max_j s_ij <= lse_i <= max_j s_ij + log(visible keys of row i)``, up to the LSE bound (with sinks
     the sink is one more of the row's terms: every row has it)."""
     t = case.build(ctx.device)
-    _, lse = run_forward(ctx, case, t.q, t.k, t.v)
+    _, lse = run_forward(ctx, case, t.q, t.k, t.v, descales=t.descales)
     _needs_lse(ctx, lse)
-    truth = _truth(ctx, case, t.q, t.k, t.v)
+    truth = _truth(ctx, case, t.q, t.k, t.v, descales=t.descales)
     ref, lse_bound = truth.ref, truth.forward_bounds["lse"]
     n_visible = ref.n_visible.to(torch.float64)  # [Nq]
     if ref.sink is not None:
@@ -110,8 +111,8 @@ def out_within_visible_values(ctx: Context, case: AttentionCase) -> None:
     """Each ``out`` row lies in the box spanned by the visible ``v`` rows (up to the bound); with sinks, by
     those rows and 0 (the sink's value)."""
     t = case.build(ctx.device)
-    out, _ = run_forward(ctx, case, t.q, t.k, t.v)
-    truth = _truth(ctx, case, t.q, t.k, t.v)
+    out, _ = run_forward(ctx, case, t.q, t.k, t.v, descales=t.descales)
+    truth = _truth(ctx, case, t.q, t.k, t.v, descales=t.descales)
     ref, out_bound = truth.ref, truth.forward_bounds["out"]
     lo, hi = _visible_value_box(ref)
     if ref.sink is not None:

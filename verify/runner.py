@@ -32,7 +32,7 @@ from hypothesis import event, given, reject, seed, settings, strategies as st, t
 from flashverify_kernels.declaration import CAPABILITIES, Implementation
 from references.spec import AttentionSpec
 from strategies.attention import Limits, attention_cases, boundary_classes, conform_length
-from strategies.cases import DTYPES, AttentionCase
+from strategies.cases import DTYPES, FP8_NAMES, AttentionCase
 from strategies.softmax import softmax_cases
 from verify import properties
 from verify.gpu import sticky_cuda_error
@@ -41,7 +41,8 @@ from verify.faults import release_example_memory, release_failed_example
 from verify.properties import NotForThisCase, NotForThisKernel
 from verify.watchdog import end_if_interrupted
 
-DTYPE_NAMES = tuple(DTYPES)
+# The dtypes every property is parametrised over; float8 inputs (forward only) have their own module.
+DTYPE_NAMES = tuple(name for name in DTYPES if name not in FP8_NAMES)
 
 
 def _ignore(_: dict[str, Any]) -> None:
@@ -212,6 +213,7 @@ def declared_draws(impl: Implementation, causal: bool | None, draw: dict[str, An
                 "alignment": impl.causal_alignment, "equal_lengths": impl.equal_lengths,
                 "len_q_multiple": mq, "len_k_multiple": mk, "scale_choices": impl.scale_choices,
                 "max_batch_heads": impl.max_batch_heads, "head_dims": impl.head_dims, "head_dim_v": impl.head_dim_v,
+                "descale": impl.descale,
                 **{cap.field: getattr(impl, cap.field) for cap in CAPABILITIES},
                 "sequences": impl.sequences, "page_sizes": impl.page_sizes, "max_len_q": impl.max_len_q}
     if causal is None and not (impl.causal and impl.non_causal):
@@ -388,4 +390,4 @@ def check_softmax(prop: str, impl: Implementation, dtype: str, env: Env) -> None
     _own_seed(run, "softmax", prop, dtype, env.seed)()
 
 
-__all__ = ["DTYPE_NAMES", "Env", "check_attention", "check_longest", "check_softmax", "longest_case"]
+__all__ = ["DTYPE_NAMES", "FP8_NAMES", "Env", "check_attention", "check_longest", "check_softmax", "longest_case"]

@@ -29,7 +29,7 @@ from reports.timing import read_timing
 
 _SPEC = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 TYPICAL_TIMES = Path(__file__).with_name("typical_times.json")
-_DTYPE = re.compile(r"\[(?:.*-)?(float16|bfloat16|float32|float64)\]$")
+_DTYPE = re.compile(r"\[(?:.*-)?(float16|bfloat16|float32|float64|float8_e4m3fn|float8_e5m2)\]$")
 
 
 def parse(spec: str) -> tuple[int, int]:

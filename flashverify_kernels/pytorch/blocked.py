@@ -76,6 +76,7 @@ import torch
 
 from flashverify_kernels import _autograd, _validate
 from flashverify_kernels.declaration import ALL_DTYPES
+from references.fp8 import FP8_DTYPES, is_fp8, out_dtype
 
 NEG_INF = float("-inf")
 NO_WINDOW = _validate.NO_WINDOW
@@ -202,11 +203,11 @@ def _variant(q, *, kernel, acc_dtype, window_size, attention_chunk, softcap, ali
                     sink=None if var.sinks is None else var.sinks.detach().to(acc_dtype), splits=var.splits)
 
 
-def _check(q, k, v, *, kernel, scale, block_m, block_n):
+def _check(q, k, v, *, kernel, scale, block_m, block_n, dtypes=ALL_DTYPES):
     """Validate the inputs and return the softmax scale (``1/sqrt(head_dim)`` when None)."""
     _validate.check_block("block_m", block_m, kernel=kernel)
     _validate.check_block("block_n", block_n, kernel=kernel)
-    _validate.check_attention_inputs(q, k, v, kernel=kernel, dtypes=ALL_DTYPES, scale=scale, head_dim_v=True)
+    _validate.check_attention_inputs(q, k, v, kernel=kernel, dtypes=dtypes, scale=scale, head_dim_v=True)
     return _default_scale(q.shape[-1]) if scale is None else float(scale)
 
 
@@ -215,7 +216,7 @@ def _outputs(q, k, v, out, lse, *, kernel):
     _validate.check_out_buffers(q, k, v, out, lse, kernel=kernel, lse_dtypes=(_acc_dtype(q.dtype),))
     b, hq, len_q = q.shape[:3]
     if out is None:
-        out = torch.empty(b, hq, len_q, v.shape[-1], dtype=q.dtype, device=q.device)
+        out = torch.empty(b, hq, len_q, v.shape[-1], dtype=out_dtype(q.dtype), device=q.device)
     if lse is None:
         lse = torch.empty(b, hq, len_q, dtype=_acc_dtype(q.dtype), device=q.device)
     return out, lse
@@ -252,16 +253,32 @@ def _merge(parts):
     return out, lse
 
 
+def _descale_heads(descale, hq: int, device) -> torch.Tensor | float:
+    """A float8 input's ``[B, Hkv]`` descale as float32 ``[B, Hq, 1, 1]``; 1.0 without one."""
+    if descale is None:
+        return 1.0
+    return descale.to(device=device, dtype=torch.float32).repeat_interleave(hq // descale.shape[1], dim=1)[:, :, None, None]
+
+
 def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,
                     block_m: int = 64, block_n: int = 64, out=None, lse=None, window_size=NO_WINDOW,
                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None, attention_chunk: int = 0,
-                    sinks: torch.Tensor | None = None, num_splits: int = 1):
+                    sinks: torch.Tensor | None = None, num_splits: int = 1, descales=(None, None, None)):
     """FA2 forward without autograd: returns ``(out, lse)``. ``out``/``lse`` given: the results are
-    written into them (any strides) and they are returned."""
-    scale = _check(q, k, v, kernel="fa2_blocked", scale=scale, block_m=block_m, block_n=block_n)
+    written into them (any strides) and they are returned. Float8 inputs (``references/fp8.py``), with
+    ``descales`` ``(q_descale, k_descale, v_descale)``: the scores are the float32 dots times
+    ``scale q_descale k_descale`` (one float32 factor per head), ``p`` is cast to v's float8 format, the
+    accumulator is divided by ``l`` and multiplied by ``v_descale``, and out is bfloat16."""
+    scale = _check(q, k, v, kernel="fa2_blocked", scale=scale, block_m=block_m, block_n=block_n,
+                   dtypes=_FORWARD_DTYPES)
     b, hq, len_q, d = q.shape
     len_k = k.shape[2]
     acc_dtype = _acc_dtype(q.dtype)
+    qd, kd, vd = _validate.check_descales(q, k, descales, kernel="fa2_blocked")
+    if is_fp8(q.dtype):  # one float32 score factor per head; v's descale multiplies the normalised output
+        scale = (torch.tensor(scale, dtype=acc_dtype, device=q.device) * _descale_heads(qd, hq, q.device)
+                 ) * _descale_heads(kd, hq, q.device)
+    v_factor = _descale_heads(vd, hq, q.device)
     var = _variant(q, kernel="fa2_blocked", acc_dtype=acc_dtype, window_size=window_size,
                    attention_chunk=attention_chunk, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                    num_splits=num_splits)
@@ -293,7 +310,7 @@ def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None
             parts.append((acc / torch.where(empty, 1.0, l_i)[..., None],
                           torch.where(empty, NEG_INF, m_i + torch.log(l_i))))
         o, lse_tile = _merge(parts)
-        out[:, :, m0:m1] = o.to(q.dtype)
+        out[:, :, m0:m1] = (o * v_factor).to(out.dtype)
         lse[:, :, m0:m1] = lse_tile
     return out, lse
 
@@ -403,12 +420,16 @@ def fa2_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float 
     return (*grads, (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype))
 
 
+# What the forwards' shared checks accept; each forward then checks its own (fa1's: no float8).
+_FORWARD_DTYPES = (*ALL_DTYPES, *FP8_DTYPES)
+
+
 def _dense(q, k, v, causal, scale, block_m, block_n, forward_raw, out, lse, kernel, variant_keywords, sinks):
     """One dense call under autograd: the forward and backward with the variant's keywords, the sinks as a
     differentiable input."""
     buffers = None
     if out is not None or lse is not None:
-        _check(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
+        _check(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n, dtypes=_FORWARD_DTYPES)
         buffers = _outputs(q, k, v, out, lse, kernel=kernel)
     keywords = {key: value for key, value in variant_keywords.items() if not _is_default(key, value)}
     backward = fa2_backward
@@ -437,7 +458,7 @@ def _apply(q, k, v, *, causal, scale, block_m, block_n, forward_raw, out, lse, k
     variant_keywords["softcap"] = _validate.check_softcap(variant_keywords["softcap"], kernel=kernel)
     if not any(value is not None for value in sequences.values()):
         if out is not None or lse is not None or variant_keywords["alibi_slopes"] is not None or sinks is not None:
-            _check(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
+            _check(q, k, v, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n, dtypes=_FORWARD_DTYPES)
             _validate.check_alibi_slopes(variant_keywords["alibi_slopes"], q, kernel=kernel)
             _validate.check_sinks(sinks, q, kernel=kernel)
         return _dense(q, k, v, causal, scale, block_m, block_n, forward_raw, out, lse, kernel, variant_keywords,
@@ -570,7 +591,7 @@ class _Sequences:
         ``dim``: the results' head dim when it is not ``like``'s (the output has v's)."""
         if self.kind == "packed":
             if not parts:
-                return like.new_zeros((*like.shape[:-1], like.shape[-1] if dim is None else dim))
+                return like.new_zeros((*like.shape[:-1], like.shape[-1] if dim is None else dim), dtype=out_dtype(like.dtype))
             return torch.cat([p[0].transpose(0, 1) for p in parts], dim=0)
         width = like.shape[2]
         return torch.cat([torch.nn.functional.pad(p, (0, 0, 0, width - p.shape[2])) for p in parts], dim=0)
@@ -605,7 +626,8 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
                 block_m: int = 64, block_n: int = 64, out=None, lse=None, window_size=NO_WINDOW,
                 softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None, attention_chunk: int = 0,
                 sinks: torch.Tensor | None = None, num_splits: int = 1, cu_seqlens_q=None, cu_seqlens_k=None,
-                max_seqlen_q=None, max_seqlen_k=None, seqlens_q=None, seqlens_k=None, block_table=None):
+                max_seqlen_q=None, max_seqlen_k=None, seqlens_q=None, seqlens_k=None, block_table=None,
+                q_descale=None, k_descale=None, v_descale=None):
     """FA2 forward with autograd: ``(out, lse)``; gradients flow through ``out`` (to ``sinks`` too).
 
     ``out=`` (q's shape and dtype) and ``lse=`` (``[B, Hq, Nq]``, float32; float64 for float64 inputs),
@@ -613,12 +635,43 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     :class:`flashverify_kernels.registry.Implementation`); gradients still flow to q, k, v through the returned out.
     Variable-length sequences (module docstring): ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``,
     ``max_seqlen_k`` (packed), ``seqlens_q``, ``seqlens_k`` (padded), ``block_table``, ``seqlens_k`` (paged).
+    Float8 q, k, v (``float8_e4m3fn``, ``float8_e5m2``; forward only, no gradients), with ``q_descale``,
+    ``k_descale``, ``v_descale`` (float32 ``[B, Hkv]``, each None for 1) in a dense batch: out is bfloat16
+    (:func:`fa2_forward_raw`).
     """
     sequences = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                      max_seqlen_k=max_seqlen_k, seqlens_q=seqlens_q, seqlens_k=seqlens_k, block_table=block_table)
+    descales = (q_descale, k_descale, v_descale)
+    if any(d is not None for d in descales) or (is_fp8(getattr(q, "dtype", None)) and _any_grad(q, k, v)):
+        return _fp8_forward(q, k, v, descales, sequences, causal=causal, scale=scale, block_m=block_m,
+                            block_n=block_n, out=out, lse=lse, window_size=window_size, softcap=softcap,
+                            alibi_slopes=alibi_slopes, attention_chunk=attention_chunk, sinks=sinks,
+                            num_splits=num_splits)
     return _apply(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n, forward_raw=fa2_forward_raw,
                   out=out, lse=lse, kernel="fa2_blocked", sinks=sinks, sequences=sequences, window_size=window_size,
                   softcap=softcap, alibi_slopes=alibi_slopes, attention_chunk=attention_chunk, num_splits=num_splits)
+
+
+def _any_grad(*tensors) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _fp8_forward(q, k, v, descales, sequences, *, out, lse, window_size, softcap, alibi_slopes, sinks, **keywords):
+    """The float8 forward of :func:`fa2_forward`: a dense batch, no autograd (the contract takes float8 in
+    the forward only)."""
+    kernel = "fa2_blocked"
+    given = [name for name, value in sequences.items() if value is not None]
+    if given:
+        raise ValueError(f"{kernel}: descales are taken in a dense batch only, not with {', '.join(given)}")
+    _validate.check_descales(q, k, descales, kernel=kernel)  # descales with other dtypes: refused here
+    if _any_grad(q, k, v):
+        raise ValueError(f"{kernel}: float8 inputs are taken in the forward only; q, k, v should not require grad")
+    window = _validate.check_window(window_size, kernel=kernel)
+    cap = _validate.check_softcap(softcap, kernel=kernel)
+    _validate.check_alibi_slopes(alibi_slopes, q, kernel=kernel)
+    _validate.check_sinks(sinks, q, kernel=kernel)
+    return fa2_forward_raw(q, k, v, out=out, lse=lse, window_size=window, softcap=cap, alibi_slopes=alibi_slopes,
+                           sinks=sinks, descales=descales, **keywords)
 
 
 def fa1_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
