@@ -180,6 +180,11 @@ if triton_attention is not None and triton_softmax is not None:
     _BF16_DOT_LIMIT = ((torch.bfloat16, "Triton interpreter: tl.dot on bfloat16 operands is unsupported "
                                         "(bf16 held as int16); bf16 is verified on GPU only"),)
     _ENVIRONMENT_LIMITS = _BF16_DOT_LIMIT if _INTERPRET else ()
+    # The interpreter converts float32 to float8 by truncation, not to nearest as the GPU does (a p of 0.478
+    # becomes 0.25 in e5m2): the cast of p then errs by up to twice what the bound allows.
+    _FP8_LIMITS = tuple((dtype, "Triton interpreter: float32 -> float8 conversions truncate instead of rounding "
+                                "to nearest; float8 is verified on GPU only")
+                        for dtype in triton_attention.FP8_DTYPES) if _INTERPRET else ()
     # The interpreter runs every program instance in Python: cap the examples per property there.
     _MAX_EXAMPLES = 10 if _INTERPRET else None
     # Each query head (and each KV split of the decode kernel) is a program instance, which the interpreter
@@ -212,6 +217,7 @@ if triton_attention is not None and triton_softmax is not None:
 
     TRITON_FA2 = _triton_attention(
         name="triton_fa2", forward=triton_attention.fa2_forward, sibling="triton_fa1",
+        dtypes=triton_attention.FORWARD_DTYPES, descale=True, environment_limits=_ENVIRONMENT_LIMITS + _FP8_LIMITS,
         description="Triton FlashAttention-2: outer-scaled forward, Delta/dK-dV/dQ backward without atomics",
     )
     TRITON_FA1 = _triton_attention(

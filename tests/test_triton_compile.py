@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 F16, F32, I32 = "*fp16", "*fp32", "*i32"
 POINTERS = {"Q": F16, "K": F16, "V": F16, "Out": F16, "DO": F16, "DOut": F16, "DK": F16, "DV": F16, "DQ": F16,
             "Lse": F32, "Delta": F32, "Rows": F32, "Slopes": F32, "Sinks": F32, "OutPart": F32, "LsePart": F32,
-            "CuQ": I32, "CuK": I32, "BlockTable": I32, "SeqlensK": I32}
+            "CuQ": I32, "CuK": I32, "BlockTable": I32, "SeqlensK": I32, "QDescale": F32, "KDescale": F32,
+            "VDescale": F32}
 FLOATS = {"qk_scale", "sm_scale", "softcap"}
 # descriptor -> (dtype, its rows' constant, its columns' constant: v and dO are v's head dim wide)
 DESCRIPTORS = {"DescK": ("fp16", "BLOCK_N", "BLOCK_D"), "DescV": ("fp16", "BLOCK_N", "BLOCK_DV"),
@@ -58,12 +59,16 @@ CASES = {
     # TMA: the unmasked tiles through tensor descriptors built on the host (dense rows only)
     **{f"fwd_{name}": ("triton.attention", "_attn_fwd",
                        {**TILE, **_flags(on), "ALIGNED": True, "CAUSAL": True, "SPLIT": True, "INNER_SCALED": False,
-                        "NATURAL": on, "LIBDEVICE": True, "TMA": not on})
+                        "NATURAL": on, "LIBDEVICE": True, "TMA": not on, "DESCALE": False})
        for name, on in (("plain", False), ("every_variant", True))},
+    # float8 (e4m3) q, k, v with FlashAttention-3's descales, out bfloat16: pointer loads (no TMA)
+    "fwd_fp8_descaled": ("triton.attention", "_attn_fwd",
+                         {**TILE, **_flags(False), "ALIGNED": True, "CAUSAL": True, "SPLIT": True,
+                          "INNER_SCALED": False, "NATURAL": False, "LIBDEVICE": True, "TMA": False, "DESCALE": True}),
     "fwd_scores_modified_tma": ("triton.attention", "_attn_fwd",
                                 {**TILE, **_flags(False), "SOFTCAP": True, "ALIBI": True, "SINKS": True, "ALIGNED": True,
                                  "CAUSAL": True, "SPLIT": True, "INNER_SCALED": False, "NATURAL": True,
-                                 "LIBDEVICE": True, "TMA": True}),
+                                 "LIBDEVICE": True, "TMA": True, "DESCALE": False}),
     # ATOMIC_DQ (dK/dV only): dQ added with atomics from the dK/dV kernel (deterministic=False); GQA (dK/dV
     # only): one loop over (query head, Q block), taken here without atomics, the plain loop with them; MASKED_TMA
     # (backward only; the launcher's choice at head dim 128): the masked tiles through the descriptors too
@@ -82,7 +87,7 @@ CASES = {
     **{f"{kernel}_mla": ("triton.attention", kernel,
                          {**MLA_TILE, **(_flags(True) if kernel == "_attn_fwd" else _BWD_FLAGS), "ALIGNED": True,
                           "CAUSAL": True, "SPLIT": True, "NATURAL": True, "LIBDEVICE": True, "TMA": False,
-                          **({"INNER_SCALED": False} if kernel == "_attn_fwd" else {"MASKED_TMA": False}),
+                          **({"INNER_SCALED": False, "DESCALE": False} if kernel == "_attn_fwd" else {"MASKED_TMA": False}),
                           **({"ATOMIC_DQ": False, "GQA": True} if kernel == "_attn_bwd_dkdv" else {})})
        for kernel in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq")},
     "_attn_bwd_delta": ("triton.attention", "_attn_bwd_delta",
@@ -117,6 +122,8 @@ def _compile_one(module: str, name: str, constexprs: dict) -> tuple[str, str]:
                  ("fp32" if p.name in FLOATS else "i32") for p in kernel.params}
     if name == "_attn_bwd_dkdv":
         signature["DQ"] = "*fp32"  # the float32 dQ sums the launcher gives it (atomic dQ)
+    if constexprs.get("DESCALE"):  # float8 inputs, bfloat16 out
+        signature.update(Q="*fp8e4nv", K="*fp8e4nv", V="*fp8e4nv", Out="*bf16")
     # Descriptor arguments: host-built [B, H, N, D] descriptors with TMA, the tensors themselves without.
     for desc, (dtype, rows, cols) in DESCRIPTORS.items():
         if desc in signature:

@@ -115,6 +115,12 @@ from flashverify_kernels.triton import replay
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The FA2 forward also takes float8 (forward only, out in bfloat16, FlashAttention-3's descales: fa2_forward).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FORWARD_DTYPES = (*DTYPES, *FP8_DTYPES)
+# float8 tiles: the float8 matrix instructions add 32 products a step, so the head-dim tile and the key tile
+# (the K of P @ V) are at least 32 wide.
+FP8_MIN_TILE = 32
 DEVICES = ("cpu", "cuda") if INTERPRET else ("cuda",)
 HEAD_DIMS = range(16, 257, 8)
 # Block sizes accepted by the launchers: powers of two, at least 16 (tl.dot's smallest tile).
@@ -163,7 +169,7 @@ def _launch_options(block_m: int, block_n: int, block_d: int, dtype: torch.dtype
 _ALIGNABLE = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb", "stride_vh", "stride_ob", "stride_oh",
               "stride_gb", "stride_gh", "stride_dkb", "stride_dkh", "stride_dvb", "stride_dvh", "stride_dqb",
               "stride_dqh")
-_NOT_SPECIALIZED = ("head_dim", "head_dim_v", "len_q", "len_k", "heads_q", "heads_kv", "group", "stride_lb",
+_NOT_SPECIALIZED = ("head_dim", "head_dim_v", "len_q", "len_k", "heads_q", "heads_kv", "group", "stride_lb", "stride_xb",
                     "stride_lh", "stride_db", "stride_dh", "stride_sb", "window_left", "window_right", "chunk",
                     *_ALIGNABLE)
 
@@ -174,15 +180,15 @@ def _kernel(fn):
     return triton.jit(fn, do_not_specialize=[name for name in _NOT_SPECIALIZED if name in params])
 
 
-def _head_dim_meta(head_dim: int, head_dim_v: int | None = None) -> dict:
+def _head_dim_meta(head_dim: int, head_dim_v: int | None = None, *, least: int = 16) -> dict:
     """A kernel's head-dim arguments: ``head_dim`` (q's and k's) padded to BLOCK_D (EVEN_D: no padding) and,
     given, ``head_dim_v`` (v's: v, out, dO, dV, the output accumulator) padded to BLOCK_DV (EVEN_DV), and
     SAME_DV (Dv = D: :func:`_v_columns`). The Delta kernel, which reads out and dO only, takes v's head dim
-    as its one ``head_dim``."""
-    block_d = _padded_head_dim(head_dim)
+    as its one ``head_dim``. ``least``: the narrowest tile (float8's :data:`FP8_MIN_TILE`)."""
+    block_d = max(least, _padded_head_dim(head_dim))
     meta = {"head_dim": head_dim, "BLOCK_D": block_d, "EVEN_D": head_dim == block_d}
     if head_dim_v is not None:
-        block_dv = _padded_head_dim(head_dim_v)
+        block_dv = max(least, _padded_head_dim(head_dim_v))
         meta.update(head_dim_v=head_dim_v, BLOCK_DV=block_dv, EVEN_DV=head_dim_v == block_dv,
                     SAME_DV=head_dim_v == head_dim)
     return meta
@@ -279,10 +285,10 @@ def _fixed_blocks(block_m, block_n) -> tuple[int, int] | None:
     return (block_m or DEFAULT_BLOCKS[0], block_n or DEFAULT_BLOCKS[1])
 
 
-def _check_inputs(q, k, v, *, kernel: str, scale, block_m, block_n) -> float:
+def _check_inputs(q, k, v, *, kernel: str, scale, block_m, block_n, dtypes=DTYPES) -> float:
     _check_blocks(block_m, block_n, kernel=kernel)
     # v may have a head dim of its own (module docstring); the default scale is 1/sqrt(q's head dim)
-    scale = _validate.check_attention_inputs(q, k, v, kernel=kernel, dtypes=DTYPES, devices=DEVICES,
+    scale = _validate.check_attention_inputs(q, k, v, kernel=kernel, dtypes=dtypes, devices=DEVICES,
                                              gqa=True, head_dims=HEAD_DIMS, scale=scale, head_dim_v=True)
     return scale
 
@@ -483,10 +489,11 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, tma_b, tma_h, stride
             v = _load_rows(V + cols[:, None] * stride_vn, cols, kv_end, offs_dv, head_dim_v, BLOCK_DV, EVEN_DV,
                            MASKED)
         if NATURAL:  # -- the modified scores s' in natural units
-            qk, _ = _modified(tl.dot(q, tl.trans(k), input_precision="ieee"), sm_scale, softcap, slope,
+            qk, _ = _modified(tl.dot(q, tl.trans(k), input_precision="ieee", max_num_imprecise_acc=0), sm_scale,
+                              softcap, slope,
                               offs_m[:, None], cols[None, :], causal_offset, SOFTCAP, ALIBI, LIBDEVICE)
         else:  # -- raw scores q.k in float32 (q carries sign(scale): the largest is the largest scaled score)
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee", max_num_imprecise_acc=0)
         if MASKED:
             visible = _visible(offs_m[:, None], cols[None, :], kv_end, causal_offset, window_left, window_right,
                                chunk, len_q, CAUSAL, WINDOW, CHUNK)
@@ -510,14 +517,15 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, tma_b, tma_h, stride
             arg = tl.where(visible, arg, float("-inf"))
         p = tl.math.exp2(arg)
         l_new = l_i * alpha + tl.sum(p, axis=1)
-        # -- p in the input dtype for the P @ V dot, accumulated in float32
+        # -- p in the input dtype for the P @ V dot, accumulated in float32 (float8 dots too: every matrix
+        # instruction's sum is added to the float32 accumulator, max_num_imprecise_acc=0; a no-op otherwise)
         p_low = p.to(v.dtype)
         if INNER_SCALED:
-            pv = tl.dot(p_low, v, input_precision="ieee")
+            pv = tl.dot(p_low, v, input_precision="ieee", max_num_imprecise_acc=0)
             numer = acc * (alpha * l_i)[:, None] + pv
             acc = numer / tl.where(l_new == 0.0, 1.0, l_new)[:, None]
         else:
-            acc = tl.dot(p_low, v, acc * alpha[:, None], input_precision="ieee")
+            acc = tl.dot(p_low, v, acc * alpha[:, None], input_precision="ieee", max_num_imprecise_acc=0)
         m_i = m_new
         l_i = l_new
     return acc, m_i, l_i
@@ -552,6 +560,7 @@ def _kv_window(start_m, last_row, len_k, len_q, causal_offset, window_left, wind
 
 @_kernel
 def _attn_fwd(Q, K, V, Out, Lse, DescK, DescV, qk_scale, sm_scale, Slopes, Sinks, CuQ, CuK,
+              QDescale, KDescale, VDescale, stride_xb, stride_xh,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
@@ -563,7 +572,7 @@ def _attn_fwd(Q, K, V, Out, Lse, DescK, DescV, qk_scale, sm_scale, Slopes, Sinks
               INNER_SCALED: tl.constexpr, ALIGNED: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, VARLEN: tl.constexpr,
               NATURAL: tl.constexpr, LIBDEVICE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+              BLOCK_N: tl.constexpr, DESCALE: tl.constexpr = False):
     head_dim_v = _v_columns(head_dim, head_dim_v, SAME_DV)
     stride_qb, stride_qh = _hint16(stride_qb, ALIGNED), _hint16(stride_qh, ALIGNED)
     stride_kb, stride_kh = _hint16(stride_kb, ALIGNED), _hint16(stride_kh, ALIGNED)
@@ -578,6 +587,11 @@ def _attn_fwd(Q, K, V, Out, Lse, DescK, DescV, qk_scale, sm_scale, Slopes, Sinks
     off_b = (pid_bh // heads_q).to(tl.int64)
     off_h = (pid_bh % heads_q).to(tl.int64)
     off_hkv = off_h // group
+    if DESCALE:  # float8 descales (FlashAttention-3's): the scores' factor times q's and k's, [B, Hkv] each
+        qk_descale = (tl.load(QDescale + off_b * stride_xb + off_hkv * stride_xh)
+                      * tl.load(KDescale + off_b * stride_xb + off_hkv * stride_xh))
+        qk_scale = qk_scale * qk_descale
+        sm_scale = sm_scale * qk_descale
     start_m = pid_m * BLOCK_M
     q_start = 0
     k_start = 0
@@ -656,6 +670,8 @@ def _attn_fwd(Q, K, V, Out, Lse, DescK, DescV, qk_scale, sm_scale, Slopes, Sinks
         else:
             c_abs = tl.where(qk_scale < 0, -qk_scale, qk_scale)
         lse = tl.where(empty, float("-inf"), (m_i * c_abs + tl.log2(l_safe)) * _LN2)
+        if DESCALE:  # v's descale on the normalised output (a common factor of every weighted v row)
+            out = out * tl.load(VDescale + off_b * stride_xb + off_hkv * stride_xh)
         _store_rows(Out + off_b * stride_ob + off_h * stride_oh + q_start * stride_om
                     + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
                     out.to(Out.dtype.element_ty), offs_m, len_q, offs_dv, head_dim_v, EVEN_DV)
@@ -1170,8 +1186,9 @@ def _outputs(q, k, v, out, lse, *, kernel: str):
     kernel writes through their strides, so any strided view works), else new contiguous ones."""
     _validate.check_out_buffers(q, k, v, out, lse, kernel=kernel, lse_dtypes=(torch.float32,))
     b, hq, len_q, _ = q.shape
-    if out is None:  # [B, Hq, Nq, Dv]: v's head dim
-        out = replay.empty((b, hq, len_q, v.shape[3]), dtype=q.dtype, device=q.device)
+    if out is None:  # [B, Hq, Nq, Dv]: v's head dim; bfloat16 for float8 inputs
+        out = replay.empty((b, hq, len_q, v.shape[3]), dtype=torch.bfloat16 if q.dtype in FP8_DTYPES else q.dtype,
+                           device=q.device)
     if lse is None:
         lse = replay.empty((b, hq, len_q), dtype=torch.float32, device=q.device)
     return out, lse
@@ -1184,7 +1201,7 @@ class _Call:
 
     def __init__(self, q, k, v, *, kernel, causal, scale, block_m, block_n, window_size=(-1, -1),
                  attention_chunk=0, softcap=0.0, alibi_slopes=None, sinks=None, cu_seqlens_q=None,
-                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, descales=None, dtypes=DTYPES):
         if not isinstance(causal, bool):
             raise TypeError(f"{kernel}: causal={causal!r}, but should be a bool")
         self.varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -1197,8 +1214,18 @@ class _Call:
             q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))
         else:
             q4, k4, v4 = q, k, v
-        self.scale = _check_inputs(q4, k4, v4, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n)
+        self.scale = _check_inputs(q4, k4, v4, kernel=kernel, scale=scale, block_m=block_m, block_n=block_n,
+                                   dtypes=dtypes)
         self.q, self.k, self.v = q4, k4, v4
+        self.fp8 = q4.dtype in FP8_DTYPES
+        self.descales = None
+        if descales is not None and any(d is not None for d in descales):
+            if self.varlen:
+                raise ValueError(f"{kernel}: descales are taken in a dense batch only, not with cu_seqlens")
+            qd, kd, vd = _validate.check_descales(q4, k4, descales, kernel=kernel)
+            ones = torch.ones((q4.shape[0], k4.shape[1]), dtype=torch.float32, device=q4.device)
+            # contiguous: one stride pair serves the three
+            self.descales = tuple((ones if d is None else d).contiguous() for d in (qd, kd, vd))
         self.causal, self.kernel = causal, kernel
         if self.varlen:
             cq = _validate.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device,
@@ -1341,13 +1368,20 @@ def _forward_full(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scale
     """:func:`_forward`'s full path: validation, the choice of kernel and tiles, the launch."""
     _check_gluon(gluon, kernel=kernel)
     call = _Call(q, k, v, kernel=kernel, causal=causal, scale=scale, block_m=block_m, block_n=block_n, sinks=sinks,
-                 **variant)
+                 dtypes=DTYPES if inner_scaled else FORWARD_DTYPES, **variant)
+    if call.fp8 and gluon:
+        raise ValueError(f"{kernel}: gluon=True, but the Gluon forward takes float16 or bfloat16, not {q.dtype}")
+    if call.fp8:  # tiles at least as wide as the float8 instructions' step
+        gluon = False
+        if block_m is not None or block_n is not None:
+            block_m, block_n = (max(FP8_MIN_TILE, b or DEFAULT_BLOCKS[i]) for i, b in enumerate((block_m, block_n)))
     q4, k4, v4 = call.q, call.k, call.v
     if call.varlen:
         if out is not None or lse is not None:
             raise ValueError(f"{kernel}: out=/lse= buffers are taken for a dense batch only, not with cu_seqlens")
         # [total_q, Hq, Dv] (v's head dim), as [1, Hq, total_q, Dv]
-        out4 = q.new_empty((*q.shape[:2], v.shape[2])).transpose(0, 1)[None]
+        out4 = q.new_empty((*q.shape[:2], v.shape[2]), dtype=torch.bfloat16 if call.fp8 else q.dtype
+                           ).transpose(0, 1)[None]
         lse4 = call.rows_buffer()
     else:
         out4, lse4 = _outputs(q, k, v, out, lse, kernel=kernel)
@@ -1360,18 +1394,20 @@ def _forward_full(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scale
         # Hopper: the warp-specialized Gluon forward (flashverify_kernels/hopper/forward.py), same numerics.
         gluon_forward.forward(q4, k4, v4, out4, lse4, causal=causal, scale=call.scale)
     elif work:
-        dims = _head_dim_meta(d, d_v)
+        dims = _head_dim_meta(d, d_v, least=FP8_MIN_TILE if call.fp8 else 16)
         # Descriptors (TMA) for the unmasked KV tiles: dense float16/bfloat16 rows, head dim a power of two
         # up to 128 (v's the same), Hopper or later.
         tma = _use_tma(call, d, dims["BLOCK_D"], k4, v4)
+        xd = call.descales or (lse4, lse4, lse4)  # never read without DESCALE
         args = (q4, k4, v4, out4, lse4, *_descriptors((k4, v4), tma), call.scale * LOG2E, call.scale,
-                *call.pointers(q4),
+                *call.pointers(q4), *xd, *xd[0].stride()[:2],
                 *call.batch_strides(q4), *call.batch_strides(k4), *call.batch_strides(v4), *call.batch_strides(out4),
                 *call.batch_strides(lse4), call.stride_sb,
                 hq, hq // hkv, q4.shape[2], k4.shape[2], call.seq_bucket(), *call.scalars)
         meta = {**dims, "CAUSAL": causal, "SPLIT": _split_stages(q.dtype), "INNER_SCALED": inner_scaled,
                 "ALIGNED": _aligned(q4, k4, v4, out4), **flags, "SINKS": call.sinks is not None, "TMA": tma,
-                "NATURAL": flags["SOFTCAP"] or flags["ALIBI"] or call.sinks is not None}
+                "NATURAL": flags["SOFTCAP"] or flags["ALIBI"] or call.sinks is not None,
+                "DESCALE": call.descales is not None}
         _run(_attn_fwd, _attn_fwd_tuned, lambda bm, bn: (triton.cdiv(call.max_q, bm), call.batch * hq), args, meta,
              _fixed_blocks(block_m, block_n), _tile_width(dims), q.dtype, name=kernel)
     if call.varlen:
@@ -1553,7 +1589,8 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
                 block_m: int | None = None, block_n: int | None = None, out=None, lse=None,
                 window_size=(-1, -1), attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes=None, sinks=None,
                 cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                deterministic: bool = True, gluon: bool | None = None):
+                deterministic: bool = True, gluon: bool | None = None, q_descale=None, k_descale=None,
+                v_descale=None):
     """Triton FlashAttention-2 forward: ``(out, lse)``; gradients flow through ``out`` (and to ``sinks``).
 
     ``q`` is ``[B, Hq, Nq, D]``, ``k`` ``[B, Hkv, Nk, D]`` and ``v`` ``[B, Hkv, Nk, Dv]`` (``Hq % Hkv ==
@@ -1587,10 +1624,25 @@ def fa2_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     strides, dtypes and alignment of an earlier call, with the same other arguments, replays the launches
     that call made (:mod:`flashverify_kernels.triton.replay`): the same kernels, a fraction of the host time.
     ``FLASHVERIFY_REPLAY=0`` runs the full path on every call.
+
+    Float8 (``float8_e4m3fn``, ``float8_e5m2``; forward only, no gradients; the Triton kernel, never the
+    Gluon one): ``out`` is bfloat16, and ``q_descale``, ``k_descale``, ``v_descale`` (float32 ``[B, Hkv]``,
+    FlashAttention-3's; a dense batch only; each None for 1) make the attention that of the dequantised
+    inputs: the scores' factor is ``scale q_descale k_descale``, p is cast to v's format for ``P @ V``, and
+    the normalised output is multiplied by ``v_descale``. Float8 tiles are at least 32 wide (the float8
+    matrix instructions' step): smaller ``block_m``/``block_n`` are raised to 32.
     """
     variant = dict(window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
                    alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    descales = (q_descale, k_descale, v_descale)
+    if getattr(q, "dtype", None) in FP8_DTYPES or any(d is not None for d in descales):
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
+            raise ValueError("triton_fa2: float8 inputs are taken in the forward only; q, k, v should not "
+                             "require grad")
+        return _forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n, inner_scaled=False,
+                        kernel="triton_fa2", out=out, lse=lse, sinks=sinks, gluon=gluon, descales=descales,
+                        **variant)
     return _apply(q, k, v, causal, scale, block_m, block_n, False, out, lse, sinks, variant, deterministic, gluon)
 
 
