@@ -42,7 +42,7 @@ import math
 import torch
 
 from references.attention import expand_kv, reduce_group, row_chunks
-from references.fp8 import is_fp8, out_dtype
+from references.fp8 import is_fp8, out_dtype, per_head
 from references.spec import AttentionSpec, require_spec
 
 
@@ -93,8 +93,7 @@ def _descale_heads(descale, hq: int, like: torch.Tensor) -> torch.Tensor:
     """A ``[B, Hkv]`` descale as float32 ``[B, Hq, 1, 1]`` (1 without one)."""
     if descale is None:
         return torch.ones((1, 1, 1, 1), dtype=torch.float32, device=like.device)
-    return descale.to(device=like.device, dtype=torch.float32).repeat_interleave(
-        hq // descale.shape[1], dim=1)[:, :, None, None]
+    return per_head(descale, hq, dtype=torch.float32, device=like.device)
 
 
 def forward(q, k, v, *, spec: AttentionSpec = AttentionSpec(), scale: float | None = None, descales=None):

@@ -32,6 +32,12 @@ def out_dtype(dtype: torch.dtype) -> torch.dtype:
     return FP8_OUT_DTYPE if is_fp8(dtype) else dtype
 
 
+def per_head(descale: torch.Tensor, heads: int, *, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """A ``[B, Hkv]`` descale as ``[B, heads, 1, 1]`` in ``dtype`` (each query head of a group gets its KV head's)."""
+    return descale.to(device=device if device is not None else descale.device, dtype=dtype).repeat_interleave(
+        heads // descale.shape[1], dim=1)[:, :, None, None]
+
+
 def quantise(x: torch.Tensor, dtype: torch.dtype, *, heads_kv: int | None, descaled: bool
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x`` (float64 ``[B, H, N, D]``) in float8 ``dtype``, and its descale ``[B, Hkv]`` (float32) or None.
@@ -49,8 +55,7 @@ def quantise(x: torch.Tensor, dtype: torch.dtype, *, heads_kv: int | None, desca
     blocks = x.reshape(b, heads_kv, (h // heads_kv) * n * d)
     amax = blocks.abs().amax(dim=-1) if blocks.shape[-1] else torch.zeros(b, heads_kv, dtype=F64)
     descale = torch.where(amax > 0, amax / top, 1.0).to(torch.float32)
-    per_head = descale.to(F64).repeat_interleave(h // heads_kv, dim=1)[:, :, None, None]
-    return (x / per_head).clamp(-top, top).to(dtype), descale
+    return (x / per_head(descale, h, dtype=F64)).clamp(-top, top).to(dtype), descale
 
 
 def dequantise(x: torch.Tensor, descale: torch.Tensor | None) -> torch.Tensor:
@@ -63,8 +68,7 @@ def dequantise(x: torch.Tensor, descale: torch.Tensor | None) -> torch.Tensor:
     if tuple(descale.shape) != (b, descale.shape[1]) or h % descale.shape[1]:
         raise ValueError(f"descale.shape={tuple(descale.shape)}, but should be [B, Hkv] = [{b}, Hkv] with "
                          f"Hkv dividing the {h} heads of x")
-    per_head = descale.to(device=x.device, dtype=F64).repeat_interleave(h // descale.shape[1], dim=1)
-    return x64 * per_head[:, :, None, None]
+    return x64 * per_head(descale, h, dtype=F64, device=x.device)
 
 
-__all__ = ["DESCALES", "FP8_DTYPES", "FP8_OUT_DTYPE", "dequantise", "is_fp8", "out_dtype", "quantise"]
+__all__ = ["DESCALES", "FP8_DTYPES", "FP8_OUT_DTYPE", "dequantise", "is_fp8", "out_dtype", "per_head", "quantise"]

@@ -76,7 +76,7 @@ import torch
 
 from flashverify_kernels import _autograd, _validate
 from flashverify_kernels.declaration import ALL_DTYPES
-from references.fp8 import FP8_DTYPES, is_fp8, out_dtype
+from references.fp8 import FP8_DTYPES, is_fp8, out_dtype, per_head
 
 NEG_INF = float("-inf")
 NO_WINDOW = _validate.NO_WINDOW
@@ -257,7 +257,7 @@ def _descale_heads(descale, hq: int, device) -> torch.Tensor | float:
     """A float8 input's ``[B, Hkv]`` descale as float32 ``[B, Hq, 1, 1]``; 1.0 without one."""
     if descale is None:
         return 1.0
-    return descale.to(device=device, dtype=torch.float32).repeat_interleave(hq // descale.shape[1], dim=1)[:, :, None, None]
+    return per_head(descale, hq, dtype=torch.float32, device=device)
 
 
 def fa2_forward_raw(q, k, v, *, causal: bool = False, scale: float | None = None,

@@ -108,6 +108,7 @@ except ImportError:  # pragma: no cover - older Triton
     from triton.language.extra.cuda import libdevice
 
 from flashverify_kernels import _autograd, _validate
+from references.fp8 import FP8_DTYPES, out_dtype
 
 from flashverify_kernels.hopper import backward as gluon_backward, forward as gluon_forward
 
@@ -116,7 +117,6 @@ from flashverify_kernels.triton import replay
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The FA2 forward also takes float8 (forward only, out in bfloat16, FlashAttention-3's descales: fa2_forward).
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FORWARD_DTYPES = (*DTYPES, *FP8_DTYPES)
 # float8 tiles: the float8 matrix instructions add 32 products a step, so the head-dim tile and the key tile
 # (the K of P @ V) are at least 32 wide.
@@ -1187,8 +1187,7 @@ def _outputs(q, k, v, out, lse, *, kernel: str):
     _validate.check_out_buffers(q, k, v, out, lse, kernel=kernel, lse_dtypes=(torch.float32,))
     b, hq, len_q, _ = q.shape
     if out is None:  # [B, Hq, Nq, Dv]: v's head dim; bfloat16 for float8 inputs
-        out = replay.empty((b, hq, len_q, v.shape[3]), dtype=torch.bfloat16 if q.dtype in FP8_DTYPES else q.dtype,
-                           device=q.device)
+        out = replay.empty((b, hq, len_q, v.shape[3]), dtype=out_dtype(q.dtype), device=q.device)
     if lse is None:
         lse = replay.empty((b, hq, len_q), dtype=torch.float32, device=q.device)
     return out, lse
@@ -1380,8 +1379,7 @@ def _forward_full(q, k, v, *, causal: bool, scale, block_m, block_n, inner_scale
         if out is not None or lse is not None:
             raise ValueError(f"{kernel}: out=/lse= buffers are taken for a dense batch only, not with cu_seqlens")
         # [total_q, Hq, Dv] (v's head dim), as [1, Hq, total_q, Dv]
-        out4 = q.new_empty((*q.shape[:2], v.shape[2]), dtype=torch.bfloat16 if call.fp8 else q.dtype
-                           ).transpose(0, 1)[None]
+        out4 = q.new_empty((*q.shape[:2], v.shape[2]), dtype=out_dtype(q.dtype)).transpose(0, 1)[None]
         lse4 = call.rows_buffer()
     else:
         out4, lse4 = _outputs(q, k, v, out, lse, kernel=kernel)
