@@ -1,5 +1,5 @@
-"""verify/interpreter.py: Triton's interpreter with the repeated patching skipped gives the same bits as
-without, for the shipped Triton kernels (forward, backward, decode), and stays out of the way when it cannot
+"""verify/interpreter.py: Triton's interpreter with the repeated patching and the unasserted overflow checks
+skipped gives the same bits as without, for the shipped Triton kernels (forward, backward, decode), and stays out of the way when it cannot
 apply."""
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ import json, sys, torch
 from verify import interpreter
 if sys.argv[1] == "skip":
     assert interpreter.skip_repatching() is None
+    assert interpreter.skip_unasserted_overflow_checks() is None
+    from triton.runtime import interpreter as triton_interpreter
+    assert triton_interpreter.interpreter_builder.options.sanitize_overflow is False
 from flashverify_kernels.registry import registry
 from strategies.cases import AttentionCase
 from references.spec import AttentionSpec
@@ -59,5 +62,22 @@ def test_skipping_the_repatching_changes_no_bit(tmp_path):
 
 def test_it_says_why_it_does_not_apply(monkeypatch):
     monkeypatch.setattr(interpreter, "_installed", False)
+    monkeypatch.setattr(interpreter, "_overflow_checks_skipped", False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert interpreter.skip_repatching() == "TRITON_INTERPRET is not 1"
+    assert interpreter.skip_unasserted_overflow_checks() == "TRITON_INTERPRET is not 1"
+
+
+def test_overflow_checks_stay_where_debug_asserts_them(monkeypatch):
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from triton.runtime import interpreter as triton_interpreter
+
+    builder = triton_interpreter.interpreter_builder
+    monkeypatch.setattr(interpreter, "_overflow_checks_skipped", False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True, sanitize_overflow=True))
+    monkeypatch.setattr(triton_interpreter, "_get_np_dtype", triton_interpreter._get_np_dtype)
+    assert "debug option is on" in interpreter.skip_unasserted_overflow_checks()
+    assert builder.options.sanitize_overflow is True

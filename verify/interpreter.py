@@ -1,4 +1,5 @@
-"""Triton's interpreter without its repeated language patching: the same results, a quarter less time.
+"""Triton's interpreter without its repeated language patching and its unasserted overflow checks: the same
+results, in half the time.
 
 Under ``TRITON_INTERPRET=1`` every launch patches ``triton.language`` so that its builtins run on NumPy, runs
 the grid, and restores it. Every call of a ``@triton.jit`` helper from inside the kernel patches the language
@@ -11,10 +12,19 @@ patched every language module the helper sees (the kernel's, and those an earlie
 saw: ``triton.language.core`` for ``tl.sum`` and ``tl.max``); anything else is patched as before. It changes nothing when Triton's
 interpreter is not in use or does not have the pieces it wraps (another Triton version): then it says so
 and leaves Triton alone.
+
+:func:`skip_unasserted_overflow_checks` drops work whose result the interpreter throws away. Its options turn
+``sanitize_overflow`` on and ``debug`` off: every integer ``+``, ``-`` and ``*`` of a kernel (its index and
+pointer arithmetic) is redone in int64 and compared with int32's range, and the comparison goes to
+``device_assert``, which does nothing with ``debug`` off. Turning ``sanitize_overflow`` off where ``debug`` is
+off keeps every result and assertion as they were and takes a third off an interpreted kernel's time. With
+``TRITON_DEBUG=1``-style options (``debug`` on) nothing is changed. It also builds once the table from
+Triton's types to NumPy's that the interpreter builds again at every cast and splat.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -78,4 +88,56 @@ def skip_repatching() -> str | None:
     interpreter._patch_lang = patch_lang
     executor.__call__ = launch
     _installed = True
+    return None
+
+
+_overflow_checks_skipped = False
+
+
+def skip_unasserted_overflow_checks() -> str | None:
+    """With ``TRITON_INTERPRET=1``, turn off the interpreter's overflow sanitizing where its ``debug`` is off
+    (nothing asserts its checks then) and build its type table once; return why not, or None."""
+    global _overflow_checks_skipped
+    if _overflow_checks_skipped:
+        return None
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return "TRITON_INTERPRET is not 1"
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except Exception as exc:  # noqa: BLE001 - no Triton, nothing to speed up
+        return f"Triton's interpreter cannot be imported ({type(exc).__name__})"
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    to_numpy = getattr(interpreter, "_get_np_dtype", None)
+    if not dataclasses.is_dataclass(options) or not {"debug", "sanitize_overflow"} <= {
+            f.name for f in dataclasses.fields(options)} or to_numpy is None:
+        return "this Triton's interpreter has no interpreter_builder.options with debug and sanitize_overflow"
+    if options.debug:
+        return "the interpreter's debug option is on: its overflow checks are asserted"
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+    table = {}
+    for name in ("int1", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16",
+                 "bfloat16", "float32", "float64", "float8e5", "float8e5b16", "float8e4nv", "float8e4b8",
+                 "float8e4b15"):
+        ty = getattr(tl, name, None)
+        if ty is not None:
+            try:
+                table[ty] = to_numpy(ty)
+            except KeyError:  # a type this Triton's interpreter does not map
+                pass
+    pointer = np.dtype(np.uint64)
+
+    @functools.wraps(to_numpy)
+    def np_dtype(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            return pointer
+        found = table.get(scalar)
+        return found if found is not None else to_numpy(tt_dtype)
+
+    interpreter._get_np_dtype = np_dtype
+    _overflow_checks_skipped = True
     return None

@@ -240,6 +240,7 @@ def pytest_keyboard_interrupt(excinfo):
 
 def pytest_configure(config):
     interpreter.skip_repatching()  # Triton's interpreter (TRITON_INTERPRET=1) patches its language once a launch
+    interpreter.skip_unasserted_overflow_checks()  # and computes no overflow check that nothing asserts
     torch.set_num_threads(cpu_threads(config))
     if _collects_verify(config):
         gpu_budget(config)  # validates --gpu-memory; caps this process's allocator before any test
