@@ -12,12 +12,25 @@ Under pytest-xdist (``pytest tests -n 2``, the README's command) the run is sche
 - the default ``--dist load`` hands out tests one at a time (``--maxschedchunk 1`` unless given), so the
   short tests fill in behind the long ones on whichever worker is free;
 - each worker's torch gets its share of the cores (one thread each for ``-n 2`` on 2 cores): more threads
-  than cores slow every test down, most of all the subprocess runs, which use one thread each.
+  than cores slow every test down, most of all the subprocess runs, which use one thread each;
+- about seventy tests start a ``pytest verify`` of their own. Where ``PYTHONDONTWRITEBYTECODE`` is set, each
+  of them would compile the suite's modules and redo pytest's assertion rewriting of them from the source
+  (2 of the 7 seconds a subprocess takes to start on one core): the run keeps compiled files instead, under
+  one cache folder outside the checkout (``PYTHONPYCACHEPREFIX``, ``<tmp>/flashverify-pycache`` unless one
+  is set), so the checkout stays as clean as the variable keeps it.
 """
 
 import os
+import sys
+import tempfile
 
 import pytest
+
+if sys.pycache_prefix is None:
+    os.environ["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix = os.path.join(tempfile.gettempdir(),
+                                                                          "flashverify-pycache")
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
 
 if "TRITON_INTERPRET" not in os.environ:
     import torch
