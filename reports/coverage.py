@@ -72,6 +72,8 @@ REQUIRED: dict[str, str | None] = {
     "paged_pages_permuted": None,
     "paged_decode": None,
     "paged_speculative": None,
+    # float8 inputs with FlashAttention-3's descales (the blocked FA2 declares them; Triton's FA2 on a GPU)
+    "fp8_descaled": None,
 }
 
 

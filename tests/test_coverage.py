@@ -74,9 +74,9 @@ def _run_ci(tmp_path, *args):
 
 @pytest.mark.slow
 def test_a_ci_run_reaches_every_required_class_and_draws_distinct_cases(tmp_path):
-    # One shipped kernel in one dtype (the whole catalogue, ~10 s of CPU): every required class is
-    # reached by construction, not by luck of a long run.
-    report = _run_ci(tmp_path, "--impl", "fa2_blocked", "-k", "float32")
+    # One shipped kernel in one dtype (the whole catalogue, ~10 s of CPU) and float8's own properties in
+    # e4m3: every required class is reached by construction, not by luck of a long run.
+    report = _run_ci(tmp_path, "--impl", "fa2_blocked", "-k", "float32 or float8_e4m3fn")
     records = coverage.read_coverage(report)
     # Owed is what the declaration and the profile allow: all the required classes but multi-head latent
     # attention's 192/128, which needs head dim 192 (the cpu profiles stop at 136; a GPU run owes it).
