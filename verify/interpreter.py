@@ -29,14 +29,14 @@ import functools
 import inspect
 import os
 
+import numpy as np
+
 _installed = False
 
 
-def skip_repatching() -> str | None:
-    """Install the skip (once per process) when ``TRITON_INTERPRET=1``; return why not, or None."""
-    global _installed
-    if _installed:
-        return None
+def _interpreter():
+    """``(triton.language, triton.runtime.interpreter)`` when ``TRITON_INTERPRET=1`` and Triton imports; else why
+    not, in words."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return "TRITON_INTERPRET is not 1"
     try:
@@ -44,6 +44,18 @@ def skip_repatching() -> str | None:
         from triton.runtime import interpreter
     except Exception as exc:  # noqa: BLE001 - no Triton, nothing to speed up
         return f"Triton's interpreter cannot be imported ({type(exc).__name__})"
+    return tl, interpreter
+
+
+def skip_repatching() -> str | None:
+    """Install the skip (once per process) when ``TRITON_INTERPRET=1``; return why not, or None."""
+    global _installed
+    if _installed:
+        return None
+    found = _interpreter()
+    if isinstance(found, str):
+        return found
+    tl, interpreter = found
     executor = getattr(interpreter, "GridExecutor", None)
     patch = getattr(interpreter, "_patch_lang", None)
     scope = getattr(interpreter, "_LangPatchScope", None)
@@ -100,14 +112,10 @@ def skip_unasserted_overflow_checks() -> str | None:
     global _overflow_checks_skipped
     if _overflow_checks_skipped:
         return None
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return "TRITON_INTERPRET is not 1"
-    try:
-        import numpy as np
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except Exception as exc:  # noqa: BLE001 - no Triton, nothing to speed up
-        return f"Triton's interpreter cannot be imported ({type(exc).__name__})"
+    found = _interpreter()
+    if isinstance(found, str):
+        return found
+    tl, interpreter = found
     builder = getattr(interpreter, "interpreter_builder", None)
     options = getattr(builder, "options", None)
     to_numpy = getattr(interpreter, "_get_np_dtype", None)
