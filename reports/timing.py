@@ -1,7 +1,8 @@
 """Time per property and where it goes, from ``timing-*.jsonl``.
 
 The plugin writes one record per test as it ends: its wall time and the seconds of each stage
-(``verify/stages.py``: the kernel, the float64 reference, the rounding bounds, the eager baseline). This
+(``verify/stages.py``: the kernel, Triton's compiles, the float64 reference, the rounding bounds, the eager
+baseline) and the Triton kernels it compiled. This
 module adds them up per property for ``summary.json`` and ``report.md``; what no stage claims (drawing cases
 and building inputs, the comparisons, the report's own writing) is the rest. Under pytest-xdist the seconds
 are the workers' added together, not the run's wall time.
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from reports.session import read_stream
 
-STAGES = ("kernel", "reference", "bounds", "baseline")
+STAGES = ("kernel", "compile", "reference", "bounds", "baseline")
 
 
 def read_timing(report_dir: str | Path) -> list[dict]:
@@ -23,15 +24,17 @@ def read_timing(report_dir: str | Path) -> list[dict]:
 
 
 def summary(report_dir: str | Path) -> dict:
-    """``{"seconds": all tests' seconds, "stages": {stage: seconds, "rest": seconds}, "by_property": rows}``,
-    the rows longest first; each row: the property, its tests, their seconds, the slowest test and its
-    seconds, and the seconds of each stage and of the rest."""
+    """``{"seconds": all tests' seconds, "stages": {stage: seconds, "rest": seconds}, "compiles": count,
+    "by_property": rows}``, the rows longest first; each row: the property, its tests, their seconds, the slowest
+    test and its seconds, the seconds of each stage and of the rest, and the Triton kernels its tests compiled."""
     rows: dict[str, dict] = {}
     for r in read_timing(report_dir):
         prop = str(r.get("property"))
         row = rows.setdefault(prop, {"property": prop, "tests": 0, "seconds": 0.0, "slowest_test": None,
-                                     "slowest_seconds": 0.0, "stages": dict.fromkeys(STAGES, 0.0)})
+                                     "slowest_seconds": 0.0, "stages": dict.fromkeys(STAGES, 0.0), "compiles": 0})
         row["tests"] += 1
+        if isinstance(r.get("compiles"), int):
+            row["compiles"] += r["compiles"]
         row["seconds"] += r["seconds"]
         if r["seconds"] >= row["slowest_seconds"]:
             row["slowest_test"], row["slowest_seconds"] = r.get("test"), r["seconds"]
@@ -51,7 +54,7 @@ def summary(report_dir: str | Path) -> dict:
     seconds = sum(row["seconds"] for row in table)
     total["rest"] = max(0.0, seconds - sum(total.values()))
     return {"seconds": round(seconds, 3), "stages": {name: round(v, 3) for name, v in total.items()},
-            "by_property": table}
+            "compiles": sum(row["compiles"] for row in table), "by_property": table}
 
 
 def _share(part: float, whole: float) -> str:
@@ -66,15 +69,17 @@ def markdown(timing: dict) -> list[str]:
     columns = (*STAGES, "rest")
     lines = ["", "## Time per property", "",
              "Seconds of all the property's tests (pytest-xdist workers' added together), longest first, and "
-             "where they went: the kernel under test, the float64 reference, the rounding-error bounds, the "
-             "eager baseline, and the rest (drawing cases, building inputs, the comparisons).", "",
-             "| property | tests | seconds | slowest test s | " + " | ".join(columns) + " |",
-             "|---|---|---|---|" + "---|" * len(columns)]
+             "where they went: the kernel under test, Triton's compiles (a kernel new to the worker compiled, or "
+             "loaded from Triton's cache), the float64 reference, the rounding-error bounds, the eager baseline, "
+             "and the rest (drawing cases, building inputs, the comparisons); and the Triton kernels compiled.", "",
+             "| property | tests | seconds | slowest test s | " + " | ".join(columns) + " | compiles |",
+             "|---|---|---|---|" + "---|" * (len(columns) + 1)]
     for row in rows:
         spent = row["stages"]
         lines.append(f"| {row['property']} | {row['tests']} | {row['seconds']:.1f} | {row['slowest_seconds']:.1f} | "
-                     + " | ".join(_share(spent.get(c, 0.0), row["seconds"]) for c in columns) + " |")
+                     + " | ".join(_share(spent.get(c, 0.0), row["seconds"]) for c in columns)
+                     + f" | {row.get('compiles', 0)} |")
     total, spent = timing.get("seconds", 0.0), timing.get("stages") or {}
     lines.append(f"| all | {sum(r['tests'] for r in rows)} | {total:.1f} | | "
-                 + " | ".join(_share(spent.get(c, 0.0), total) for c in columns) + " |")
+                 + " | ".join(_share(spent.get(c, 0.0), total) for c in columns) + f" | {timing.get('compiles', 0)} |")
     return lines

@@ -384,25 +384,57 @@ def test_a_nested_stage_is_charged_alone_and_the_time_is_folded_per_property(tmp
     with stages.stage("bounds"):
         with stages.stage("reference"):
             next(now), next(now)
-    spent = stages.end_test()
-    assert spent == {"kernel": 1.0, "reference": 3.0, "bounds": 2.0, "baseline": 0.0}
+    with stages.stage("kernel"):  # kernel 8-9, a compile 9-11 (two steps), kernel 11-12
+        with stages.stage("compile"):
+            next(now)
+    spent, compiles = stages.end_test()
+    assert spent == {"kernel": 3.0, "compile": 2.0, "reference": 3.0, "bounds": 2.0, "baseline": 0.0}
+    assert compiles == 0  # counted by the wrapped compile only
     with stages.stage("kernel"):  # no test timed: nothing is charged, nothing breaks
         pass
     with pytest.raises(ValueError, match="should be one of"):
-        with stages.stage("compile"):
+        with stages.stage("triton"):
             pass
     session = ReportSession(tmp_path, worker="gw0")
-    session.timing({"test": "a", "property": "p", "seconds": 10.0, "stages": spent})
-    session.timing({"test": "b", "property": "p", "seconds": 4.0, "stages": {"kernel": 4.0}})
+    session.timing({"test": "a", "property": "p", "seconds": 14.0, "stages": spent, "compiles": 1})
+    session.timing({"test": "b", "property": "p", "seconds": 4.0, "stages": {"kernel": 4.0}, "compiles": 3})
     session.timing({"test": "c", "property": "q", "seconds": 1.0, "stages": {}})
     session.close()
     result = write.write_summary(tmp_path, html=False)["time"]
     p, q = result["by_property"]
-    assert (p["property"], p["tests"], p["seconds"], p["slowest_test"]) == ("p", 2, 14.0, "a")
-    assert p["stages"] == {"kernel": 5.0, "reference": 3.0, "bounds": 2.0, "baseline": 0.0, "rest": 4.0}
-    assert q["stages"]["rest"] == 1.0 and result["seconds"] == 15.0
+    assert (p["property"], p["tests"], p["seconds"], p["slowest_test"]) == ("p", 2, 18.0, "a")
+    assert p["stages"] == {"kernel": 7.0, "compile": 2.0, "reference": 3.0, "bounds": 2.0, "baseline": 0.0,
+                           "rest": 4.0}
+    assert q["stages"]["rest"] == 1.0 and result["seconds"] == 19.0
+    assert (p["compiles"], q["compiles"], result["compiles"]) == (4, 0, 4)
     text = (tmp_path / "report.md").read_text()
-    assert "| p | 2 | 14.0 | 10.0 | 5.0 (36%) | 3.0 (21%) | 2.0 (14%) | 0.0 (0%) | 4.0 (29%) |" in text
+    assert "| p | 2 | 18.0 | 14.0 | 7.0 (39%) | 2.0 (11%) | 3.0 (17%) | 2.0 (11%) | 0.0 (0%) | 4.0 (22%) | 4 |" in text
+
+
+def test_a_compile_is_charged_to_its_own_stage_even_when_it_raises(monkeypatch):
+    """``triton.compiler.compile`` wrapped: its time leaves the kernel's stage and counts as a compile, a compile
+    that raises included; outside a timed test it runs as it is."""
+    compiler = pytest.importorskip("triton.compiler")
+    now = iter(range(100))
+    monkeypatch.setattr(stages, "_now", lambda: float(next(now)))
+
+    def compile(src, fail=False):
+        next(now)
+        if fail:
+            raise RuntimeError("compilation failed")
+        return f"compiled {src}"
+
+    monkeypatch.setattr(compiler, "compile", compile)
+    assert stages.time_triton_compiles() and stages.time_triton_compiles()  # the second call wraps nothing more
+    assert compiler.compile.__wrapped__ is compile
+    assert compiler.compile("k") == "compiled k"  # no test timed
+    stages.start_test()
+    with stages.stage("kernel"):  # kernel 0-1, a compile 1-3, kernel 3-4, a compile that fails 4-6, kernel 6-7
+        assert compiler.compile("k") == "compiled k"
+        with pytest.raises(RuntimeError):
+            compiler.compile("k", fail=True)
+    spent, compiles = stages.end_test()
+    assert (spent["kernel"], spent["compile"], compiles) == (3.0, 4.0, 2)
 
 
 def test_metamorphic_margins_are_streamed_and_folded_per_property(tmp_path):

@@ -244,6 +244,7 @@ def pytest_configure(config):
     torch.set_num_threads(cpu_threads(config))
     if _collects_verify(config):
         gpu_budget(config)  # validates --gpu-memory; caps this process's allocator before any test
+        stages.time_triton_compiles()  # Triton's compiles get a stage of their own in the time table
     config._flashverify_report = None
     worker = _xdist_worker(config) or "main"
     if not config.getoption("--no-report") and _collects_verify(config):
@@ -482,8 +483,8 @@ def pytest_runtest_call(item):
             item.stash[_FAILURES] = failures.explain_failure(item, exc, worker=_xdist_worker(item.config))
         raise
     finally:
-        seconds, spent = time.monotonic() - started, stages.end_test()
-        _record_time(item, seconds, spent)
+        seconds, (spent, compiles) = time.monotonic() - started, stages.end_test()
+        _record_time(item, seconds, spent, compiles)
         if budget is not None and getattr(item.config, "_flashverify_poisoned", None) is None:
             _record_peak_memory(item, budget, seconds)
 
@@ -496,13 +497,13 @@ def _test_fields(item) -> dict:
             "property": getattr(item, "originalname", item.name).removeprefix("test_"), "dtype": params.get("dtype")}
 
 
-def _record_time(item, seconds: float, spent: dict[str, float]) -> None:
-    """The test's wall time and the seconds of each stage (:mod:`verify.stages`) into ``timing-<worker>.jsonl``,
-    as the test ends."""
+def _record_time(item, seconds: float, spent: dict[str, float], compiles: int) -> None:
+    """The test's wall time, the seconds of each stage (:mod:`verify.stages`) and the Triton kernels it compiled
+    into ``timing-<worker>.jsonl``, as the test ends."""
     report = getattr(item.config, "_flashverify_report", None)
     if report is None or not _collects_verify(item.config):
         return
-    report.timing({**_test_fields(item), "seconds": round(seconds, 3), "stages": spent})
+    report.timing({**_test_fields(item), "seconds": round(seconds, 3), "stages": spent, "compiles": compiles})
 
 
 def _record_peak_memory(item, budget, seconds: float) -> None:

@@ -1,22 +1,28 @@
-"""Where a test's time goes, stage by stage: the kernel under test, the float64 reference, the rounding-error
-bounds and the eager baseline. What no stage claims (drawing cases, building inputs, the comparisons, the
-report) is the rest. The plugin starts a clock around each test body and writes the seconds of each stage
+"""Where a test's time goes, stage by stage: the kernel under test, Triton's compiles, the float64 reference, the
+rounding-error bounds and the eager baseline. What no stage claims (drawing cases, building inputs, the
+comparisons, the report) is the rest. The plugin starts a clock around each test body and writes the seconds of each stage
 with the test's wall time (``timing-<worker>.jsonl``); ``report.md`` adds them up per property.
 
 Stages nest: time spent in a stage entered from another (the reference computed for the first time inside
 the bounds) counts for the inner one only. On a GPU the device is synchronised at each stage's edges, so that
 a kernel's queued work is not charged to the next stage that waits for it; these are a few synchronisations
 an example, which the checks make anyway.
+
+``compile`` is the time Triton's JIT spends making a kernel this process has not run yet with these
+constexprs and specialisations: compiling it, or loading it from Triton's cache on disk
+(:func:`time_triton_compiles` wraps Triton's compile; a kernel run through the interpreter compiles nothing).
+It is taken out of the stage it happens in (the kernel's, mostly), and the test's record counts them.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import contextmanager
 
 import torch
 
-STAGES = ("kernel", "reference", "bounds", "baseline")
+STAGES = ("kernel", "compile", "reference", "bounds", "baseline")
 
 
 class Clock:
@@ -24,6 +30,7 @@ class Clock:
 
     def __init__(self) -> None:
         self.seconds = {name: 0.0 for name in STAGES}
+        self.compiles = 0
         self._stack: list[str] = []
         self._since = 0.0
 
@@ -34,10 +41,17 @@ class Clock:
         self._stack.append(name)
         self._since = now
 
-    def leave(self) -> None:
+    def leave(self, name: str) -> None:
+        """Leave stage ``name`` and any stage entered inside it that was never left (a compile that raised)."""
+        if name not in self._stack:
+            return
         now = _now()
-        self.seconds[self._stack.pop()] += now - self._since
-        self._since = now
+        while self._stack:
+            inner = self._stack.pop()
+            self.seconds[inner] += now - self._since
+            self._since = now
+            if inner == name:
+                return
 
 
 _clock: Clock | None = None
@@ -58,11 +72,14 @@ def start_test() -> None:
     _clock = Clock()
 
 
-def end_test() -> dict[str, float]:
-    """The stages' seconds of the test started last, rounded; the clock stops."""
+def end_test() -> tuple[dict[str, float], int]:
+    """The stages' seconds of the test started last, rounded, and the number of Triton kernels it compiled (or
+    loaded from Triton's cache); the clock stops."""
     global _clock
     clock, _clock = _clock, None
-    return {name: round(s, 4) for name, s in (clock.seconds if clock else {}).items()}
+    if clock is None:
+        return {}, 0
+    return {name: round(s, 4) for name, s in clock.seconds.items()}, clock.compiles
 
 
 @contextmanager
@@ -78,4 +95,39 @@ def stage(name: str):
     try:
         yield
     finally:
-        clock.leave()
+        clock.leave(name)
+
+
+def _timed_compile(compile_):
+    """Triton's ``compile`` charging its time to the ``compile`` stage, and counting it, in a timed test."""
+    @functools.wraps(compile_)
+    def compile(*args, **kwargs):
+        clock = _clock
+        if clock is None:
+            return compile_(*args, **kwargs)
+        clock.compiles += 1
+        clock.enter("compile")
+        try:
+            return compile_(*args, **kwargs)
+        finally:
+            clock.leave("compile")
+    compile._flashverify = True
+    return compile
+
+
+def time_triton_compiles() -> bool:
+    """Charge Triton's JIT compiles to the ``compile`` stage: ``triton.compiler.compile``, which a kernel's
+    launcher calls when it meets constexprs or specialisations it has not run with in this process, wrapped
+    (call it before the first launch: a kernel launched before keeps the unwrapped one). Triton's own compile
+    hooks are not used: setting one makes Triton serialise every compile's constexprs, which fails for
+    Gluon's layouts. False where Triton is not installed."""
+    try:
+        import triton.compiler as compiler
+    except Exception:  # noqa: BLE001 - no Triton: nothing is compiled that we could time
+        return False
+    found = getattr(compiler, "compile", None)
+    if not callable(found):
+        return False
+    if not getattr(found, "_flashverify", False):
+        compiler.compile = _timed_compile(found)
+    return True
