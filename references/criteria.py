@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from references.attention import reduce_group
 from references.fp8 import is_fp8, out_dtype
 from references.metrics import unit_roundoff
 
@@ -101,17 +102,17 @@ def summand_magnitude(op: str, ref) -> float:
         if ref.p_sink is None:
             return 0.0
         mag = (ref.p_sink * (ref.dout.abs() * ref.out.abs()).sum(dim=-1)).sum(dim=(0, 2))
-    elif op == "dv":  # a sum over rows: added chunk by chunk
-        mag = _sum_over_rows(ref, lambda c: c.p.transpose(-1, -2) @ ref.dout[:, :, c.r0:c.r1].abs(),
-                             ref.v_expanded)
+    elif op == "dv":  # a sum over rows: added chunk by chunk, then over the query heads of each KV head's group
+        mag = _sum_over_group(ref, _sum_over_rows(
+            ref, lambda c: c.p.transpose(-1, -2) @ ref.dout[:, :, c.r0:c.r1].abs(), ref.v_expanded))
     elif op == "dq":
         ak = ref.k_expanded.abs()
         # |scale|: a magnitude (a negative scale flips the scores, not the size of what is summed).
         mag = abs(ref.scale) * ref.rowwise(lambda c: ds_magnitude(ref, c) @ ak)
     elif op == "dk":
         aq = ref.q64.abs()
-        mag = abs(ref.scale) * _sum_over_rows(
-            ref, lambda c: ds_magnitude(ref, c).transpose(-1, -2) @ aq[:, :, c.r0:c.r1], ref.k_expanded)
+        mag = abs(ref.scale) * _sum_over_group(ref, _sum_over_rows(
+            ref, lambda c: ds_magnitude(ref, c).transpose(-1, -2) @ aq[:, :, c.r0:c.r1], ref.k_expanded))
     else:
         raise ValueError(f"op={op!r}, but should be one of {tuple(FACTOR)}")
     return float(mag.to(f64).max()) if mag.numel() else 0.0
@@ -124,6 +125,14 @@ def _sum_over_rows(ref, fn, like: torch.Tensor) -> torch.Tensor:
     for c in ref.chunks():
         total += fn(c)
     return total
+
+
+def _sum_over_group(ref, per_head: torch.Tensor) -> torch.Tensor:
+    """``per_head`` (``[B, Hq, Nk, D]``) summed over the query heads of each KV head's group, ``[B, Hkv, Nk, D]``:
+    a grouped-query dK or dV entry sums the terms of every row of every head of its group, and two correct
+    kernels sum them in different orders (eager per head, then over the group; a FlashAttention backward
+    through one float32 accumulator, head after head and tile after tile)."""
+    return reduce_group(per_head, ref.dk.shape[1] if ref.dk is not None else per_head.shape[1])
 
 
 def ds_magnitude(ref, chunk) -> torch.Tensor:

@@ -93,3 +93,29 @@ def test_floor_covers_tensor_core_scores_with_same_sign_products():
     assert criteria.score_roundings(torch.float16, 184) == 24 and criteria.score_roundings(torch.float32, 184) == 1
     # float64: the reference's scores round as much as the kernel's, each about sqrt(D) roundings
     assert criteria.score_roundings(torch.float64, 184) == pytest.approx(2 * 184 ** 0.5)
+
+
+# Seen on an H200: the Triton FA1 and FA2 backward's dV of a multi-query case (64 query heads on one KV head),
+# float32, 4.616e-05 from the float64 reference (within 0.3% of its rounding-error bound) where eager's was
+# 3.045e-06; criterion 1 then allowed 2.779e-05, its floor scaled by the terms of one query head's rows alone.
+# A dV entry of a KV head sums the terms of every row of every query head of its group, each P carrying its
+# relative error (the recomputed score, the stored LSE, exp2): the floor scales with all of them.
+MQA = AttentionCase.from_dict({"batch": 1, "heads_q": 64, "heads_kv": 1, "len_q": 32, "len_k": 16, "head_dim": 16,
+                               "dtype": "float32", "spec": {"causal": True, "alignment": "bottom_right"},
+                               "magnitude": "normal", "seed": 0, "layout": "contiguous", "scale": None,
+                               "block_m": 16, "block_n": 16})
+
+
+@pytest.mark.parametrize("op", ["dk", "dv"])
+def test_the_floor_of_a_grouped_gradient_scales_with_every_head_of_the_group(op):
+    t = MQA.build()
+    ref = reference.attention(t.q, t.k, t.v, spec=MQA.spec, dout=t.dout)
+    one = MQA.build()  # the first query head alone on its KV head: its terms only
+    q1, dout1 = one.q[:, :1], one.dout[:, :1]
+    ref1 = reference.attention(q1, one.k, one.v, spec=MQA.spec, dout=dout1)
+    whole, alone = criteria.summand_magnitude(op, ref), criteria.summand_magnitude(op, ref1)
+    assert whole > 16 * alone, (whole, alone)  # 64 heads' terms of like size
+    if op == "dv":
+        allowed = criteria.allowed_error("dv", torch.float32, baseline_error=3.045e-06,
+                                         magnitude=criteria.magnitudes("dv", ref, lse_error=0.0))
+        assert allowed > 4.616e-05, allowed
