@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 
 from references.spec import SEQUENCES, AttentionSpec
 from strategies.cases import FP8_NAMES, LAYOUTS, MAGNITUDES, SCALES, AttentionCase
+from strategies.compile_pool import Row, compile_pool, head_dim_classes
 
 SHAPE_CLASSES = ("plain", "decode", "no_keys", "long", "wide_head", "kv_tiles_wider", "k_aligned_q_ragged",
                  "masked_q_tiles", "long_context")
@@ -82,12 +83,17 @@ class Limits:
     # Keys of a one-query case past max_len (the ``long_context`` class): a decode step on a long KV
     # cache; 0, or anything up to max_len: no such class.
     max_context: int = 0
+    # Rows of the compile pool (strategies/compile_pool.py) the compile-time choices of a case come from: its
+    # tiles, head-dim classes, causal flag, variants switched on, layout. 0: each drawn on its own.
+    compile_pool: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            least = 0 if f.name == "max_context" else 1
+            least = 0 if f.name in ("max_context", "compile_pool") else 1
             if getattr(self, f.name) < least:
                 raise ValueError(f"Limits.{f.name}={getattr(self, f.name)}, but should be at least {least}")
+        if self.compile_pool:
+            compile_pool(self.compile_pool)  # refuses a pool too small for what it keeps
 
     @property
     def context_len(self) -> int:
@@ -177,7 +183,7 @@ def scales():
 
 
 def _tile_pair(block_m: Sequence[int] | None, block_n: Sequence[int] | None, max_len: int, per_axis: int,
-               *, kind: str):
+               *, kind: str, row: Row | None = None):
     """(block_m, block_n) for a tile class: the declared sizes, or :data:`NOMINAL_BLOCKS`, that fit
     ``max_len``; for ``kv_tiles_wider`` a pair with block_n > block_m and room for two key tiles within
     ``max_len`` when the declaration allows one; for ``k_aligned_q_ragged`` a block_m above 1."""
@@ -188,7 +194,9 @@ def _tile_pair(block_m: Sequence[int] | None, block_n: Sequence[int] | None, max
     if kind == "kv_tiles_wider":
         pairs = [(m, n) for m in bms for n in bns if n > m and 2 * n <= max_len and 2 <= per_axis]
         if pairs:
-            return st.sampled_from(pairs)
+            return st.sampled_from(pairs) if row is None else st.just(row.pick("tiles", pairs))
+    if row is not None:  # the pair a compile pool row takes
+        return st.just(row.pick("tiles", [(m, n) for m in bms for n in bns]))
     return st.tuples(st.sampled_from(bms), st.sampled_from(bns))
 
 
@@ -309,6 +317,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
             classes.remove(name)
     first, rest = classes[0], classes[1:]
     kind = draw(st.one_of(st.just(first), st.sampled_from(rest)) if rest else st.just(first), label="shape class")
+    pool = compile_pool(limits.compile_pool) if limits.compile_pool else None
+    row = draw(st.sampled_from(pool), label="compile configuration") if pool else None
 
     # Every class makes the same draws in the same order and maps them onto its constraints (monotone
     # maps, so that smaller draws give smaller cases): the shrinker can then move a failure from any
@@ -346,22 +356,29 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     top_d = limits.max_head_dim if wide else limits.plain_head_dim
     if head_dims is None:
         near = _wide_head_dims(top_d) if wide else []
-        head_dim = draw(st.sampled_from(near) if near else st.integers(1, top_d), label="head_dim")
+        if row is not None:
+            head_dim = draw(_pooled_head_dims(row, near or range(1, top_d + 1)), label="head_dim")
+        else:
+            head_dim = draw(st.sampled_from(near) if near else st.integers(1, top_d), label="head_dim")
     else:
         allowed = sorted(d for d in head_dims if d <= top_d) or [min(head_dims)]
         if wide:
             allowed = [d for d in allowed if any(abs(d - p) <= 8 for p in (64, 128, 256))] or allowed[-1:]
-        head_dim = draw(st.sampled_from(allowed), label="head_dim")
+        head_dim = draw(st.sampled_from(allowed) if row is None else _pooled_head_dims(row, allowed), label="head_dim")
     value_dim = head_dim
     if head_dim_v:
-        head_dim, value_dim = draw(_value_head_dims(head_dim, head_dims, top_d), label="head_dim_v")
+        head_dim, value_dim = draw(_value_head_dims(head_dim, head_dims, top_d, row=row), label="head_dim_v")
     widest = max(head_dim, value_dim)  # what the memory caps below size a row by
 
     # Blocks before lengths, and lengths capped so that each axis has at most sqrt(max_tiles) tiles:
     # shrinking a length then never changes a block.
     per_axis = limits.tiles_per_axis
-    bm = draw(st.sampled_from(_blocks_for(block_m, per_axis, long_class)), label="block_m") if block_m else None
-    bn = draw(st.sampled_from(_blocks_for(block_n, per_axis, long_class)), label="block_n") if block_n else None
+    if row is None:
+        bm = draw(st.sampled_from(_blocks_for(block_m, per_axis, long_class)), label="block_m") if block_m else None
+        bn = draw(st.sampled_from(_blocks_for(block_n, per_axis, long_class)), label="block_n") if block_n else None
+    else:
+        bm, bn = row.pick("tiles", [(m, n) for m in (_blocks_for(block_m, per_axis, long_class) if block_m else [None])
+                                    for n in (_blocks_for(block_n, per_axis, long_class) if block_n else [None])])
     if kind == "long_context":  # B * Hq * (1 + Nk) * D within half the rows, as the decode class's (Nk at
         # row_len): K and V, their gradients and a group's copies of them are what a decode step holds
         max_len = max(1, min(max_len, limits.max_rows // (2 * heads * widest) - 1))
@@ -379,7 +396,7 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                           min_len=least_k), label="len_k")
     is_causal = causal
     if is_causal is None:
-        is_causal = draw(st.booleans(), label="causal")
+        is_causal = draw(st.booleans(), label="causal") if row is None else _pooled_switch(draw, row, "causal")
         if decode_like or tile_class:
             is_causal = True
     if decode_like:
@@ -387,7 +404,7 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
     elif kind == "no_keys":
         len_k = 0
     elif tile_class:
-        tm, tn = draw(_tile_pair(block_m, block_n, max_len, per_axis, kind=kind), label="tiles")
+        tm, tn = draw(_tile_pair(block_m, block_n, max_len, per_axis, kind=kind, row=row), label="tiles")
         bm, bn = (tm if block_m else None), (tn if block_n else None)
         # Declared (tunable) tiles keep the tile count bounded; nominal ones cost nothing.
         max_q = min(max_len, per_axis * tm) if block_m else max_len
@@ -418,24 +435,36 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
         else:
             len_k = (len_q // len_k_multiple + extra) * len_k_multiple
     magnitude = draw(st.sampled_from(list(magnitudes)), label="magnitude")
-    layout = draw(st.sampled_from(list(layouts)), label="layout")
+    layout = draw(st.sampled_from(list(layouts)), label="layout") if row is None else row.pick("layout", list(layouts))
     scale = draw(scales() if scale_choices is None else st.sampled_from(list(scale_choices)), label="scale")
-    window = (-1, -1)
-    if windows:
-        side = st.one_of(st.just(-1), st.integers(0, 4), st.integers(0, max(len_q, len_k) + 1))
-        window = (draw(side, label="window_left"), draw(side, label="window_right"))
-    cap = draw(_softcaps(), label="softcap") if softcap else None
-    slopes = draw(_alibi_slopes(heads_kv * group), label="alibi_slopes") if alibi else None
-    chunk = draw(st.one_of(st.just(0), st.one_of(st.integers(1, 4), st.integers(1, max(len_q, len_k) + 1))),
-                 label="attention_chunk") if chunks else 0
-    sink = draw(_sink_logits(heads_kv * group), label="sinks") if sinks else None
-    num_splits = draw(_splits(limits.max_splits), label="num_splits") if splits else 1
+    if row is not None:
+        variants = _pooled_variants(draw, row, len_q=len_q, len_k=len_k, heads=heads_kv * group, limits=limits,
+                                    windows=windows, softcap=softcap, alibi=alibi, chunks=chunks, sinks=sinks,
+                                    splits=splits)
+        window, cap, slopes, chunk, sink, num_splits = variants
+    else:
+        window = (-1, -1)
+        if windows:
+            side = st.one_of(st.just(-1), st.integers(0, 4), st.integers(0, max(len_q, len_k) + 1))
+            window = (draw(side, label="window_left"), draw(side, label="window_right"))
+        cap = draw(_softcaps(), label="softcap") if softcap else None
+        slopes = draw(_alibi_slopes(heads_kv * group), label="alibi_slopes") if alibi else None
+        chunk = draw(st.one_of(st.just(0), st.one_of(st.integers(1, 4), st.integers(1, max(len_q, len_k) + 1))),
+                     label="attention_chunk") if chunks else 0
+        sink = draw(_sink_logits(heads_kv * group), label="sinks") if sinks else None
+        num_splits = draw(_splits(limits.max_splits), label="num_splits") if splits else 1
     sequence_fields: dict = {}
     conventions = _conventions(sequences)
     if conventions != ["dense"]:
         first, *rest = conventions  # the first half the time (dense when listed), as the shape classes
-        convention = draw(st.one_of(st.just(first), st.sampled_from(rest)) if rest else st.just(first),
-                          label="sequences")
+        if row is None:
+            convention = draw(st.one_of(st.just(first), st.sampled_from(rest)) if rest else st.just(first),
+                              label="sequences")
+        elif first != "dense":  # no dense batch declared: any of the others, as without a pool
+            convention = draw(st.sampled_from(conventions), label="sequences")
+        else:
+            convention = draw(st.sampled_from(rest), label="sequences")
+            convention = convention if _pooled_switch(draw, row, "varlen") else "dense"
         if convention != "dense":
             # The scores the references hold grow with the totals: the sequences after the first stay short.
             short = max(0, min(limits.plain_len, math.isqrt(limits.max_scores // heads) // (MORE_SEQUENCES + 1)))
@@ -453,8 +482,8 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
                    else batch * len_q)
         num_splits = _splits_within(num_splits, queries=queries, heads=heads_kv * group, head_dim=widest,
                                     limits=limits)
-    descaled = (draw(st.booleans(), label="descale") if descale and dtype in FP8_NAMES and not sequence_fields
-                else False)
+    descaled = ((draw(st.booleans(), label="descale") if row is None else _pooled_switch(draw, row, "descale"))
+                if descale and dtype in FP8_NAMES and not sequence_fields else False)
     seed = draw(st.integers(0, 2 ** 16), label="seed")
     return AttentionCase(batch=batch, heads_q=heads_kv * group, heads_kv=heads_kv, len_q=len_q,
                          len_k=len_k, head_dim=head_dim, dtype=dtype,
@@ -471,17 +500,81 @@ def attention_cases(draw, *, dtype: str, limits: Limits = Limits(), head_dims: S
 MLA_HEAD_DIMS = (192, 128)
 
 
-def _value_head_dims(head_dim: int, head_dims: Sequence[int] | None, top_d: int):
+def _value_head_dims(head_dim: int, head_dims: Sequence[int] | None, top_d: int, *, row: Row | None = None):
     """``(head_dim, head_dim_v)``: the drawn head dim kept, with v's the same (first: what failures shrink
     to) or any accepted up to ``top_d``; or :data:`MLA_HEAD_DIMS` where both are accepted and within
-    ``top_d``."""
+    ``top_d``. With a compile pool ``row``: the one of these the row takes (for v's own head dim, one class
+    of them: :func:`strategies.compile_pool.head_dim_classes`)."""
     accepted = (lambda d: d <= top_d) if head_dims is None else (lambda d: d <= top_d and d in head_dims)
+    if row is not None:
+        dims = [d for d in (range(1, top_d + 1) if head_dims is None else head_dims) if accepted(d)] or [min(head_dims)]
+        options = ["same", *head_dim_classes(dims), *(["mla"] if all(accepted(d) for d in MLA_HEAD_DIMS) else [])]
+        chosen = row.pick("head_dim_v", options)
+        if chosen == "same":
+            return st.just((head_dim, head_dim))
+        if chosen == "mla":
+            return st.just(MLA_HEAD_DIMS)
+        # v's own head dim (not q's by chance: Dv = D is the "same" row's, and kernels compile for it apart)
+        return _one_of_class([d for d in chosen if d != head_dim] or chosen).map(lambda dv: (head_dim, dv))
     others = (st.integers(1, top_d) if head_dims is None
               else st.sampled_from(sorted(d for d in head_dims if d <= top_d) or [min(head_dims)]))
     choices = [others.map(lambda dv: (head_dim, dv))]
     if all(accepted(d) for d in MLA_HEAD_DIMS):
         choices.append(st.just(MLA_HEAD_DIMS))
     return st.one_of(st.just((head_dim, head_dim)), *choices)
+
+
+def _pooled_head_dims(row: Row, dims: Sequence[int]):
+    """A head dim of the class (padded power of two, and whether it is one) the compile pool ``row`` takes
+    among ``dims``."""
+    return _one_of_class(row.pick("head_dim", head_dim_classes(dims)))
+
+
+# Whether a switch a compile pool row turns on stays on: nearly always (255 in 256) as drawn, and off as the
+# shrinker leaves it (the first element), so that a failure shrinks to the variants it needs. (A sampled
+# element, not an integer: Hypothesis draws an integer's bounds far more often than the rest.)
+_KEPT = st.sampled_from((False,) + (True,) * 255)
+
+
+def _pooled_switch(draw, row: Row, name: str) -> bool:
+    """Whether the compile pool ``row`` switches ``name`` on, and the drawn bit (:data:`_KEPT`) keeps it."""
+    return draw(_KEPT, label=f"{name} kept") and name in row.on
+
+
+def _one_of_class(dims: Sequence[int]):
+    """Any of ``dims`` (the smallest first), through one draw whose range is the same for every class: every
+    row of a compile pool makes the same draws, so the shrinker can move a failure to a smaller row and keep
+    the rest of its choices."""
+    return st.sampled_from(range(256)).map(lambda i: dims[i % len(dims)])
+
+
+def _pooled_variants(draw, row: Row, *, len_q: int, len_k: int, heads: int, limits: Limits, windows: bool,
+                     softcap: bool, alibi: bool, chunks: bool, sinks: bool, splits: bool) -> tuple:
+    """``(window, softcap, slopes, chunk, sinks, num_splits)`` with the variants the compile pool ``row``
+    switches on (and the case's declaration and property allow) drawn as without a pool, less their "off"
+    value, and the others off."""
+    # Every variant the case may have is drawn whether the row switches it on or not, with a bit that keeps
+    # it (:data:`_KEPT`): every row makes the same draws, and the shrinker switches off what a failure does
+    # not need.
+    def kept(name: str, allowed: bool, strategy, label: str, off):
+        if not allowed:
+            return off
+        value, keep = draw(st.tuples(strategy, _KEPT), label=label)
+        return value if name in row.on and keep else off
+
+    bounded = st.one_of(st.integers(0, 4), st.integers(0, max(len_q, len_k) + 1))
+    window = kept("window", windows, st.tuples(st.sampled_from(("left", "right", "both")), bounded, bounded)
+                  .map(lambda w: (w[1] if w[0] != "right" else -1, w[2] if w[0] != "left" else -1)),
+                  "window (one side or both bounded)", (-1, -1))
+    many = [n for n in SPLITS if n <= limits.max_splits]
+    return (window, kept("softcap", softcap, _SOFTCAP_VALUES, "softcap", None),
+            kept("alibi", alibi, _alibi_slopes(heads, off=False), "alibi_slopes", None),
+            kept("chunk", chunks, st.one_of(st.integers(1, 4), st.integers(1, max(len_q, len_k) + 1)),
+                 "attention_chunk", 0),
+            kept("sinks", sinks, _sink_values(heads), "sinks", None),
+            kept("splits", splits and limits.max_splits >= 2,
+                 st.one_of(st.integers(2, max(2, min(5, limits.max_splits))), *([st.sampled_from(many)] if many else [])),
+                 "num_splits", 1))
 
 
 def _conventions(sequences: Sequence[str]) -> list[str]:
@@ -564,10 +657,15 @@ def _splits_within(num_splits: int, *, queries: int, heads: int, head_dim: int, 
 
 
 def _sink_logits(heads: int):
-    """None first, then one logit per query head: all 0, one far above any drawn score (the sink takes
-    almost all the weight), or any float32 in [-8, 8]."""
-    return st.one_of(st.none(), st.one_of(st.just((0.0,) * heads), st.just((30.0,) * heads),
-                                          st.tuples(*[st.floats(-8.0, 8.0, width=32)] * heads)))
+    """None first, then :func:`_sink_values`."""
+    return st.one_of(st.none(), _sink_values(heads))
+
+
+def _sink_values(heads: int):
+    """One logit per query head: all 0, one far above any drawn score (the sink takes almost all the weight),
+    or any float32 in [-8, 8]."""
+    return st.one_of(st.just((0.0,) * heads), st.just((30.0,) * heads),
+                     st.tuples(*[st.floats(-8.0, 8.0, width=32)] * heads))
 
 
 def _float32(x: float) -> float:
@@ -576,14 +674,18 @@ def _float32(x: float) -> float:
 
 def _softcaps():
     """None first (what failures shrink to), then the caps of real models and any float32 cap."""
-    return st.one_of(st.none(), st.sampled_from((30.0, 1.0, 5.0, 50.0)), st.floats(0.25, 64.0, width=32))
+    return st.one_of(st.none(), *_SOFTCAP_CHOICES)
 
 
-def _alibi_slopes(heads: int):
-    """None first, then per-head slopes: all 0 (plain attention), the ALiBi paper's geometric sequence
-    rounded to float32 (a kernel takes float32 slopes: the case holds exactly what it gets), or any."""
+_SOFTCAP_CHOICES = (st.sampled_from((30.0, 1.0, 5.0, 50.0)), st.floats(0.25, 64.0, width=32))
+_SOFTCAP_VALUES = st.one_of(*_SOFTCAP_CHOICES)
+
+
+def _alibi_slopes(heads: int, *, off: bool = True):
+    """None first (``off``), then per-head slopes: all 0 (plain attention), the ALiBi paper's geometric
+    sequence rounded to float32 (a kernel takes float32 slopes: the case holds exactly what it gets), or any."""
     geometric = tuple(_float32(2.0 ** (-8.0 * (h + 1) / heads)) for h in range(heads))
-    return st.one_of(st.none(), st.just((0.0,) * heads), st.just(geometric),
+    return st.one_of(*([st.none()] if off else []), st.just((0.0,) * heads), st.just(geometric),
                      st.tuples(*[st.floats(0.0, 2.0, width=32)] * heads))
 
 

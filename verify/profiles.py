@@ -65,9 +65,12 @@ LIMITS = {
     # Multi-query attention's large groups (up to 64 query heads on one KV head) under the gpu profile.
     # Decode steps on KV caches of up to 128k keys (the ``long_context`` class), as many as the budget's
     # rows hold.
+    # The compile-time choices (tiles, head-dim classes, causal, the variants switched on, layout) from a pool
+    # of 24 configurations shared by every property of a kernel and dtype (strategies/compile_pool.py): a
+    # Triton kernel compiled for one example serves many, where compiling was most of a GPU run's time.
     ("cuda", "gpu"): Limits(max_len=8192, max_head_dim=256, short_len=8192, short_head_dim=256,
                             max_tiles=2 ** 20, max_scores=2 ** 25, max_group=64, max_batch_heads=64,
-                            max_context=2 ** 17),
+                            max_context=2 ** 17, compile_pool=24),
 }
 
 
