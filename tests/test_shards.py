@@ -112,3 +112,34 @@ def test_merge_refuses_what_is_not_a_shard_report(tmp_path):
         merge.merge(tmp_path / "out", [tmp_path])
     with pytest.raises(merge.MergeError, match="name the report folders"):
         merge.merge(tmp_path / "out", [])
+
+
+def test_the_first_tests_are_dealt_round_robin():
+    """Worker k starts with tests k and k + workers (the longest ones, one each), then takes one at a time."""
+    from types import SimpleNamespace
+
+    from verify import shards
+
+    values = {"dist": "load", "tx": ["2*popen"], "maxschedchunk": None}  # what -n 2 sets
+    config = SimpleNamespace(getvalue=values.get, getoption=values.get)
+    scheduler = shards.one_test_at_a_time(config, log=None)
+    sent = {}
+
+    class Node:
+        def __init__(self, name):
+            self.name, self.gateway = name, SimpleNamespace(id=name)
+
+        def send_runtest_some(self, indices):
+            sent.setdefault(self.name, []).extend(indices)
+
+        def shutdown(self):
+            pass
+
+    tests = [f"t{i}" for i in range(10)]
+    for name in ("gw0", "gw1"):
+        node = Node(name)
+        scheduler.add_node(node)
+        scheduler.add_node_collection(node, tests)
+    scheduler.schedule()
+    assert sent == {"gw0": [0, 2], "gw1": [1, 3]}
+    assert scheduler.pending == list(range(4, 10))

@@ -64,15 +64,32 @@ def assign(test_ids: Sequence[str], count: int, times: dict[str, float]) -> dict
 
 
 def one_test_at_a_time(config, log):
-    """pytest-xdist's ``--dist load`` scheduler handing out one test at a time (``--maxschedchunk 1``), or
-    None (xdist's own) when another ``--dist`` or a ``--maxschedchunk`` was given. With the longest tests
-    first, a worker that finishes takes the next one, whatever the others are running; xdist would
-    otherwise give each worker a run of consecutive tests."""
+    """pytest-xdist's ``--dist load`` scheduler handing out one test at a time (``--maxschedchunk 1``), the
+    first tests dealt round-robin, or None (xdist's own) when another ``--dist`` or a ``--maxschedchunk`` was
+    given. With the longest tests first, a worker that finishes takes the next one, whatever the others are
+    running; xdist would otherwise give each worker a run of consecutive tests."""
     if config.getvalue("dist") != "load" or config.getoption("maxschedchunk") is not None:
         return None
     from xdist.scheduler import LoadScheduling
 
-    scheduler = LoadScheduling(config, log)
+    class RoundRobinFirst(LoadScheduling):
+        """xdist starts every worker with two tests (a worker runs one only once it knows the next) and gives
+        each the next two in the queue: the two longest tests went to the first worker, back to back. The
+        first two rounds are dealt one test per worker instead (worker k gets tests k and k + workers)."""
+
+        def schedule(self) -> None:
+            ready = (self.collection is None and self.collection_is_completed
+                     and self._check_nodes_have_same_collection())
+            collection = next(iter(self.node2collection.values()), None) if ready else None
+            if not collection or len(collection) < 2 * len(self.nodes):
+                return super().schedule()  # later calls, and too few tests for two rounds: xdist's own
+            self.collection = collection
+            self.pending[:] = range(len(collection))
+            for _ in range(2):
+                for node in self.nodes:
+                    self._send_tests(node, 1)
+
+    scheduler = RoundRobinFirst(config, log)
     scheduler.maxschedchunk = 1
     return scheduler
 
