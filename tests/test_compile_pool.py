@@ -100,7 +100,7 @@ def test_the_properties_of_a_kernel_share_their_compile_configurations():
 def test_every_boundary_class_stays_reachable_through_the_pool(name):
     find(attention_cases(limits=dataclasses.replace(POOLED, max_splits=128), splits=True,
                          **{**DRAWS, "sequences": ("dense", "packed", "padded", "paged")}),
-         lambda c: name in boundary_classes(c), settings=settings(max_examples=3000, database=None, derandomize=True))
+         lambda c: name in boundary_classes(c), settings=settings(max_examples=10000, database=None, derandomize=True))
 
 
 def test_float8_descales_and_long_contexts_stay_reachable_through_the_pool():

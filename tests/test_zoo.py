@@ -146,10 +146,13 @@ RING_RECOMPUTED_SCORE = AttentionCase(batch=1, heads_q=4, heads_kv=2, len_q=1, l
                                       dtype="float32", magnitude="dominant_key", seed=12189, block_m=1,
                                       block_n=32, spec=AttentionSpec(causal=True))
 # Which inputs land on such roundings depends on the CPU's float32 kernels (its exp, its dot products' order):
-# the seeds above were found on one CPU, these on another (an AVX2 AMD EPYC). Every one passes with the
-# terms; without a term, at least one fails on each of them.
-RING_FOLDED_LSE_CASES = [dataclasses.replace(RING_FOLDED_LSE, seed=s) for s in (8315, 230, 448)]
-RING_RECOMPUTED_SCORE_CASES = [dataclasses.replace(RING_RECOMPUTED_SCORE, seed=s) for s in (12189, 3, 14)]
+# the seeds above were found on one CPU, the next ones on another (an AVX2 AMD EPYC). Every one passes with the
+# terms; without a term, at least one fails on each of them. The last seeds were found once criterion 1's
+# floor for dV summed the terms of both query heads of the KV head's group (a floor twice as wide here): the
+# earlier ones then pass without the terms as well.
+RING_FOLDED_LSE_CASES = [dataclasses.replace(RING_FOLDED_LSE, seed=s) for s in (8315, 230, 448, 976)]
+RING_RECOMPUTED_SCORE_CASES = [dataclasses.replace(RING_RECOMPUTED_SCORE, seed=s)
+                               for s in (12189, 3, 14, 199, 389, 394)]
 
 
 def _verdicts(prop: str, cases) -> list[str]:
@@ -168,7 +171,7 @@ _DV_CRITERION_1 = re.compile(r"dv differs.*\n.*criterion 1 FAILED")
 
 
 def test_gradients_pay_the_recomputed_scores_dot_error():
-    assert _verdicts("gradients_match_reference", RING_RECOMPUTED_SCORE_CASES) == ["pass"] * 3
+    assert _verdicts("gradients_match_reference", RING_RECOMPUTED_SCORE_CASES) == ["pass"] * 6
 
 
 def test_the_recomputed_score_case_needs_more_than_one_rounding(monkeypatch):
@@ -178,7 +181,7 @@ def test_the_recomputed_score_case_needs_more_than_one_rounding(monkeypatch):
 
 
 def test_gradients_inherit_the_stored_lse_error():
-    assert _verdicts("gradients_match_reference", RING_FOLDED_LSE_CASES) == ["pass"] * 3
+    assert _verdicts("gradients_match_reference", RING_FOLDED_LSE_CASES) == ["pass"] * 4
 
 
 def test_the_ring_case_needs_the_lse_error_in_the_floor(monkeypatch):
