@@ -559,8 +559,8 @@ def _pooled_variants(draw, row: Row, *, len_q: int, len_k: int, heads: int, limi
     def kept(name: str, allowed: bool, strategy, label: str, off):
         if not allowed:
             return off
-        value, keep = draw(st.tuples(strategy, _KEPT), label=label)
-        return value if name in row.on and keep else off
+        value = draw(strategy, label=label)
+        return value if _pooled_switch(draw, row, name) else off
 
     bounded = st.one_of(st.integers(0, 4), st.integers(0, max(len_q, len_k) + 1))
     window = kept("window", windows, st.tuples(st.sampled_from(("left", "right", "both")), bounded, bounded)

@@ -107,12 +107,12 @@ def test_float8_descales_and_long_contexts_stay_reachable_through_the_pool():
     gpu = limits_for("cuda", "gpu")
     assert gpu.compile_pool
     find(attention_cases(limits=POOLED, descale=True, **{**DRAWS, "dtype": "float8_e4m3fn"}),
-         lambda c: c.descale, settings=settings(max_examples=1000, database=None, derandomize=True))
+         lambda c: c.descale, settings=settings(max_examples=10000, database=None, derandomize=True))
     for name in ("context_over_8k", "context_over_64k", "group_over_16"):
         # (no declared tiles: 128k keys are more tiles than the gpu profile's cap on tiles holds)
         find(attention_cases(limits=gpu, **{**DRAWS, "block_m": None, "block_n": None}),
              lambda c: name in boundary_classes(c),
-             settings=settings(max_examples=1000, database=None, derandomize=True))
+             settings=settings(max_examples=10000, database=None, derandomize=True))
 
 
 @pytest.mark.parametrize("variant", ["window", "softcap", "alibi", "chunk", "sinks", "varlen"])

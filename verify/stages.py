@@ -41,17 +41,10 @@ class Clock:
         self._stack.append(name)
         self._since = now
 
-    def leave(self, name: str) -> None:
-        """Leave stage ``name`` and any stage entered inside it that was never left (a compile that raised)."""
-        if name not in self._stack:
-            return
+    def leave(self) -> None:
         now = _now()
-        while self._stack:
-            inner = self._stack.pop()
-            self.seconds[inner] += now - self._since
-            self._since = now
-            if inner == name:
-                return
+        self.seconds[self._stack.pop()] += now - self._since
+        self._since = now
 
 
 _clock: Clock | None = None
@@ -95,22 +88,17 @@ def stage(name: str):
     try:
         yield
     finally:
-        clock.leave(name)
+        clock.leave()
 
 
 def _timed_compile(compile_):
     """Triton's ``compile`` charging its time to the ``compile`` stage, and counting it, in a timed test."""
     @functools.wraps(compile_)
     def compile(*args, **kwargs):
-        clock = _clock
-        if clock is None:
+        if _clock is not None:
+            _clock.compiles += 1
+        with stage("compile"):
             return compile_(*args, **kwargs)
-        clock.compiles += 1
-        clock.enter("compile")
-        try:
-            return compile_(*args, **kwargs)
-        finally:
-            clock.leave("compile")
     compile._flashverify = True
     return compile
 
