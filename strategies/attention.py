@@ -573,7 +573,8 @@ def _pooled_variants(draw, row: Row, *, len_q: int, len_k: int, heads: int, limi
                  "attention_chunk", 0),
             kept("sinks", sinks, _sink_values(heads), "sinks", None),
             kept("splits", splits and limits.max_splits >= 2,
-                 st.one_of(st.integers(2, max(2, min(5, limits.max_splits))), *([st.sampled_from(many)] if many else [])),
+                 st.one_of(st.integers(2, max(2, min(5, limits.max_splits))),
+                           *([st.sampled_from(many)] if many else [])),
                  "num_splits", 1))
 
 

@@ -1,7 +1,7 @@
 """Where a test's time goes, stage by stage: the kernel under test, Triton's compiles, the float64 reference, the
 rounding-error bounds and the eager baseline. What no stage claims (drawing cases, building inputs, the
-comparisons, the report) is the rest. The plugin starts a clock around each test body and writes the seconds of each stage
-with the test's wall time (``timing-<worker>.jsonl``); ``report.md`` adds them up per property.
+comparisons, the report) is the rest. The plugin starts a clock around each test body and writes the seconds of
+each stage with the test's wall time (``timing-<worker>.jsonl``); ``report.md`` adds them up per property.
 
 Stages nest: time spent in a stage entered from another (the reference computed for the first time inside
 the bounds) counts for the inner one only. On a GPU the device is synchronised at each stage's edges, so that
