@@ -9,14 +9,15 @@ suite can be pointed at it like at any outside kernel::
 A change whose original text no longer occurs exactly as many times as expected raises at import:
 when the kernel is edited, the self-check cannot silently turn into a no-op.
 
-``python tests/mutants.py`` runs the suite against every variant and prints a Markdown table of the
-first property each one fails and the time it took.
+``python tests/mutants.py`` runs the suite against every variant (one session, :func:`run_all`) and prints a
+Markdown table of the property each one fails first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -238,20 +239,50 @@ def run_variant(name: str, *, report_dir: str | os.PathLike, extra: tuple[str, .
     return Outcome(name, proc.returncode, seconds, found.group(1) if found else None, output)
 
 
+@dataclasses.dataclass
+class Session:
+    """One ``pytest verify`` session over many variants (:func:`run_all`)."""
+    returncode: int
+    seconds: float
+    output: str
+    failures: dict[str, list[dict]]  # variant name -> the failure files (failures/*.json) of its tests
+    verdicts: dict[str, str]  # variant name -> the session's count of its tests ("149 passed, 3 skipped")
+
+
+def run_all(names: list[str], *, report_dir: str | os.PathLike) -> Session:
+    """Run ``pytest verify`` under the ci profile on every variant of ``names`` in one subprocess, each variant
+    stopped at its first failing test (tests/first_failure_per_kernel.py: ``-x`` per kernel), out, the LSE and
+    the gradients first (tests/accuracy_first.py)."""
+    impls = [arg for name in names for arg in ("--impl", f"tests/mutants.py:{name}")]
+    cmd = [sys.executable, "-m", "pytest", "verify", *impls, "-q", "--hypothesis-profile=ci",
+           "-p", "tests.accuracy_first", "-p", "tests.first_failure_per_kernel", "-p", "no:cacheprovider",
+           "--report-dir", str(report_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - start
+    output = proc.stdout + proc.stderr
+    failures: dict[str, list[dict]] = {name: [] for name in names}
+    for path in sorted(Path(report_dir, "failures").glob("*.json")):
+        failure = json.loads(path.read_text(encoding="utf-8"))
+        failures.setdefault(str(failure["implementation"]).removeprefix("mutant_"), []).append(failure)
+    verdicts = {m.group(1): m.group(2) for m in re.finditer(r"^flashverify: mutant_(\w+): (.*)$", output, re.MULTILINE)}
+    return Session(proc.returncode, seconds, output, failures, verdicts)
+
+
 def main() -> int:
     import tempfile
 
-    rows = ["| variant | what it breaks | first property that failed | seconds to failure |",
-            "|---|---|---|---|"]
-    ok = True
+    rows = ["| variant | what it breaks | first property that failed |", "|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
-        for m in (Mutation("unmutated", "nothing (must pass)", "", ""), *MUTATIONS):
-            out = run_variant(m.name, report_dir=Path(tmp) / m.name)
-            verdict = out.first_failure or ("passed" if out.returncode == 0 else f"exit {out.returncode}")
-            ok &= (out.returncode == 0) if m.name == "unmutated" else (out.returncode == 1)
-            rows.append(f"| {m.name} | {m.what} | {verdict} | {out.seconds:.1f} |")
-            print(rows[-1], flush=True)
+        session = run_all(["unmutated", *VARIANTS], report_dir=tmp)
+    ok = session.returncode == 1 and not session.failures["unmutated"]
+    for m in (Mutation("unmutated", "nothing (must pass)", "", ""), *MUTATIONS):
+        failed = session.failures.get(m.name) or []
+        ok &= bool(failed) != (m.name == "unmutated")
+        rows.append(f"| {m.name} | {m.what} | {failed[0]['property'] if failed else 'passed'} |")
     print("\n".join(rows))
+    print(f"{session.seconds:.0f} s, pytest exit status {session.returncode}")
     return 0 if ok else 1
 
 

@@ -4,6 +4,7 @@ mutants of the attention variants (varlen, paged KV, split-KV, sinks, windows, c
 also held to the shape of their shrunk case (``MINIMAL``)."""
 
 import json
+import re
 
 import torch
 
@@ -64,51 +65,48 @@ MINIMAL = {
 LARGE_GROUPS = {"gqa_large_group_packed_by_4"}
 
 
-# Seconds a mutant's run takes on one core of a 2-core CPU machine, where it is well above the ~12 s most take
-# (their bug shows only in the gradients, or on large cases, so more of the catalogue passes first, or the
-# failing case takes longer to shrink). Used only to start the longest runs first under pytest-xdist
-# (tests/conftest.py); a stale figure costs time, never a check.
-SECONDS = {"softcap_backward_no_chain_rule": 70, "backward_skips_visible_q_tiles": 30,
-           "second_head_dim_half_not_rescaled": 30, "delta_dropped": 27, "decode_gqa_wrong_heads": 27,
-           "dkdv_not_summed_over_group": 25, "dk_without_scale": 25, "keys_beyond_64_dropped": 25,
-           "low_precision_accumulator": 22}
-
-
 def test_minimal_shapes_name_mutants():
     unknown = set(MINIMAL) - {m.name for m in mutants.MUTATIONS}
     assert not unknown, f"MINIMAL names no mutant called {sorted(unknown)} (tests/mutants.py MUTATIONS)"
 
 
-def test_seconds_name_mutants():
-    unknown = set(SECONDS) - {m.name for m in mutants.MUTATIONS}
-    assert not unknown, f"SECONDS names no mutant called {sorted(unknown)} (tests/mutants.py MUTATIONS)"
-
-
-@pytest.mark.slow(seconds=125)
-def test_unmutated_kernel_passes(tmp_path):
-    out = mutants.run_variant("unmutated", report_dir=tmp_path)
-    assert out.returncode == 0, f"the unchanged kernel should pass pytest verify; it exited {out.returncode}:\n{out.output[-6000:]}"
-
-
-@pytest.mark.slow(seconds=15)
-@pytest.mark.parametrize("name", [pytest.param(m.name, marks=pytest.mark.slow(seconds=SECONDS.get(m.name, 15)))
-                                  for m in mutants.MUTATIONS])
-def test_mutant_fails_the_suite(name, tmp_path):
-    out = mutants.run_variant(name, report_dir=tmp_path)
-    assert out.returncode == 1, (
-        f"mutant {name} ({mutants.VARIANTS[name].description}) should fail pytest verify with exit status 1, "
-        f"got {out.returncode}:\n{out.output[-6000:]}")
-    assert out.first_failure is not None, f"no failing property found in the output of mutant {name}"
-    assert "replay: python -m verify.replay" in out.output, f"mutant {name}: the failure shows no replay command"
-    failures = list((tmp_path / "failures").glob("*.json"))
-    assert failures, f"mutant {name}: the report holds no failure file"
-    for path in sorted(failures):
-        case = json.loads(path.read_text(encoding="utf-8"))["case"]
+def _problems(name: str, failures: list[dict]) -> list[str]:
+    """What is wrong with the failure files of mutant ``name``: none, none that replays, one not minimal."""
+    if not failures:
+        return [f"mutant {name} ({mutants.VARIANTS[name].description}) passed pytest verify: no test failed"]
+    problems = []
+    for failure in failures:
+        replay = failure.get("replay") or ""
+        if not replay.startswith(f"python -m verify.replay --impl tests/mutants.py:{name} "):
+            problems.append(f"mutant {name}: {failure['test']} has no replay command of its own: {replay!r}")
+        case = failure["case"]
         if name in MINIMAL:
             what, holds = MINIMAL[name]
-            assert _small(case, heads=name not in LARGE_GROUPS) and holds(case, case.get("spec") or {}), (
-                f"mutant {name}: {path.name} holds a case that is not minimal (expected {what}, and every length, "
-                f"the batch, the head count and the head dim at most 3): {json.dumps(case)}")
+            if not (_small(case, heads=name not in LARGE_GROUPS) and holds(case, case.get("spec") or {})):
+                problems.append(f"mutant {name}: {failure['test']} holds a case that is not minimal (expected {what}, "
+                                f"and every length, the batch, the head count and the head dim at most 3): "
+                                f"{json.dumps(case)}")
+    return problems
+
+
+@pytest.mark.slow(seconds=540)
+def test_every_mutant_fails_the_suite_and_the_unmutated_kernel_passes(tmp_path):
+    """One ``pytest verify`` session over the unchanged kernel and every mutant, each stopped at its first failing
+    test: the unchanged kernel passes every test, each mutant fails one, with a replay command and (MINIMAL) a
+    shrunk case of the shape its bug needs."""
+    names = [m.name for m in mutants.MUTATIONS]
+    session = mutants.run_all(["unmutated", *names], report_dir=tmp_path)
+    tail = session.output[-6000:]
+    assert session.returncode == 1, f"pytest verify should exit 1 (mutants failed), got {session.returncode}:\n{tail}"
+    assert not session.failures["unmutated"], (
+        "the unchanged kernel, loaded as the mutants are, failed pytest verify:\n"
+        + "\n\n".join(f["message"] for f in session.failures["unmutated"]))
+    verdict = session.verdicts.get("unmutated", "")
+    assert re.fullmatch(r"\d+ passed(, \d+ skipped)?", verdict), f"the unchanged kernel's tests: {verdict!r}\n{tail}"
+    problems = [p for name in names for p in _problems(name, session.failures[name])]
+    assert not problems, "\n".join(problems)
+    assert all(len(session.failures[name]) == 1 for name in names), "a mutant went on past its first failure"
+    assert "replay: python -m verify.replay --impl tests/mutants.py:" in session.output, tail
 
 
 # The impl's name holds "float16": select the dtype by excluding the others.
