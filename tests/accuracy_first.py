@@ -5,8 +5,9 @@ the rest of the catalogue, which keeps its own order (forward, backward, the lon
 Each property draws its own derandomized examples (verify/runner.py: the seed comes from the property and
 its arguments, not from what ran before), so the order changes no test's verdict: a variant fails the run
 in any order exactly when it fails one of its properties. Under ``-x`` (or tests/first_failure_per_kernel.py,
-its per-kernel form) it changes how long a broken variant takes to fail: a bug in the backward alone fails ``gradients_match_reference`` at once instead
-of after the whole forward catalogue has passed (about 80 s of one core per such variant).
+its per-kernel form) it changes how long a broken variant takes to fail: a bug in the backward alone fails
+``gradients_match_reference`` at once instead of after the whole forward catalogue has passed (about 80 s of
+one core per such variant).
 """
 
 import pytest
