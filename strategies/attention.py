@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 
 import torch
-from hypothesis import strategies as st
+from strategies import reuse as st
 
 from references.spec import SEQUENCES, AttentionSpec
 from strategies.cases import FP8_NAMES, LAYOUTS, MAGNITUDES, SCALES, AttentionCase
