@@ -15,7 +15,7 @@ import dataclasses
 import json
 
 from references.spec import AttentionSpec
-from strategies.cases import AttentionCase
+from strategies.cases import FP8_NAMES, AttentionCase
 
 SWEEP_MAGNITUDES = ("normal", "sparse_outliers", "large_logits")
 
@@ -33,6 +33,9 @@ FA3_IMPLEMENTATIONS = ("flashverify_kernels.pytorch.standard:STANDARD", "eager",
 
 
 FA3_IMPLEMENTATIONS_CUDA = (*FA3_IMPLEMENTATIONS, "triton_fa2", *PEERS)
+
+
+FA3_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 
 
 # The variants the report measures (:func:`variant_case`), the dense case first as the point of comparison.
@@ -70,11 +73,12 @@ PRESETS = {
     # The GPU report in docs/: the sequence lengths and head dims of the FlashAttention papers' plots.
     "gpu": {"lengths": (512, 1024, 2048, 4096), "head_dims": (64, 128)},
     # The FlashAttention-3 paper's accuracy protocol (FA3_PAPER_SETUP): its magnitude class, no causal
-    # mask, float16 (the paper's) and bfloat16, the forward only (Table 3 measures O), three draws of the
-    # inputs, 16 heads of dim 128. On a GPU B=4 x N=4096 (16k tokens); on a CPU one sequence of 1024, to
-    # run in a minute. ``baselines``: selected to be compared with, not judged: their failed criteria are
-    # reported, but do not set the exit status.
-    "fa3": {"magnitudes": (FA3_MAGNITUDE,), "causal": (False,), "dtypes": ("float16", "bfloat16"),
+    # mask, float16 (the paper's), bfloat16 and float8 e4m3 (its FP8 rows; with descales, as every float8
+    # case of a sweep), the forward only (Table 3 measures O), three draws of the inputs, 16 heads of dim
+    # 128. On a GPU B=4 x N=4096 (16k tokens); on a CPU one sequence of 1024, to run in a minute.
+    # ``baselines``: selected to be compared with, not judged: their failed criteria are reported, but do
+    # not set the exit status.
+    "fa3": {"magnitudes": (FA3_MAGNITUDE,), "causal": (False,), "dtypes": FA3_DTYPES,
             "head_dims": (128,), "heads": 16, "seeds": (0, 1, 2), "backward": False,
             "lengths": (1024,), "batch": 1, "implementations": FA3_IMPLEMENTATIONS, "baselines": ("standard",),
             "cuda": {"lengths": (4096,), "batch": 4, "implementations": FA3_IMPLEMENTATIONS_CUDA}},
@@ -106,7 +110,9 @@ def torch_device_type(device: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Sweep:
     """The cases of a sweep: every combination, ``Nq = Nk = N``, ``Hq = Hkv = heads``; with ``variants``,
-    each variant's case (:func:`variant_case`, ``page_size`` for the paged ones) for every combination."""
+    each variant's case (:func:`variant_case`, ``page_size`` for the paged ones) for every combination.
+    A float8 dtype's cases have descales (one scale per batch entry and head: ``references/fp8.py``), as
+    FlashAttention-3's float8 forward takes its inputs."""
 
     lengths: tuple[int, ...]
     head_dims: tuple[int, ...]
@@ -134,7 +140,7 @@ class Sweep:
                     for seed in self.seeds]
         return [AttentionCase(batch=self.batch, heads_q=self.heads, heads_kv=self.heads, len_q=n, len_k=n,
                               head_dim=d, dtype=dtype, spec=AttentionSpec(causal=causal), magnitude=magnitude,
-                              seed=seed)
+                              seed=seed, descale=dtype in FP8_NAMES)
                 for n in self.lengths for d in self.head_dims for dtype in self.dtypes
                 for magnitude in self.magnitudes for causal in self.causal for seed in self.seeds]
 

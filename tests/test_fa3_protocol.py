@@ -87,11 +87,14 @@ def test_the_preset_is_the_protocol_on_each_device():
     cpu, gpu = sweeps.preset("fa3", device="cpu"), sweeps.preset("fa3", device="cuda")
     for p in (cpu, gpu):
         assert p["magnitudes"] == ("fa3_outliers",) and p["causal"] == (False,) and p["backward"] is False
-        assert p["dtypes"] == ("float16", "bfloat16") and p["head_dims"] == (128,) and p["heads"] == 16
+        assert p["dtypes"] == ("float16", "bfloat16", "float8_e4m3fn") and p["head_dims"] == (128,) and p["heads"] == 16
     assert (cpu["batch"], cpu["lengths"]) == (1, (1024,)) and (gpu["batch"], gpu["lengths"]) == (4, (4096,))
     names = [i.name for i in driver.select_implementations([], device="cpu", defaults=cpu["implementations"])]
     assert names == ["standard", "eager", "fa2_blocked"]
     assert {"triton_fa2", *sweeps.PEERS} <= set(gpu["implementations"])
+    fp8 = [c for c in sweeps.Sweep(**{k: v for k, v in cpu.items() if k in ("dtypes", "lengths", "head_dims")}).cases()
+           if c.dtype == "float8_e4m3fn"]
+    assert fp8 and all(c.descale for c in fp8)  # FlashAttention-3's float8 forward takes descales
 
 
 def test_fa3_preset_runs_the_protocol_and_its_baseline_does_not_set_the_exit_status(fa3_run):
@@ -123,15 +126,19 @@ def test_the_table_names_the_papers_figures_in_every_output(fa3_run):
     assert rows[("standard", "float16")]["paper_rmse"] == 3.2e-4
     assert rows[("fa2_blocked", "float16")]["paper_rmse"] == 1.9e-4
     assert rows[("eager", "float16")]["paper_rmse"] is None and rows[("standard", "bfloat16")]["paper_rmse"] is None
+    fp8 = rows[("fa2_blocked", "float8_e4m3fn")]
+    assert (fp8["paper_method"], fp8["paper_rmse"]) == ("FP8 per-tensor scaling", 2.4e-2)
+    assert fp8["ratio_to_paper"] == pytest.approx(fp8["rmse"] / 2.4e-2) and fp8["failed_cases"] == 0
+    assert ("standard", "float8_e4m3fn") not in rows  # it declares no float8: listed as not measured
     ratio = rows[("standard", "float16")]["rmse"] / 3.2e-4
     assert rows[("standard", "float16")]["ratio_to_paper"] == pytest.approx(ratio)
     for name in accuracy.OUTPUTS:
         text = (out / name).read_text()
         assert "FlashAttention-3 accuracy protocol" in text and "2407.08608" in text and "Table 3" in text
-        for figure in ("3.2e-4", "1.9e-4"):
+        for figure in ("3.2e-4", "1.9e-4", "2.4e-2", "9.1e-3"):
             assert figure in text, (name, figure)
         assert "B=1 H=2 N=128 D=128" in text and "does not state the sequence length" in text
-        assert "no FP8 kernel" in text
+        assert "one scale per batch entry and head" in text and "float8_e4m3fn is not among them" in text
 
 
 # ------------------------------------------------------------------------------------ written from the records
@@ -201,6 +208,22 @@ def test_the_float64_twin_holds_the_same_draws_unrounded(magnitude, dtype):
     assert not torch.equal(twin.q, t.q.to(torch.float64))  # not rounded
 
 
+@pytest.mark.parametrize("descale", [True, False])
+def test_the_float64_twin_of_a_float8_case_quantises_to_its_inputs(descale):
+    """A float8 case's inputs are its float64 twin quantised (with the descales when it has them), so its column
+    "against the unrounded inputs" compares with the draws before quantisation."""
+    from references.fp8 import quantise
+
+    case = AttentionCase(batch=2, heads_q=4, heads_kv=2, len_q=40, len_k=24, head_dim=16, dtype="float8_e4m3fn",
+                         magnitude="fa3_outliers", seed=5, descale=descale)
+    t, twin = case.build(), case.replace(dtype="float64", descale=False).build()
+    for name in ("q", "k", "v"):
+        got = quantise(getattr(twin, name), torch.float8_e4m3fn, heads_kv=2, descaled=descale)[0]
+        assert torch.equal(got.view(torch.uint8), getattr(t, name).view(torch.uint8)), name
+    unrounded = driver.UnroundedInputs(case, t, device="cpu")
+    assert unrounded.rmse(unrounded.out) == 0.0
+
+
 def test_a_class_drawn_per_dtype_has_no_unrounded_reference():
     case = AttentionCase(batch=1, heads_q=1, heads_kv=1, len_q=8, len_k=8, head_dim=4, dtype="float16",
                          magnitude="near_subnormal")
@@ -218,13 +241,13 @@ def test_the_unrounded_column_is_the_same_out_against_the_float64_twin(fa3_run):
                  for item in lines if item.get("kind") == accuracy.UNROUNDED_KIND}
     rounded = {(item["implementation"], json.dumps(item["case"], sort_keys=True)): item["rmse"]
                for item in lines if item.get("kind") == "measurement" and item["op"] == "out"}
-    assert set(unrounded) == set(rounded) and len(unrounded) == 6  # 3 implementations x 2 dtypes, one seed
+    assert set(unrounded) == set(rounded) and len(unrounded) == 7  # 3 kernels x 2 dtypes, fa2_blocked's float8
     impls = {i.name: i for i in driver.select_implementations(list(sweeps.FA3_IMPLEMENTATIONS), device="cpu")}
     rows = _rows(result)
     for (name, text), value in unrounded.items():
         case = AttentionCase.from_json(text)
-        t, twin = case.build(), case.replace(dtype="float64").build()
-        got, _ = impls[name].call(t.q, t.k, t.v, spec=case.spec, scale=case.scale)
+        t, twin = case.build(), case.replace(dtype="float64", descale=False).build()
+        got, _ = impls[name].call(t.q, t.k, t.v, spec=case.spec, scale=case.scale, descales=t.descales)
         expected = reference.attention(twin.q, twin.k, twin.v, spec=case.spec, scale=case.scale).out
         assert value == pytest.approx(float(((got.to(torch.float64) - expected) ** 2).mean().sqrt()), rel=1e-9)
         assert value > 1.2 * rounded[(name, text)], (name, case.dtype, value, rounded[(name, text)])

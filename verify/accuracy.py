@@ -195,7 +195,8 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
                 key = impl.causal_alignment if alignment_matters(kcase) else "any"
                 tic = time.monotonic()
                 if key not in truths:
-                    truths[key] = measure.Truth(kcase, t.q, t.k, t.v, dout=t.dout if sweep.backward else None)
+                    truths[key] = measure.Truth(kcase, t.q, t.k, t.v, dout=t.dout if sweep.backward else None,
+                                                 descales=t.descales)
                 outputs: dict = {}  # what the records measured, for the FlashAttention-3 table's second reference
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
@@ -240,8 +241,8 @@ class UnroundedInputs:
     suite's convention: a kernel's own error). This one takes the case's float64 twin,
     ``case.replace(dtype="float64").build()``: :mod:`strategies.cases` draws every magnitude class in
     float64 and rounds last, so the twin holds the same draws unrounded (:attr:`out` checks that they
-    round to the case's inputs). The RMSE against it adds the error of rounding q, k and v to the
-    kernel's own; no criterion uses it."""
+    round to the case's inputs; a float8 case's, quantised with its descales). The RMSE against it adds the
+    error of rounding q, k and v to the kernel's own; no criterion uses it."""
 
     def __init__(self, case, t, *, device: str):
         self.case, self.t, self.device = case, t, device
@@ -252,10 +253,18 @@ class UnroundedInputs:
         import torch
 
         from references import attention as reference
+        from references.fp8 import is_fp8, quantise
 
-        twin = self.case.replace(dtype="float64").build(self.device)
+        dtype = self.case.torch_dtype
+        twin = self.case.replace(dtype="float64", descale=False).build(self.device)
+
+        def rounded(x):
+            if not is_fp8(dtype):
+                return x.to(dtype)
+            return quantise(x, dtype, heads_kv=self.case.heads_kv, descaled=self.case.descale)[0]
+
         for name in ("q", "k", "v"):
-            if not torch.equal(getattr(twin, name).to(self.case.torch_dtype), getattr(self.t, name)):
+            if not torch.equal(rounded(getattr(twin, name)), getattr(self.t, name)):
                 raise ValueError(f"the float64 twin of {self.case.describe()} does not round to its {name}: "
                                  f"the magnitude class {self.case.magnitude!r} draws differently per dtype")
         return reference.attention(twin.q, twin.k, twin.v, spec=self.case.spec, scale=self.case.scale).out

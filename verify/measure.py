@@ -271,7 +271,7 @@ def sweep_case(impl, case, t, truth: Truth, *, device: str, backward: bool,
                 problems.append(f"{op}: {str(exc).splitlines()[0]}")
 
     with torch.no_grad():
-        out, lse = run_forward(ctx("out"), case, t.q, t.k, t.v)
+        out, lse = run_forward(ctx("out"), case, t.q, t.k, t.v, descales=t.descales)
     outputs.update(out=out, **({"lse": lse} if lse is not None else {}))
     measure("out", out, truth.forward_bounds)
     if lse is not None:
