@@ -13,7 +13,7 @@ Under pytest-xdist (``pytest tests -n 2``, the README's command) the run is sche
   short tests fill in behind the long ones on whichever worker is free;
 - each worker's torch gets its share of the cores (one thread each for ``-n 2`` on 2 cores): more threads
   than cores slow every test down, most of all the subprocess runs, which use one thread each;
-- about seventy tests start a ``pytest verify`` of their own. Where ``PYTHONDONTWRITEBYTECODE`` is set, each
+- a few dozen tests start a ``pytest verify`` of their own. Where ``PYTHONDONTWRITEBYTECODE`` is set, each
   of them would compile the suite's modules and redo pytest's assertion rewriting of them from the source
   (2 of the 7 seconds a subprocess takes to start on one core): the run keeps compiled files instead, under
   one cache folder outside the checkout (``PYTHONPYCACHEPREFIX``, ``<tmp>/flashverify-pycache`` unless one
