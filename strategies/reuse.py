@@ -8,11 +8,14 @@ for the four constructors above. A strategy draws the same choices whichever equ
 them, so the examples, their order and their shrinking stay as they were, byte for byte.
 
 Arguments are told apart by type as well as value (``1``, ``1.0`` and ``True``; ``0.0`` and ``-0.0``), strategies
-by identity; arguments that cannot be hashed build a new strategy, as before. Everything else is
-``hypothesis.strategies`` itself.
+by identity. Only numbers, strings, None, strategies, frozen dataclasses and lists, tuples and ranges of them are
+keys; any other argument (a tensor, whose hash is its identity) builds a new strategy, as before. Everything else
+is ``hypothesis.strategies`` itself.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from hypothesis import strategies as _st
 
@@ -21,12 +24,16 @@ _BUILT: dict = {}
 
 
 def _strict(x):
-    """A key for ``x`` that ``==`` and ``hash`` cannot confuse with another value's."""
+    """A key for ``x`` that ``==`` and ``hash`` cannot confuse with another value's; TypeError for an argument
+    that is not a key (see the module's docstring)."""
     if isinstance(x, (list, tuple, range)):
         return (type(x).__name__, *map(_strict, x))
     if isinstance(x, float):
         return ("float", x.hex())
-    return (type(x), x)
+    frozen = dataclasses.is_dataclass(x) and not isinstance(x, type) and x.__dataclass_params__.frozen
+    if x is None or frozen or isinstance(x, (int, str, _st.SearchStrategy)):
+        return (type(x), x)
+    raise TypeError(f"{type(x).__name__} is not a key")
 
 
 def _reused(make):
@@ -34,7 +41,7 @@ def _reused(make):
         try:
             key = (make.__name__, _strict(args))
             return _BUILT[key]
-        except TypeError:  # an argument that cannot be hashed
+        except TypeError:  # an argument that is not a key, or cannot be hashed
             return make(*args)
         except KeyError:
             if len(_BUILT) >= _LIMIT:
