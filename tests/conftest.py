@@ -11,7 +11,8 @@ Under pytest-xdist (``pytest tests -n 2``, the README's command) the run is sche
   the other has nothing left to do;
 - the default ``--dist load`` hands out tests one at a time (``--maxschedchunk 1`` unless given), so the
   short tests fill in behind the long ones on whichever worker is free;
-- each worker's torch gets its share of the cores (one thread each for ``-n 2`` on 2 cores): more threads
+- each worker's torch gets its share of the cores it may use (one thread each for ``-n 2`` on 2 cores; the
+  affinity and the cgroup quota count, not the host's cores: ``verify.plugin.available_cores``): more threads
   than cores slow every test down, most of all the subprocess runs, which use one thread each;
 - a few dozen tests start a ``pytest verify`` of their own. Where ``PYTHONDONTWRITEBYTECODE`` is set, each
   of them would compile the suite's modules and redo pytest's assertion rewriting of them from the source
@@ -41,7 +42,9 @@ if "TRITON_INTERPRET" not in os.environ:
 if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)))
+    from verify.plugin import available_cores
+
+    torch.set_num_threads(max(1, available_cores() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)))
 
 
 def _slow_seconds(item) -> float:

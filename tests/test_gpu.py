@@ -292,7 +292,7 @@ def test_other_errors_are_not_sticky(exc):
 
 def test_gpu_workers_share_the_cores_and_a_cpu_run_keeps_one_thread(fake_cuda, monkeypatch):
     monkeypatch.delenv("FLASHVERIFY_CPU_THREADS", raising=False)
-    monkeypatch.setattr(plugin.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(plugin, "available_cores", lambda: 16)
     worker = {"workerid": "gw3", "workercount": 16}
     assert plugin.cpu_threads(_Config(workerinput=worker)) == 1
     assert plugin.cpu_threads(_Config(workerinput={"workerid": "gw0", "workercount": 4})) == 4
@@ -338,3 +338,30 @@ def test_every_drawn_case_fits_the_worker_budget(name, total_gib, workers):
 
         check()
     assert not over, over[:3]
+
+
+@pytest.mark.parametrize(("affinity", "cpu_max", "v1", "cores"), [
+    (64, None, None, 64),  # no quota anywhere: the affinity
+    (8, None, None, 8),  # pinned to 8 of the 64
+    (64, "200000 100000", None, 2),  # cgroup v2: 2 cores of quota
+    (64, "max 100000", None, 64),  # cgroup v2 without a quota
+    (64, "150000 100000", None, 1),  # 1.5 cores: one whole core
+    (64, None, ("300000", "100000"), 3),  # cgroup v1
+    (64, None, ("-1", "100000"), 64),  # cgroup v1 without a quota
+    (4, "800000 100000", None, 4),  # the smaller of the two
+    (64, "garbled", None, 64),  # unreadable: ignored
+])
+def test_available_cores_is_bounded_by_the_affinity_and_the_cgroup_quota(tmp_path, monkeypatch, affinity, cpu_max,
+                                                                          v1, cores):
+    monkeypatch.setattr(plugin.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(plugin.os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False)
+    v2 = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        v2.write_text(cpu_max + "\n")
+    quota, period = tmp_path / "cfs_quota_us", tmp_path / "cfs_period_us"
+    if v1 is not None:
+        quota.write_text(v1[0] + "\n")
+        period.write_text(v1[1] + "\n")
+    monkeypatch.setattr(plugin, "CGROUP_CPU_MAX", v2)
+    monkeypatch.setattr(plugin, "CGROUP_V1_CPU", (quota, period))
+    assert plugin.available_cores() == cores

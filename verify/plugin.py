@@ -112,6 +112,32 @@ def _workers(config) -> int:
     return int(config.option.numprocesses) if _xdist_controller(config) else 1
 
 
+# Where Linux states a cgroup's CPU quota: cgroup v2's "quota period" (or "max"), and v1's two files.
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+CGROUP_V1_CPU = (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
+
+
+def available_cores() -> int:
+    """The cores this process may run on: ``os.cpu_count()`` bounded by the process's CPU affinity and by its
+    cgroup's CPU quota (a container given 2 cores of a 64-core host sees 64 in ``os.cpu_count()``, and 64 torch
+    threads on 2 cores would spin against each other)."""
+    count = os.cpu_count() or 1
+    try:
+        count = min(count, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this platform
+        pass
+    try:
+        if CGROUP_CPU_MAX.exists():
+            quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
+        else:
+            quota, period = (path.read_text().strip() for path in CGROUP_V1_CPU)
+        if quota not in ("max", "-1") and int(period) > 0:
+            count = min(count, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):  # no cgroup quota to read
+        pass
+    return max(1, count)
+
+
 def cpu_threads(config) -> int:
     """Torch's intra-op threads in this process (``FLASHVERIFY_CPU_THREADS`` overrides). On the CPU: one,
     since the suite's tensors are small and thread start-up dominates. With a GPU, the host's work (building
@@ -122,7 +148,7 @@ def cpu_threads(config) -> int:
         return max(1, int(given))
     if torch.device(_device(config)).type == "cpu":
         return 1
-    return max(1, (os.cpu_count() or 1) // max(1, _workers(config)))
+    return max(1, available_cores() // max(1, _workers(config)))
 
 
 def _spread(config) -> bool:
