@@ -515,7 +515,7 @@ def fa3_words(protocol: dict) -> list[str]:
         f"{paper_figure(paper['standard attention'])}, FlashAttention-2 {paper_figure(paper['FlashAttention-2'])}, "
         f"FlashAttention-3 {paper_figure(paper['FlashAttention-3'])} (no FlashAttention-3 kernel here: it is "
         "Hopper CUDA code). Its FP8 (e4m3) RMSE: "
-        f"{paper_figure(fp8['FP8 per-tensor scaling'])} with one scale per tensor, "
+        f"{paper_figure(fp8[FA3_FP8_METHOD])} with one scale per tensor, "
         f"{paper_figure(fp8['FlashAttention-3 FP8'])} for FlashAttention-3 (block quantization and incoherent "
         "processing). A float8_e4m3fn row here quantises q, k and v with one scale per batch entry and head (the "
         "contract's q_descale, k_descale, v_descale: references/fp8.py), with no incoherent processing; its "

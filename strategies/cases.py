@@ -238,6 +238,14 @@ class AttentionCase:
         return dataclasses.replace(self, **changes)
 
     # ----------------------------------------------------------------------------- tensors
+    def rounded(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A float64 draw ``x`` ``[B, H, N, D]`` as the case's inputs hold it, and its descale (None without):
+        cast to the dtype, or quantised to float8 (:func:`references.fp8.quantise`, with descales when the case
+        has them)."""
+        if not self.fp8:
+            return x.to(self.torch_dtype), None
+        return quantise(x, self.torch_dtype, heads_kv=self.heads_kv, descaled=self.descale)
+
     def build(self, device: str | torch.device = "cpu") -> Tensors:
         """Generate q, k, v, dout (deterministic in the case), cast to the dtype and laid out. Float8 inputs
         are quantised (:func:`references.fp8.quantise`: with descales when the case has them) and dout, which
@@ -256,8 +264,7 @@ class AttentionCase:
             if self.layout == "packed":
                 return Tensors(*_pack([t.to(dtype) for t in (q, k, v, do)], device))
             return Tensors(*(_lay_out(t.to(dtype), self.layout, device) for t in (q, k, v, do)))
-        (q, qd), (k, kd), (v, vd) = (quantise(t, dtype, heads_kv=self.heads_kv, descaled=self.descale)
-                                     for t in (q, k, v))
+        (q, qd), (k, kd), (v, vd) = (self.rounded(t) for t in (q, k, v))
         descales = tuple(d.to(device) for d in (qd, kd, vd)) if self.descale else None
         do = _lay_out(do.to(self.out_dtype), "contiguous", device)  # its own buffer: another dtype
         if self.layout == "packed":

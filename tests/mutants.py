@@ -224,19 +224,24 @@ class Outcome:
     output: str
 
 
-def run_variant(name: str, *, report_dir: str | os.PathLike, extra: tuple[str, ...] = ()) -> Outcome:
-    """Run ``pytest verify --impl tests/mutants.py:NAME -x`` under the ci profile in a subprocess, out, the LSE
-    and the gradients first (tests/accuracy_first.py: the order changes no verdict, only how soon ``-x`` stops)."""
-    cmd = [sys.executable, "-m", "pytest", "verify", "--impl", f"tests/mutants.py:{name}", "-x", "-q",
-           "--hypothesis-profile=ci", "-p", "tests.accuracy_first", "-p", "no:cacheprovider",
-           "--report-dir", str(report_dir), *extra]
+def _verify(names: list[str], report_dir: str | os.PathLike, *args: str) -> tuple[int, float, str]:
+    """``pytest verify`` under the ci profile on the variants ``names`` in a subprocess (one torch thread), out, the
+    LSE and the gradients first (tests/accuracy_first.py: the order changes no verdict, only how soon a variant's
+    run stops at its failure); (exit status, seconds, output)."""
+    impls = [arg for name in names for arg in ("--impl", f"tests/mutants.py:{name}")]
+    cmd = [sys.executable, "-m", "pytest", "verify", *impls, "-q", "--hypothesis-profile=ci",
+           "-p", "tests.accuracy_first", "-p", "no:cacheprovider", "--report-dir", str(report_dir), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    seconds = time.perf_counter() - start
-    output = proc.stdout + proc.stderr
+    return proc.returncode, time.perf_counter() - start, proc.stdout + proc.stderr
+
+
+def run_variant(name: str, *, report_dir: str | os.PathLike, extra: tuple[str, ...] = ()) -> Outcome:
+    """Run ``pytest verify --impl tests/mutants.py:NAME -x`` (:func:`_verify`), ``extra`` appended."""
+    returncode, seconds, output = _verify([name], report_dir, "-x", *extra)
     found = re.search(r"^FAILED verify/\S+::(test_\w+)\[", output, flags=re.MULTILINE)
-    return Outcome(name, proc.returncode, seconds, found.group(1) if found else None, output)
+    return Outcome(name, returncode, seconds, found.group(1) if found else None, output)
 
 
 @dataclasses.dataclass
@@ -250,24 +255,15 @@ class Session:
 
 
 def run_all(names: list[str], *, report_dir: str | os.PathLike) -> Session:
-    """Run ``pytest verify`` under the ci profile on every variant of ``names`` in one subprocess, each variant
-    stopped at its first failing test (tests/first_failure_per_kernel.py: ``-x`` per kernel), out, the LSE and
-    the gradients first (tests/accuracy_first.py)."""
-    impls = [arg for name in names for arg in ("--impl", f"tests/mutants.py:{name}")]
-    cmd = [sys.executable, "-m", "pytest", "verify", *impls, "-q", "--hypothesis-profile=ci",
-           "-p", "tests.accuracy_first", "-p", "tests.first_failure_per_kernel", "-p", "no:cacheprovider",
-           "--report-dir", str(report_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    seconds = time.perf_counter() - start
-    output = proc.stdout + proc.stderr
+    """Run ``pytest verify`` (:func:`_verify`) on every variant of ``names`` in one session, each variant stopped at
+    its first failing test (tests/first_failure_per_kernel.py: ``-x`` per kernel)."""
+    returncode, seconds, output = _verify(names, report_dir, "-p", "tests.first_failure_per_kernel")
     failures: dict[str, list[dict]] = {name: [] for name in names}
     for path in sorted(Path(report_dir, "failures").glob("*.json")):
         failure = json.loads(path.read_text(encoding="utf-8"))
         failures.setdefault(str(failure["implementation"]).removeprefix("mutant_"), []).append(failure)
     verdicts = {m.group(1): m.group(2) for m in re.finditer(r"^flashverify: mutant_(\w+): (.*)$", output, re.MULTILINE)}
-    return Session(proc.returncode, seconds, output, failures, verdicts)
+    return Session(returncode, seconds, output, failures, verdicts)
 
 
 def main() -> int:

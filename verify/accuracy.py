@@ -253,18 +253,10 @@ class UnroundedInputs:
         import torch
 
         from references import attention as reference
-        from references.fp8 import is_fp8, quantise
 
-        dtype = self.case.torch_dtype
         twin = self.case.replace(dtype="float64", descale=False).build(self.device)
-
-        def rounded(x):
-            if not is_fp8(dtype):
-                return x.to(dtype)
-            return quantise(x, dtype, heads_kv=self.case.heads_kv, descaled=self.case.descale)[0]
-
         for name in ("q", "k", "v"):
-            if not torch.equal(rounded(getattr(twin, name)), getattr(self.t, name)):
+            if not torch.equal(self.case.rounded(getattr(twin, name))[0], getattr(self.t, name)):
                 raise ValueError(f"the float64 twin of {self.case.describe()} does not round to its {name}: "
                                  f"the magnitude class {self.case.magnitude!r} draws differently per dtype")
         return reference.attention(twin.q, twin.k, twin.v, spec=self.case.spec, scale=self.case.scale).out
