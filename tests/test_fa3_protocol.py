@@ -275,3 +275,35 @@ def test_the_words_say_what_each_column_measures_in_every_output(fa3_run):
                       "is an inference", "Most likely the unrounded inputs", "judge the error against the rounded "
                       "inputs alone"):
             assert words in text, (name, words)
+
+
+# ------------------------------------------------------ block quantization in the float8 protocol script
+def _float64_fp8_forward(q, k, v, *, q_descale, k_descale, v_descale):
+    """A stand-in for the Triton float8 forward: the float64 attention of the dequantised inputs, and its LSE."""
+    from references.fp8 import dequantise
+    q, k, v = dequantise(q, q_descale), dequantise(k, k_descale), dequantise(v, v_descale)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores, dim=-1) @ v, torch.logsumexp(scores, dim=-1)
+
+
+def test_block_quantised_attention_is_the_attention_of_the_blockwise_dequantised_inputs():
+    from flashverify_kernels.triton import fp8_protocol as protocol
+    q, k, v = protocol.protocol_inputs((2, 3, 64, 16), seed=0, device="cpu")
+    block, dtype = 16, torch.float8_e4m3fn
+    out = protocol.block_quantised_attention(_float64_fp8_forward, q, k, v, dtype=dtype, block=block)
+
+    def dequantised(x):
+        x8, descale = protocol.quantise_blocks(x, dtype, block)
+        assert descale.shape == (2, 3, 64 // block)
+        # every block's largest entry lands on the format's largest value
+        assert torch.equal(x8.reshape(2, 3, 4, -1).float().abs().amax(-1), torch.full((2, 3, 4), 448.0))
+        return x8.double() * descale.double().repeat_interleave(block, dim=2)[..., None]
+
+    want = protocol.reference(*(dequantised(x) for x in (q, k, v)))
+    assert torch.allclose(out.double(), want, rtol=0, atol=1e-6)  # the merge runs in float32
+    # block scaling is closer to the float64 draws than one scale per head
+    per_head = [protocol.quantise(x, dtype, per_tensor=False) for x in (q, k, v)]
+    out_head, _ = _float64_fp8_forward(*(x for x, _ in per_head), q_descale=per_head[0][1],
+                                       k_descale=per_head[1][1], v_descale=per_head[2][1])
+    exact = protocol.reference(q, k, v)
+    assert (out.double() - exact).square().mean() < (out_head - exact).square().mean()
