@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from tests.zoo.common import NEG_INF, any_visible, acc_dtype, expand, softmax_scale, tiles, visible
+from tests.zoo.common import NEG_INF, acc_dtype, any_visible, expand, forward_rows, softmax_scale, tiles, visible
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -44,7 +44,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=16, block_n=16):
     c = _c(scale, acc)
     out = q.new_empty((*q.shape[:3], v.shape[3]))  # v may have a head dim of its own
     lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
-    for m0, m1 in tiles(len_q, block_m):
+    for m0, m1 in forward_rows(len_q):
         shape = (q.shape[0], hq, m1 - m0)
         m2 = torch.full(shape, NEG_INF, dtype=acc, device=q.device)
         l = torch.zeros(shape, dtype=acc, device=q.device)

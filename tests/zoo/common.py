@@ -44,6 +44,14 @@ def tiles(n: int, block: int) -> list[tuple[int, int]]:
     return [(i, min(i + block, n)) for i in range(0, n, block)]
 
 
+def forward_rows(len_q: int) -> list[tuple[int, int]]:
+    """The query tiles of a zoo forward: one tile of every row. A forward's rows are independent (each keeps
+    its own max, sum and accumulator over the key tiles), so a tile of ``block_m`` rows computes what this
+    one computes for them; the Python loops then run once per key tile, not once per (query tile, key
+    tile) pair. ``block_m`` still sets the backward's query tiles, over which dK and dV are summed."""
+    return tiles(len_q, max(len_q, 1))
+
+
 def visible(m0: int, m1: int, n0: int, n1: int, len_q: int, len_k: int, causal: bool, device) -> torch.Tensor:
     """Keys ``n0:n1`` visible to queries ``m0:m1`` (bottom-right causal alignment), bool ``[rows, keys]``."""
     rows = torch.arange(m0, m1, device=device)[:, None]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.zoo.common import NEG_INF, acc_dtype, expand, softmax_scale, tiles
+from tests.zoo.common import NEG_INF, acc_dtype, expand, forward_rows, softmax_scale
 from tests.zoo.online import partial
 
 
@@ -52,7 +52,7 @@ def _per_q_tile(q, k, v, *, causal, scale, block_m, block_n, count, merge):
     ke, ve = expand(k, hq), expand(v, hq)
     out = q.new_empty((*q.shape[:3], v.shape[3]))  # v may have a head dim of its own
     lse = torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype), device=q.device)
-    for m0, m1 in tiles(q.shape[2], block_m):
+    for m0, m1 in forward_rows(q.shape[2]):
         parts = [partial(q, ke, ve, m0=m0, m1=m1, k0=k0, k1=k1, causal=causal, scale=scale, block_n=block_n)
                  for k0, k1 in _runs(len_k, count(len_k))]
         o, lse[:, :, m0:m1] = merge(parts)

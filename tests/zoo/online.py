@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.zoo.common import NEG_INF, any_visible, acc_dtype, expand, masked_scores, softmax_scale, tiles, visible
+from tests.zoo.common import (
+    NEG_INF, acc_dtype, any_visible, expand, forward_rows, masked_scores, softmax_scale, tiles, visible)
 
 
 def partial(q, ke, ve, *, m0, m1, k0, k1, causal, scale, block_n, reverse=False, threshold=0.0):
@@ -54,7 +55,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=16, block_n=16, revers
     ke, ve = expand(k, hq), expand(v, hq)
     out = q.new_empty((*q.shape[:3], v.shape[3]))  # v may have a head dim of its own
     lse = torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype), device=q.device)
-    for m0, m1 in tiles(q.shape[2], block_m):
+    for m0, m1 in forward_rows(q.shape[2]):
         o, lse[:, :, m0:m1] = partial(q, ke, ve, m0=m0, m1=m1, k0=0, k1=len_k, causal=causal, scale=scale,
                                       block_n=block_n, reverse=reverse, threshold=threshold)
         out[:, :, m0:m1] = o.to(q.dtype)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.zoo.common import NEG_INF, any_visible, acc_dtype, expand, masked_scores, softmax_scale, tiles, visible
+from tests.zoo.common import (
+    NEG_INF, acc_dtype, any_visible, expand, forward_rows, masked_scores, softmax_scale, tiles, visible)
 
 
 def forward(q, k, v, *, causal=False, scale=None, block_m=16, block_n=16):
@@ -16,7 +17,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=16, block_n=16):
     ke, ve = expand(k, hq), expand(v, hq)
     out = q.new_empty((*q.shape[:3], v.shape[3]))  # v may have a head dim of its own
     lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
-    for m0, m1 in tiles(len_q, block_m):
+    for m0, m1 in forward_rows(len_q):
         key_tiles = [(n0, n1, visible(m0, m1, n0, n1, len_q, len_k, causal, q.device))
                      for n0, n1 in tiles(len_k, block_n) if any_visible(m1, n0, len_q, len_k, causal)]
         shape = (q.shape[0], hq, m1 - m0)
