@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from strategies import attention
 from strategies.attention import BOUNDARY_CLASSES, Limits, attention_cases, boundary_classes
 from strategies.compile_pool import CHOICES, SWITCHES, compile_pool, head_dim_classes, padded
+from tests.reach import reach
 from verify.profiles import limits_for
 
 SIZE = limits_for("cuda", "gpu").compile_pool
@@ -98,21 +99,20 @@ def test_the_properties_of_a_kernel_share_their_compile_configurations():
 @pytest.mark.parametrize("name", [c for c in BOUNDARY_CLASSES if c not in ("context_over_8k", "context_over_64k",
                                                                            "fp8_descaled", "group_over_16")])
 def test_every_boundary_class_stays_reachable_through_the_pool(name):
-    find(attention_cases(limits=dataclasses.replace(POOLED, max_splits=128), splits=True,
-                         **{**DRAWS, "sequences": ("dense", "packed", "padded", "paged")}),
-         lambda c: name in boundary_classes(c), settings=settings(max_examples=10000, database=None, derandomize=True))
+    reach(attention_cases(limits=dataclasses.replace(POOLED, max_splits=128), splits=True,
+                          **{**DRAWS, "sequences": ("dense", "packed", "padded", "paged")}),
+          lambda c: name in boundary_classes(c), max_examples=10000)
 
 
 def test_float8_descales_and_long_contexts_stay_reachable_through_the_pool():
     gpu = limits_for("cuda", "gpu")
     assert gpu.compile_pool
-    find(attention_cases(limits=POOLED, descale=True, **{**DRAWS, "dtype": "float8_e4m3fn"}),
-         lambda c: c.descale, settings=settings(max_examples=10000, database=None, derandomize=True))
+    reach(attention_cases(limits=POOLED, descale=True, **{**DRAWS, "dtype": "float8_e4m3fn"}),
+          lambda c: c.descale, max_examples=10000)
     for name in ("context_over_8k", "context_over_64k", "group_over_16"):
         # (no declared tiles: 128k keys are more tiles than the gpu profile's cap on tiles holds)
-        find(attention_cases(limits=gpu, **{**DRAWS, "block_m": None, "block_n": None}),
-             lambda c: name in boundary_classes(c),
-             settings=settings(max_examples=10000, database=None, derandomize=True))
+        reach(attention_cases(limits=gpu, **{**DRAWS, "block_m": None, "block_n": None}),
+              lambda c: name in boundary_classes(c), max_examples=10000)
 
 
 @pytest.mark.parametrize("variant", ["window", "softcap", "alibi", "chunk", "sinks", "varlen"])

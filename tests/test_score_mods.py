@@ -6,6 +6,7 @@ import torch
 from hypothesis import find, given, settings
 
 from strategies.attention import Limits, attention_cases, boundary_classes
+from tests.reach import reach
 
 LIMITS = Limits(max_len=64, max_head_dim=32, max_batch=2, max_heads_kv=3, max_group=3)
 
@@ -43,7 +44,7 @@ def test_failures_shrink_to_no_modification_and_reach_the_modified_classes():
                      and c.spec.alibi_slopes[0] == 0.0625, settings=quick)
     assert geometric.spec.alibi_slopes == (0.0625, 0.00390625)  # 2^(-8 (h + 1) / Hq), Hq = 2
     for name in ("softcap", "softcap_below_one", "alibi", "alibi_causal_gqa"):
-        find(strategy, lambda c, name=name: name in boundary_classes(c), settings=quick)
+        reach(strategy, lambda c, name=name: name in boundary_classes(c), max_examples=2000)
 
 
 def test_softcap_backward_keeps_a_hidden_nan_key_out_of_the_gradients():

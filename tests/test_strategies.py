@@ -16,6 +16,7 @@ from strategies.attention import BOUNDARY_CLASSES, SHAPE_CLASSES, Limits, attent
 from verify.profiles import limits_for
 from strategies.cases import LAYOUTS, MAGNITUDES, SCALES, AttentionCase, CaseError
 from strategies.softmax import SOFTMAX_MAGNITUDES, softmax_cases
+from tests.reach import reach
 
 BLOCKS = (1, 2, 3, 4, 5, 7, 8, 13, 16, 32, 64)
 LIMITS = Limits(max_len=40, max_head_dim=40)
@@ -81,11 +82,11 @@ def test_every_class_and_shape_feature_is_reachable(target):
     # classes and multi-head latent attention's 192/128.
     limits = limits_for("cuda", "gpu") if long_context or name == "class head_dim_v_mla" else MQA
     fp8 = name == "class fp8_descaled"  # drawn for a kernel that declares float8 with descales only
-    find(attention_cases(dtype="float8_e4m3fn" if fp8 else "float16", descale=fp8, limits=limits, gqa=True, block_m=blocks,
-                         block_n=blocks, windows=True,
-                         softcap=True, alibi=True, chunks=True, sinks=True, splits=True,
-                         sequences=("dense", "packed", "padded", "paged"), head_dim_v=value_dim),
-         predicate, settings=settings(max_examples=2000, database=None, derandomize=True))
+    reach(attention_cases(dtype="float8_e4m3fn" if fp8 else "float16", descale=fp8, limits=limits, gqa=True,
+                          block_m=blocks, block_n=blocks, windows=True, softcap=True, alibi=True, chunks=True,
+                          sinks=True, splits=True, sequences=("dense", "packed", "padded", "paged"),
+                          head_dim_v=value_dim),
+          predicate, max_examples=2000)
 
 
 @pytest.mark.parametrize("shape_class", SHAPE_CLASSES)
@@ -301,7 +302,7 @@ def test_softmax_cases(case):
 
 def test_softmax_classes_reachable():
     for m in SOFTMAX_MAGNITUDES:
-        find(softmax_cases(dtype="float16"), lambda c, m=m: c.magnitude == m)
+        reach(softmax_cases(dtype="float16"), lambda c, m=m: c.magnitude == m, max_examples=100)
 
 
 @pytest.mark.parametrize("blocks", [BLOCKS, None], ids=["declared blocks", "no blocks"])
