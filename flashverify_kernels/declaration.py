@@ -161,6 +161,9 @@ class Implementation:
     max_batch_heads: int | None = None  # B * Hq at most
     max_len_q: int | None = None  # Nq at most this (a decoding kernel's few queries)
     max_splits: int | None = None  # num_splits at most this (with splits=True; a workspace sized for so many)
+    # Smallest block_m and block_n it runs, for every dtype (an int) or per dtype ({torch.float8_e4m3fn: 32, ...}:
+    # float8 matrix instructions step through 32 products); the suite draws only declared sizes at or above it.
+    min_block: int | Mapping[torch.dtype, int] | None = None
     # Part of the default selection (shipped kernels); adapters to peers run when named.
     in_default: bool = True
     # A plain callable given to --impl with no declaration: what it leaves out was assumed, not declared.
@@ -235,6 +238,7 @@ class Implementation:
                 raise ImplementationError(f"{self.name}: scales={self.scales!r}, but should be None (any scale), "
                                           "'power_of_two', or a non-empty tuple of finite floats and None "
                                           "(None: the default 1/sqrt(D))")
+        self._check_min_block(positive_int)
         limits = self.max_head_dim
         if isinstance(limits, Mapping):
             for dtype, d in limits.items():
@@ -252,7 +256,48 @@ class Implementation:
                         f"{self.name}: head_dims {sorted(self.head_dims)} are all above max_head_dim={top} in "
                         f"{dtype_name(dtype)}: drop {dtype_name(dtype)} from dtypes or allow a head dim")
 
+    def _check_min_block(self, positive_int) -> None:
+        floors = self.min_block
+        if floors is None:
+            return
+        if not self.tunable:
+            raise ImplementationError(f"{self.name}: min_block={floors!r}, but the kernel declares no block_m and "
+                                      "block_n to draw from: declare both, or leave min_block None")
+        if isinstance(floors, Mapping):
+            for dtype, b in floors.items():
+                if dtype not in DECLARABLE_DTYPES:
+                    raise ImplementationError(f"{self.name}: min_block has key {dtype!r}; keys should be "
+                                              f"among {dtype_names(DECLARABLE_DTYPES)}")
+                positive_int(f"min_block[{dtype_name(dtype)}]", b)
+        else:
+            positive_int("min_block", floors)
+        for dtype in self.dtypes:
+            block_m, block_n = self.blocks_for(dtype)
+            for field, sizes in (("block_m", block_m), ("block_n", block_n)):
+                if not sizes:
+                    raise ImplementationError(
+                        f"{self.name}: every {field} {sorted(getattr(self, field))} is below min_block="
+                        f"{self.block_floor(dtype)} in {dtype_name(dtype)}: declare a larger size or drop "
+                        f"{dtype_name(dtype)} from dtypes")
+
     # ----------------------------------------------------------------------------- limits
+    def block_floor(self, dtype: torch.dtype) -> int | None:
+        """The smallest block_m and block_n declared for ``dtype`` (None: any declared size)."""
+        if isinstance(self.min_block, Mapping):
+            return self.min_block.get(dtype)
+        return self.min_block
+
+    def blocks_for(self, dtype: torch.dtype | str | None) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+        """``(block_m, block_n)``: the declared sizes the kernel runs in ``dtype`` (a torch dtype or its name;
+        None: every declared size), each None when the kernel declares no tunable tiles."""
+        if not self.tunable:
+            return None, None
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        floor = self.block_floor(dtype) if dtype is not None else None
+        return tuple(b for b in self.block_m if floor is None or b >= floor), \
+            tuple(b for b in self.block_n if floor is None or b >= floor)
+
     def head_dim_limit(self, dtype: torch.dtype) -> int | None:
         """The largest head dim declared for ``dtype`` (None: no limit)."""
         if isinstance(self.max_head_dim, Mapping):
@@ -315,6 +360,12 @@ class Implementation:
                 out.append(f"head dims above {d} in {dtype_name(dtype)}: {why}")
         elif self.max_head_dim is not None:
             out.append(f"head dims above {self.max_head_dim}: {why}")
+        if self.tunable and isinstance(self.min_block, Mapping):
+            for dtype, b in self.min_block.items():
+                if dtype in self.dtypes:
+                    out.append(f"tiles below {b} in {dtype_name(dtype)}: {why}")
+        elif self.tunable and self.min_block is not None:
+            out.append(f"tiles below {self.min_block}: {why}")
         if self.contiguous_only:
             out.append(f"non-contiguous inputs (transposed, padded and packed views): {why}")
         if self.max_batch_heads is not None:

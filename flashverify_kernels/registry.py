@@ -218,6 +218,7 @@ if triton_attention is not None and triton_softmax is not None:
     TRITON_FA2 = _triton_attention(
         name="triton_fa2", forward=triton_attention.fa2_forward, sibling="triton_fa1",
         dtypes=triton_attention.FORWARD_DTYPES, descale=True, environment_limits=_ENVIRONMENT_LIMITS + _FP8_LIMITS,
+        min_block={dtype: triton_attention.FP8_MIN_TILE for dtype in triton_attention.FP8_DTYPES},
         description="Triton FlashAttention-2: outer-scaled forward, Delta/dK-dV/dQ backward without atomics",
     )
     TRITON_FA1 = _triton_attention(

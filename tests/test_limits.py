@@ -25,7 +25,7 @@ from verify.runner import declared_draws, longest_case
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = "tests/fixtures/constrained_kernels.py"
 CORRECT = ("equal_lengths_only", "multiple_of_64_only", "causal_only", "fixed_scale", "tutorial_like",
-           "varlen_tiles_of_16")
+           "varlen_tiles_of_16", "wide_tiles_in_float32")
 LIMITS = Limits(max_len=200, max_head_dim=80, max_tiles=64, max_scores=2 ** 18)
 
 
@@ -47,6 +47,11 @@ def _impl(name: str) -> Implementation:
     ({"max_batch_heads": 0}, "max_batch_heads=0, but should be an int >= 1"),
     ({"max_splits": 0}, "max_splits=0, but should be an int >= 1"),
     ({"equal_lengths": 1}, "equal_lengths=1, but should be a bool"),
+    ({"min_block": 32}, "min_block=32, but the kernel declares no block_m and block_n to draw from"),
+    ({"min_block": {torch.float16: 0}, "block_m": (16,), "block_n": (16,)}, r"min_block\[float16\]=0"),
+    ({"min_block": {"float8_e4m3fn": 32}, "block_m": (16,), "block_n": (16,)}, "min_block has key 'float8_e4m3fn'"),
+    ({"min_block": {torch.float16: 32}, "block_m": (16, 32), "block_n": (16,)},
+     r"every block_n \[16\] is below min_block=32 in float16: declare a larger size or drop float16"),
 ])
 def test_a_nonsensical_declaration_is_refused_with_its_field(fields, words):
     with pytest.raises(ImplementationError, match=words):
@@ -72,6 +77,10 @@ def test_a_decorated_callable_carries_its_limits_and_the_report_words_them():
             (words, left_out)
     assert _impl("causal_only").not_covered()[0] == "non-causal attention: not covered, declared unsupported"
     assert _impl("fixed_scale").not_covered()[0] == "scales other than 1/sqrt(D): not covered, declared unsupported"
+    wide = _impl("wide_tiles_in_float32")
+    assert [w for w in wide.not_covered() if w.startswith("tiles")] == [
+        "tiles below 16 in float32: not covered, declared unsupported"]
+    assert wide.blocks_for("float32") == ((16, 32), (16, 32)) and wide.blocks_for(torch.float16) == ((8, 16, 32),) * 2
 
 
 def test_a_split_cap_narrows_the_draws_and_the_report_words_it():
@@ -114,6 +123,9 @@ def _conforms(impl: Implementation, case) -> list[str]:
         bad.append("head dim")
     if impl.contiguous_only and case.layout != "contiguous":
         bad.append("layout")
+    floor = impl.block_floor(case.torch_dtype) if impl.tunable else None
+    if floor is not None and any(b is not None and b < floor for b in (case.block_m, case.block_n)):
+        bad.append("tiles")
     if impl.max_batch_heads is not None and case.batch * case.heads_q > impl.max_batch_heads:
         bad.append("B x Hq")
     spec = case.spec
@@ -133,11 +145,15 @@ def test_every_drawn_case_conforms_without_filtering(name, dtype):
 
     @settings(max_examples=150, database=None, deadline=None,
               suppress_health_check=[HealthCheck.too_slow])  # filter_too_much is NOT suppressed
-    @given(attention_cases(dtype=dtype, limits=limits, **declared_draws(impl, None, {})))
+    @given(attention_cases(dtype=dtype, limits=limits, **declared_draws(impl, None, {}, dtype=dtype)))
     def check(case):
         assert _conforms(impl, case) == [], (case.describe(), _conforms(impl, case))
+        tiles.add(case.block_m)
 
+    tiles = set()
     check()
+    if impl.tunable:  # a floor narrows the declared tiles, and only in the dtypes it names
+        assert tiles == set(impl.blocks_for(dtype)[0]), tiles
 
 
 def test_failures_shrink_to_the_smallest_conforming_case():

@@ -180,7 +180,7 @@ def block_size_invariance(ctx: Context, case: AttentionCase) -> None:
         raise NotForThisKernel(f"{ctx.impl.name} declares no tunable block sizes")
     t = case.build(ctx.device)
     g = _rng(case, 1)
-    sizes_m, sizes_n = list(ctx.impl.block_m), list(ctx.impl.block_n)
+    sizes_m, sizes_n = (list(sizes) for sizes in ctx.impl.blocks_for(case.dtype))
     if ctx.impl.max_tiles is not None:
         per_axis = tiles_per_axis(ctx.impl.max_tiles)
         sizes_m = [b for b in sizes_m if -(-case.len_q // b) <= per_axis] or [case.block_m]

@@ -205,11 +205,14 @@ def _skip_unless_runnable(impl: Implementation, dtype: str, env: Env, requires: 
         pytest.skip(f"{impl.name} declares Nq == Nk only; the property needs {longer} longer than the other")
 
 
-def declared_draws(impl: Implementation, causal: bool | None, draw: dict[str, Any]) -> dict[str, Any]:
+def declared_draws(impl: Implementation, causal: bool | None, draw: dict[str, Any], *,
+                   dtype: str | None = None) -> dict[str, Any]:
     """The arguments of :func:`attention_cases` that keep every drawn case within ``impl``'s declaration
-    (its limits are part of the draw, never a filter) merged with the property's own constraints."""
+    (its limits are part of the draw, never a filter) merged with the property's own constraints; with
+    ``dtype``, the tiles it runs in that dtype (``min_block``)."""
     mq, mk = impl.length_multiples
-    declared = {"gqa": impl.gqa, "block_m": impl.block_m, "block_n": impl.block_n,
+    block_m, block_n = impl.blocks_for(dtype)
+    declared = {"gqa": impl.gqa, "block_m": block_m, "block_n": block_n,
                 "alignment": impl.causal_alignment, "equal_lengths": impl.equal_lengths,
                 "len_q_multiple": mq, "len_k_multiple": mk, "scale_choices": impl.scale_choices,
                 "max_batch_heads": impl.max_batch_heads, "head_dims": impl.head_dims, "head_dim_v": impl.head_dim_v,
@@ -251,7 +254,7 @@ def check_attention(prop: str, impl: Implementation, dtype: str, env: Env, *, re
     if layouts is not None:
         kwargs["layouts"] = tuple(layouts)
     strategy = attention_cases(dtype=dtype, limits=limits_of(impl, limits or env.limits, dtype),
-                               **declared_draws(impl, causal, kwargs))
+                               **declared_draws(impl, causal, kwargs, dtype=dtype))
     coverage = _Coverage()
 
     @settings(max_examples=_max_examples(impl, examples_share))
@@ -317,7 +320,7 @@ def longest_case(impl: Implementation, dtype: str, limits: Limits, *, causal: bo
     len_k = limits.context_len if context else limits.max_len
     block_m = block_n = None
     if impl.max_tiles is not None and impl.tunable:
-        block_m, block_n = max(impl.block_m), max(impl.block_n)
+        block_m, block_n = (max(sizes) for sizes in impl.blocks_for(dtype))
         len_k = min(len_k, limits.tiles_per_axis * block_n)
     len_q = 1 if context else max(1, min(len_k, limits.max_scores // len_k))
     if block_m is not None:
