@@ -206,7 +206,7 @@ def aggregate(header: dict, lines: list[dict], bad_lines: int = 0) -> dict:
         "status": "complete" if not missing else "partial",
         "missing": missing,
         "meta": {k: header.get(k) for k in ("command", "commands", "device", "device_name", "versions", "sweep",
-                                             "started", "cases", "planned")},
+                                             "started", "cases", "planned", "baselines")},
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "implementations": header.get("implementations") or [],
         "not_measured": [*_merged_dtypes(header.get("skipped", [])),
@@ -650,6 +650,24 @@ def title(result: dict) -> str:
     return f"Attention accuracy against a float64 reference, {kind}: {meta.get('device_name') or device}"
 
 
+def failed_cases(result: dict) -> tuple[int, int]:
+    """``(judged, baselines)``: the (implementation, case) results with a failed criterion, those of judged
+    implementations and those of the preset's baselines (compared with, not judged)."""
+    baselines = set((result.get("meta") or {}).get("baselines") or ())
+    judged = sum(c.get("failed_cases", 0) for c in result.get("criteria") or [] if c["implementation"] not in baselines)
+    return judged, sum(c.get("failed_cases", 0) for c in result.get("criteria") or [] if c["implementation"] in baselines)
+
+
+def results_words(result: dict) -> str:
+    """How many results there are and how many failed a criterion, a baseline's failures counted apart."""
+    judged, of_baselines = failed_cases(result)
+    names = ", ".join((result.get("meta") or {}).get("baselines") or ())
+    also = (f" (and {of_baselines} of {names}, a baseline the sweep compares with: not judged)"
+            if of_baselines else "")
+    return (f"{len(result.get('results') or [])} (implementation, case) results, {judged} with a failed criterion"
+            f"{also}")
+
+
 def status_words(result: dict) -> str:
     if result["status"] == "complete":
         return "Status: complete."
@@ -661,7 +679,7 @@ def markdown(result: dict) -> str:
     meta = result["meta"]
     stack = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items() if v)
     lines = [f"# {title(result)}", "",
-             status_words(result), "",
+             status_words(result), "", f"{results_words(result)}.", "",
              f"- device: {meta.get('device')} ({meta.get('device_name')}); {stack}",
              f"- command: `{meta.get('command')}`",
              *(f"- earlier command of this sweep: `{c}`" for c in (meta.get("commands") or [])[:-1]),
@@ -775,12 +793,10 @@ def accuracy_html(result: dict) -> str:
     sweep = meta.get("sweep") or {}
     versions = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items() if v)
     partial = result.get("status") != "complete"
-    failed = sum(c.get("failed_cases", 0) for c in result.get("criteria") or [])
+    failed, _ = failed_cases(result)
     body = [f"<h1>{esc(title(result))}</h1>",
             f'<div class="banner {"partial" if partial else ("bad" if failed else "ok")}">'
-            f"{esc(status_words(result))}<br>{esc(len(result.get('results') or []))} "
-            "(implementation, case) results, "
-            f"{esc(failed)} with a failed criterion.</div>",
+            f"{esc(status_words(result))}<br>{esc(results_words(result))}.</div>",
             "<h2>Run</h2>",
             key_values([("command", code(meta.get("command"))),
                         ("device", f"{meta.get('device')} ({meta.get('device_name')})"), ("versions", versions),

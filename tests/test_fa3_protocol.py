@@ -106,6 +106,22 @@ def test_fa3_preset_runs_the_protocol_and_its_baseline_does_not_set_the_exit_sta
     assert {op for r in result["results"] for op in r["ops"]} == {"out", "lse"}  # forward only
     failing = {c["implementation"] for c in result["criteria"] if c["failed_cases"]}
     assert failing == {"standard"} and status == 0
+    # and the report says so: no judged failure, the baseline's counted apart (the banner stays green)
+    baseline = sum(c["failed_cases"] for c in result["criteria"])
+    words = (f"{len(result['results'])} (implementation, case) results, 0 with a failed criterion (and {baseline} of "
+             "standard, a baseline the sweep compares with: not judged)")
+    assert f"\n{words}.\n" in (out / "accuracy.md").read_text()
+    assert f'<div class="banner ok">Status: complete.<br>{words}.</div>' in (out / "accuracy.html").read_text()
+
+
+def test_a_baseline_named_with_impl_is_judged(tmp_path):
+    """Named with --impl, standard attention is what the user asked to judge: its failures set the exit
+    status and are counted as failures."""
+    status = driver.main(["--device", "cpu", "--preset", "fa3", *SMALL, "--dtype", "float16", "--impl",
+                          "flashverify_kernels.pytorch.standard:STANDARD", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "accuracy.json").read_text())
+    assert status == 1 and result["meta"]["baselines"] == []
+    assert '<div class="banner bad">' in (tmp_path / "accuracy.html").read_text()
 
 
 def test_standard_fp16_attention_has_the_larger_rmse_as_in_the_paper(fa3_run):

@@ -49,7 +49,8 @@ from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 
-from reports.accuracy import OUTPUTS, RUN_FILE, STREAM, UNROUNDED_KIND, read_stream, status_words, write_report
+from reports.accuracy import (OUTPUTS, RUN_FILE, STREAM, UNROUNDED_KIND, read_stream, results_words, status_words,
+                              write_report)
 from reports.session import device_name, versions
 from strategies.cases import dtype_name
 from strategies.sweep import (FA3_MAGNITUDE, PEERS, PRESETS, VARIANTS, Sweep, alignment_matters, as_computed_by,
@@ -115,8 +116,11 @@ def _impl_info(impl) -> dict:
 
 
 def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command: str, resume: bool = False,
-        time_limit: float | None = None, progress: bool | None = None, log: Callable[[str], None] = print) -> dict:
-    """Run the sweep, streaming measurements into ``out_dir``, then write the report; return its data."""
+        time_limit: float | None = None, progress: bool | None = None, log: Callable[[str], None] = print,
+        baselines: tuple[str, ...] = ()) -> dict:
+    """Run the sweep, streaming measurements into ``out_dir``, then write the report; return its data.
+    ``baselines``: implementations measured to be compared with, not judged (the report says so of their
+    failed criteria)."""
     from reports.progress import Progress
     from reports.session import dumps, write_atomic
     from verify import measure
@@ -164,6 +168,7 @@ def run(sweep: Sweep, impls: list, *, device: str, out_dir: str | Path, command:
                     for (n, r, *where), c in sorted(skipped.items())],
         "started": previous.get("started") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "cases": len(cases), "planned": len(planned_pairs), "planned_pairs": planned_pairs,
+        "baselines": [i.name for i in impls if i.name in baselines],
     }
     write_atomic(out_dir / RUN_FILE, dumps(header, indent=2))
     total = sum(len(r) for _, r in plan)
@@ -353,17 +358,16 @@ def _accuracy(args, parser) -> int:
     names = ", ".join(i.name for i in impls)
     print(f"accuracy sweep on {device}: {len(sweep.cases())} cases x {len(impls)} implementations ({names})",
           file=sys.stderr)
+    baselines = () if args.impl else tuple(chosen.get("baselines", ()))
     result = run(sweep, impls, device=device, out_dir=args.out, command=command, resume=args.resume,
-                          time_limit=args.time_limit, log=lambda s: print(s, file=sys.stderr))
+                 time_limit=args.time_limit, log=lambda s: print(s, file=sys.stderr), baselines=baselines)
     print(status_words(result))
-    failed = sum(c.get("failed_cases", 0) for c in result["criteria"])
-    print(f"{len(result['results'])} (implementation, case) results, {failed} with a failed criterion; "
-          f"{sum(s['cases'] for s in result['not_measured'])} not measured")
+    print(f"{results_words(result)}; {sum(s['cases'] for s in result['not_measured'])} not measured")
     print(f"wrote {', '.join(str(Path(args.out) / n) for n in OUTPUTS)}")
     if result.get("html_error"):
         print(f"accuracy.html not written: {result['html_error']}", file=sys.stderr)
     return accuracy_exit_status(result, asked=[i.name for i in impls if args.impl and i.cli_name in args.impl],
-                                baselines=() if args.impl else chosen.get("baselines", ()))
+                                baselines=baselines)
 
 
 def accuracy_exit_status(result: dict, *, asked: list[str] = (), baselines: tuple[str, ...] = ()) -> int:
