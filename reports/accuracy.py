@@ -654,8 +654,8 @@ def failed_cases(result: dict) -> tuple[int, int]:
     """``(judged, baselines)``: the (implementation, case) results with a failed criterion, those of judged
     implementations and those of the preset's baselines (compared with, not judged)."""
     baselines = set((result.get("meta") or {}).get("baselines") or ())
-    judged = sum(c.get("failed_cases", 0) for c in result.get("criteria") or [] if c["implementation"] not in baselines)
-    return judged, sum(c.get("failed_cases", 0) for c in result.get("criteria") or [] if c["implementation"] in baselines)
+    counts = [(c.get("failed_cases", 0), c["implementation"] in baselines) for c in result.get("criteria") or []]
+    return sum(n for n, baseline in counts if not baseline), sum(n for n, baseline in counts if baseline)
 
 
 def results_words(result: dict) -> str:
