@@ -238,17 +238,22 @@ class Implementation:
                 raise ImplementationError(f"{self.name}: scales={self.scales!r}, but should be None (any scale), "
                                           "'power_of_two', or a non-empty tuple of finite floats and None "
                                           "(None: the default 1/sqrt(D))")
-        self._check_min_block(positive_int)
-        limits = self.max_head_dim
-        if isinstance(limits, Mapping):
-            for dtype, d in limits.items():
-                if dtype not in DECLARABLE_DTYPES:
-                    raise ImplementationError(f"{self.name}: max_head_dim has key {dtype!r}; keys should be "
-                                              f"among {dtype_names(DECLARABLE_DTYPES)}")
-                positive_int(f"max_head_dim[{dtype_name(dtype)}]", d)
-        elif limits is not None:
-            positive_int("max_head_dim", limits)
-        if self.head_dims is not None and limits is not None:
+        def per_dtype(field: str) -> None:
+            """A limit of one int for every dtype, or a mapping from declarable dtypes to ints."""
+            limits = getattr(self, field)
+            if isinstance(limits, Mapping):
+                for dtype, value in limits.items():
+                    if dtype not in DECLARABLE_DTYPES:
+                        raise ImplementationError(f"{self.name}: {field} has key {dtype!r}; keys should be "
+                                                  f"among {dtype_names(DECLARABLE_DTYPES)}")
+                    positive_int(f"{field}[{dtype_name(dtype)}]", value)
+            elif limits is not None:
+                positive_int(field, limits)
+
+        per_dtype("max_head_dim")
+        per_dtype("min_block")
+        self._check_min_block()
+        if self.head_dims is not None and self.max_head_dim is not None:
             for dtype in self.dtypes:
                 top = self.head_dim_limit(dtype)
                 if top is not None and min(self.head_dims) > top:
@@ -256,21 +261,13 @@ class Implementation:
                         f"{self.name}: head_dims {sorted(self.head_dims)} are all above max_head_dim={top} in "
                         f"{dtype_name(dtype)}: drop {dtype_name(dtype)} from dtypes or allow a head dim")
 
-    def _check_min_block(self, positive_int) -> None:
-        floors = self.min_block
-        if floors is None:
+    def _check_min_block(self) -> None:
+        """``min_block`` (its values checked by :meth:`_check_limits`) leaves tiles to draw in every dtype."""
+        if self.min_block is None:
             return
         if not self.tunable:
-            raise ImplementationError(f"{self.name}: min_block={floors!r}, but the kernel declares no block_m and "
-                                      "block_n to draw from: declare both, or leave min_block None")
-        if isinstance(floors, Mapping):
-            for dtype, b in floors.items():
-                if dtype not in DECLARABLE_DTYPES:
-                    raise ImplementationError(f"{self.name}: min_block has key {dtype!r}; keys should be "
-                                              f"among {dtype_names(DECLARABLE_DTYPES)}")
-                positive_int(f"min_block[{dtype_name(dtype)}]", b)
-        else:
-            positive_int("min_block", floors)
+            raise ImplementationError(f"{self.name}: min_block={self.min_block!r}, but the kernel declares no "
+                                      "block_m and block_n to draw from: declare both, or leave min_block None")
         for dtype in self.dtypes:
             block_m, block_n = self.blocks_for(dtype)
             for field, sizes in (("block_m", block_m), ("block_n", block_n)):
@@ -283,9 +280,7 @@ class Implementation:
     # ----------------------------------------------------------------------------- limits
     def block_floor(self, dtype: torch.dtype) -> int | None:
         """The smallest block_m and block_n declared for ``dtype`` (None: any declared size)."""
-        if isinstance(self.min_block, Mapping):
-            return self.min_block.get(dtype)
-        return self.min_block
+        return _for_dtype(self.min_block, dtype)
 
     def blocks_for(self, dtype: torch.dtype | str | None) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
         """``(block_m, block_n)``: the declared sizes the kernel runs in ``dtype`` (a torch dtype or its name;
@@ -300,9 +295,7 @@ class Implementation:
 
     def head_dim_limit(self, dtype: torch.dtype) -> int | None:
         """The largest head dim declared for ``dtype`` (None: no limit)."""
-        if isinstance(self.max_head_dim, Mapping):
-            return self.max_head_dim.get(dtype)
-        return self.max_head_dim
+        return _for_dtype(self.max_head_dim, dtype)
 
     @property
     def scale_choices(self) -> tuple[float | None, ...] | None:
@@ -531,6 +524,11 @@ class Implementation:
             )
         out_r = lay.queries_out(out_k, what="out", heads=q.shape[1], head_dim=v.shape[3])
         return out_r, (None if lse_k is None else lay.rows_out(lse_k, what="lse", heads=q.shape[1]))
+
+
+def _for_dtype(limit: int | Mapping[torch.dtype, int] | None, dtype: torch.dtype) -> int | None:
+    """A per-dtype limit's value for ``dtype``: the int itself, the mapping's entry, or None."""
+    return limit.get(dtype) if isinstance(limit, Mapping) else limit
 
 
 def _alibi_tensor(name: str, slopes: tuple[float, ...], device) -> torch.Tensor:

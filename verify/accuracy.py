@@ -366,15 +366,15 @@ def _accuracy(args, parser) -> int:
     print(f"wrote {', '.join(str(Path(args.out) / n) for n in OUTPUTS)}")
     if result.get("html_error"):
         print(f"accuracy.html not written: {result['html_error']}", file=sys.stderr)
-    return accuracy_exit_status(result, asked=[i.name for i in impls if args.impl and i.cli_name in args.impl],
-                                baselines=baselines)
+    return accuracy_exit_status(result, asked=[i.name for i in impls if args.impl and i.cli_name in args.impl])
 
 
-def accuracy_exit_status(result: dict, *, asked: list[str] = (), baselines: tuple[str, ...] = ()) -> int:
+def accuracy_exit_status(result: dict, *, asked: list[str] = ()) -> int:
     """2 when nothing was measured for an implementation named with ``--impl`` (``asked``; by default:
     for any implementation at all), 1 when a measured case fails a criterion, else 0. A sweep that
-    judged nothing, or judged a failure, does not exit 0. ``baselines`` (a preset's points of comparison,
-    such as the FlashAttention-3 paper's standard attention) are reported when they fail, not counted."""
+    judged nothing, or judged a failure, does not exit 0. The run's baselines (``meta["baselines"]``: a preset's
+    points of comparison, such as the FlashAttention-3 paper's standard attention) are reported when they fail,
+    not counted."""
     measured = {r["implementation"] for r in result["results"]}
     unmeasured = [name for name in asked if name not in measured] if asked else ([] if measured else ["any"])
     if unmeasured:
@@ -382,6 +382,7 @@ def accuracy_exit_status(result: dict, *, asked: list[str] = (), baselines: tupl
                else "every case was skipped: see 'Not measured' in accuracy.md")
         print(f"nothing was measured for {', '.join(unmeasured)}: {why}", file=sys.stderr)
         return 2
+    baselines = set((result.get("meta") or {}).get("baselines") or ())
     failed = [c for c in result["criteria"] if c.get("failed_cases", 0) and c["implementation"] not in baselines]
     expected = [c for c in result["criteria"] if c.get("failed_cases", 0) and c["implementation"] in baselines]
     if expected:

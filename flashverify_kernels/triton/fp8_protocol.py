@@ -73,11 +73,9 @@ def quantise_blocks(x: torch.Tensor, dtype: torch.dtype, block: int) -> tuple[to
     """``x`` ``[B, H, N, D]`` in ``dtype`` with one amax-based float32 factor per block of ``block`` rows of
     each head: ``(x8 [B, H, N, D], descale [B, H, N // block])``."""
     b, h, n, d = x.shape
-    top = torch.finfo(dtype).max
-    blocks = x.reshape(b, h, n // block, block, d)
-    descale = (blocks.abs().amax(dim=(3, 4)) / top).to(torch.float32)
-    x8 = (blocks / descale.double()[..., None, None]).clamp(-top, top).to(dtype)
-    return x8.reshape(b, h, n, d), descale
+    # each block of rows as a head of its own: one scale per "head" is one per block
+    x8, descale = quantise(x.reshape(b, h * (n // block), block, d), dtype, per_tensor=False)
+    return x8.reshape(b, h, n, d), descale.reshape(b, h, n // block)
 
 
 def block_quantised_attention(forward, q, k, v, *, dtype: torch.dtype, block: int) -> torch.Tensor:
