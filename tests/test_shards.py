@@ -143,3 +143,74 @@ def test_the_first_tests_are_dealt_round_robin():
     scheduler.schedule()
     assert sent == {"gw0": [0, 2], "gw1": [1, 3]}
     assert scheduler.pending == list(range(4, 10))
+
+
+
+def _fake_run(tests, seconds, workers, *, affine=True):
+    """Drive the verify scheduler over ``tests`` (collected longest first) with ``workers`` fake nodes, each
+    running the tests sent to it in order, each for its ``seconds``: ``({node: [(start, test), ...]}, end)``."""
+    import heapq
+    from types import SimpleNamespace
+
+    from verify import shards
+
+    values = {"dist": "load", "tx": [f"{workers}*popen"], "maxschedchunk": None}
+    config = SimpleNamespace(getvalue=values.get, getoption=values.get)
+    scheduler = shards.one_test_at_a_time(config, log=None,
+                                          estimate=(lambda ids: {t: seconds[t] for t in ids}) if affine else None)
+
+    class Node:
+        def __init__(self, name):
+            self.name, self.gateway, self.shutting_down = name, SimpleNamespace(id=name), False
+
+        def send_runtest_some(self, indices):
+            pass
+
+        def shutdown(self):
+            self.shutting_down = True
+
+    nodes = [Node(f"gw{k}") for k in range(workers)]
+    for node in nodes:
+        scheduler.add_node(node)
+        scheduler.add_node_collection(node, tests)
+    scheduler.schedule()
+    ran: dict[str, list[tuple[float, str]]] = {node.name: [] for node in nodes}
+    clock, events = 0.0, []  # (when the node's running test ends, node number)
+
+    def start(k):
+        if scheduler.node2pending[nodes[k]]:
+            test = tests[scheduler.node2pending[nodes[k]][0]]
+            ran[nodes[k].name].append((clock, test))
+            heapq.heappush(events, (clock + seconds[test], k))
+
+    for k in range(workers):
+        start(k)
+    while events:
+        clock, k = heapq.heappop(events)
+        scheduler.mark_test_complete(nodes[k], scheduler.node2pending[nodes[k]][0], duration=1.0)
+        start(k)
+    return ran, clock
+
+
+def test_a_worker_keeps_to_the_kernels_it_has_run_and_the_longest_tests_still_go_first():
+    """Each kernel and dtype's tests go to few workers (each worker compiles the Triton kernels of every
+    kernel and dtype it runs), the run takes no longer than handing out the longest first, and no test
+    starts after a test shorter than half of it has started."""
+    from verify.shards import kernel_key
+
+    kernels = [f"k{i}-float16" for i in range(6)]
+    seconds = {f"test_p{p}.py::test_p{p}[{k}]": 30.0 - p for p in range(20) for k in kernels}
+    seconds["test_law.py::test_law"] = 0.5
+    tests = sorted(seconds, key=lambda t: -seconds[t])
+    ran, took = _fake_run(tests, seconds, workers=4)
+    plain, plain_took = _fake_run(tests, seconds, workers=4, affine=False)
+    assert sorted(t for runs in ran.values() for _, t in runs) == sorted(tests)  # every test once
+
+    def pairs(schedule):  # (worker, kernel) pairs: the kernels' compiles, once per worker that runs them
+        return {(node, kernel_key(t)) for node, runs in schedule.items() for _, t in runs}
+
+    assert len(pairs(ran)) <= len(kernels) + 4 < len(pairs(plain)), (pairs(ran), len(pairs(plain)))
+    assert took <= plain_took * 1.05, (took, plain_took)
+    started = sorted((when, seconds[t]) for runs in ran.values() for when, t in runs)
+    for i, (when, length) in enumerate(started):
+        assert all(length <= 2 * other for _, other in started[:i] if _ < when), (when, length)

@@ -391,20 +391,27 @@ def pytest_collection_modifyitems(session, config, items):
 def _estimates(config, items) -> dict[str, float]:
     """Each item's estimated seconds (verify/shards.py), on the kind of device this run uses; a usage error
     for a ``--shard-times`` folder that does not exist."""
+    return _estimated(config, [item.nodeid for item in items])
+
+
+def _estimated(config, test_ids: list[str]) -> dict[str, float]:
+    """:func:`_estimates` of test ids."""
     try:
         recorded = shards.recorded_times(config.getoption("--shard-times"))
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
     device = config.getoption("--device") or ("cuda" if torch.cuda.is_available() else "cpu")
     device_type = "cuda" if str(device).startswith("cuda") else "cpu"
-    return shards.estimates([item.nodeid for item in items], recorded, device_type)
+    return shards.estimates(test_ids, recorded, device_type)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """A verify run's ``--dist load`` (the default of ``-n``) hands out one test at a time unless
-    ``--maxschedchunk`` is given (verify/shards.py)."""
-    return shards.one_test_at_a_time(config, log) if _collects_verify(config) else None
+    ``--maxschedchunk`` is given, longest first and kernel-affine (verify/shards.py)."""
+    if not _collects_verify(config):
+        return None
+    return shards.one_test_at_a_time(config, log, estimate=lambda test_ids: _estimated(config, test_ids))
 
 
 @pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")

@@ -21,7 +21,7 @@ import re
 import statistics
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from reports.session import write_atomic
@@ -63,11 +63,26 @@ def assign(test_ids: Sequence[str], count: int, times: dict[str, float]) -> dict
     return slice_of
 
 
-def one_test_at_a_time(config, log):
+def kernel_key(test_id: str) -> str | None:
+    """The kernel and dtype a test runs, as its parameters name them (``triton_fa2-float16``), or None for a
+    test without parameters (a law that calls no kernel)."""
+    _, bracket, params = test_id.partition("[")
+    return params.removesuffix("]") if bracket else None
+
+
+def one_test_at_a_time(config, log, *, estimate: Callable[[list[str]], dict[str, float]] | None = None):
     """pytest-xdist's ``--dist load`` scheduler handing out one test at a time (``--maxschedchunk 1``), the
     first tests dealt round-robin, or None (xdist's own) when another ``--dist`` or a ``--maxschedchunk`` was
     given. With the longest tests first, a worker that finishes takes the next one, whatever the others are
-    running; xdist would otherwise give each worker a run of consecutive tests."""
+    running; xdist would otherwise give each worker a run of consecutive tests.
+
+    With ``estimate`` (the collected test ids to each one's estimated seconds, :func:`estimates`) the
+    scheduler is also kernel-affine: a worker
+    takes a test of a kernel and dtype (:func:`kernel_key`) it has run before where one is among the longest
+    pending tests, those estimated at least half the longest one, and otherwise one whose kernel and dtype no
+    other worker is running. A worker then compiles (or loads from Triton's cache) the kernels of fewer
+    kernels and dtypes, and two workers seldom compile the same kernel at once, while every test still starts
+    before any test shorter than half of it, so that the run does not end on a long test started late."""
     if config.getvalue("dist") != "load" or config.getoption("maxschedchunk") is not None:
         return None
     from xdist.scheduler import LoadScheduling
@@ -89,7 +104,42 @@ def one_test_at_a_time(config, log):
                 for node in self.nodes:
                     self._send_tests(node, 1)
 
-    scheduler = RoundRobinFirst(config, log)
+    class KernelAffine(RoundRobinFirst):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self._seen: dict = {}  # node: the kernel keys sent to it
+            self._seconds: dict[str, float] | None = None
+
+        def _send_tests(self, node, num: int) -> None:
+            for _ in range(num):
+                if not self.pending:
+                    return
+                index = self._pick(node)
+                self.pending.remove(index)
+                self.node2pending[node].append(index)
+                self._seen.setdefault(node, set()).add(kernel_key(self.collection[index]))
+                node.send_runtest_some([index])
+
+        def _pick(self, node) -> int:
+            """The test ``node`` runs next (see :func:`one_test_at_a_time`)."""
+            if self._seconds is None:
+                self._seconds = estimate(list(self.collection))
+            seconds = self._seconds
+            longest = seconds.get(self.collection[self.pending[0]], 0.0)
+            near = [i for i in self.pending if seconds.get(self.collection[i], 0.0) >= longest / 2]
+            seen = self._seen.get(node, set())
+            for index in near:
+                if kernel_key(self.collection[index]) in seen:
+                    return index
+            busy = {kernel_key(self.collection[i]) for other, items in self.node2pending.items() if other is not node
+                    for i in items}
+            for index in near:
+                key = kernel_key(self.collection[index])
+                if key is None or key not in busy:
+                    return index
+            return self.pending[0]
+
+    scheduler = (RoundRobinFirst if estimate is None else KernelAffine)(config, log)
     scheduler.maxschedchunk = 1
     return scheduler
 
