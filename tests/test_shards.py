@@ -123,27 +123,30 @@ def test_the_first_tests_are_dealt_round_robin():
     values = {"dist": "load", "tx": ["2*popen"], "maxschedchunk": None}  # what -n 2 sets
     config = SimpleNamespace(getvalue=values.get, getoption=values.get)
     scheduler = shards.one_test_at_a_time(config, log=None)
-    sent = {}
-
-    class Node:
-        def __init__(self, name):
-            self.name, self.gateway = name, SimpleNamespace(id=name)
-
-        def send_runtest_some(self, indices):
-            sent.setdefault(self.name, []).extend(indices)
-
-        def shutdown(self):
-            pass
-
     tests = [f"t{i}" for i in range(10)]
-    for name in ("gw0", "gw1"):
-        node = Node(name)
+    nodes = [_Node(name) for name in ("gw0", "gw1")]
+    for node in nodes:
         scheduler.add_node(node)
         scheduler.add_node_collection(node, tests)
     scheduler.schedule()
-    assert sent == {"gw0": [0, 2], "gw1": [1, 3]}
+    assert {node.name: node.sent for node in nodes} == {"gw0": [0, 2], "gw1": [1, 3]}
     assert scheduler.pending == list(range(4, 10))
 
+
+
+class _Node:
+    """What the verify scheduler uses of a pytest-xdist worker: the tests sent to it, in order."""
+
+    def __init__(self, name):
+        from types import SimpleNamespace
+
+        self.name, self.gateway, self.shutting_down, self.sent = name, SimpleNamespace(id=name), False, []
+
+    def send_runtest_some(self, indices):
+        self.sent.extend(indices)
+
+    def shutdown(self):
+        self.shutting_down = True
 
 
 def _fake_run(tests, seconds, workers, *, affine=True):
@@ -159,17 +162,7 @@ def _fake_run(tests, seconds, workers, *, affine=True):
     scheduler = shards.one_test_at_a_time(config, log=None,
                                           estimate=(lambda ids: {t: seconds[t] for t in ids}) if affine else None)
 
-    class Node:
-        def __init__(self, name):
-            self.name, self.gateway, self.shutting_down = name, SimpleNamespace(id=name), False
-
-        def send_runtest_some(self, indices):
-            pass
-
-        def shutdown(self):
-            self.shutting_down = True
-
-    nodes = [Node(f"gw{k}") for k in range(workers)]
+    nodes = [_Node(f"gw{k}") for k in range(workers)]
     for node in nodes:
         scheduler.add_node(node)
         scheduler.add_node_collection(node, tests)

@@ -76,13 +76,12 @@ def one_test_at_a_time(config, log, *, estimate: Callable[[list[str]], dict[str,
     given. With the longest tests first, a worker that finishes takes the next one, whatever the others are
     running; xdist would otherwise give each worker a run of consecutive tests.
 
-    With ``estimate`` (the collected test ids to each one's estimated seconds, :func:`estimates`) the
-    scheduler is also kernel-affine: a worker
-    takes a test of a kernel and dtype (:func:`kernel_key`) it has run before where one is among the longest
-    pending tests, those estimated at least half the longest one, and otherwise one whose kernel and dtype no
-    other worker is running. A worker then compiles (or loads from Triton's cache) the kernels of fewer
-    kernels and dtypes, and two workers seldom compile the same kernel at once, while every test still starts
-    before any test shorter than half of it, so that the run does not end on a long test started late."""
+    With ``estimate`` (the collected test ids to each one's estimated seconds, :func:`estimates`) the scheduler
+    is also kernel-affine: a worker takes a test of a kernel and dtype (:func:`kernel_key`) it has run before where
+    one is among the longest pending tests, those estimated at least half the longest one, and otherwise one whose
+    kernel and dtype no other worker is running. A worker then compiles (or loads from Triton's cache) the kernels
+    of fewer kernels and dtypes, and two workers seldom compile the same kernel at once, while every test still
+    starts before any test shorter than half of it, so that the run does not end on a long test started late."""
     if config.getvalue("dist") != "load" or config.getoption("maxschedchunk") is not None:
         return None
     from xdist.scheduler import LoadScheduling
@@ -108,7 +107,8 @@ def one_test_at_a_time(config, log, *, estimate: Callable[[list[str]], dict[str,
         def __init__(self, config, log=None):
             super().__init__(config, log)
             self._seen: dict = {}  # node: the kernel keys sent to it
-            self._seconds: dict[str, float] | None = None
+            self._seconds: list[float] = []  # per collected test: its estimate, its kernel key
+            self._keys: list[str | None] = []
 
         def _send_tests(self, node, num: int) -> None:
             for _ in range(num):
@@ -117,27 +117,25 @@ def one_test_at_a_time(config, log, *, estimate: Callable[[list[str]], dict[str,
                 index = self._pick(node)
                 self.pending.remove(index)
                 self.node2pending[node].append(index)
-                self._seen.setdefault(node, set()).add(kernel_key(self.collection[index]))
+                self._seen.setdefault(node, set()).add(self._keys[index])
                 node.send_runtest_some([index])
 
         def _pick(self, node) -> int:
             """The test ``node`` runs next (see :func:`one_test_at_a_time`)."""
-            if self._seconds is None:
-                self._seconds = estimate(list(self.collection))
-            seconds = self._seconds
-            longest = seconds.get(self.collection[self.pending[0]], 0.0)
-            near = [i for i in self.pending if seconds.get(self.collection[i], 0.0) >= longest / 2]
+            if not self._keys:
+                estimated = estimate(list(self.collection))
+                self._seconds = [estimated.get(t, 0.0) for t in self.collection]
+                self._keys = [kernel_key(t) for t in self.collection]
+            # Not pending[0]: the tests of a worker that crashed join the queue at its end.
+            longest = max(self._seconds[i] for i in self.pending)
+            near = [i for i in self.pending if self._seconds[i] >= longest / 2]
             seen = self._seen.get(node, set())
-            for index in near:
-                if kernel_key(self.collection[index]) in seen:
-                    return index
-            busy = {kernel_key(self.collection[i]) for other, items in self.node2pending.items() if other is not node
-                    for i in items}
-            for index in near:
-                key = kernel_key(self.collection[index])
-                if key is None or key not in busy:
-                    return index
-            return self.pending[0]
+            busy = {self._keys[i] for other, items in self.node2pending.items() if other is not node for i in items}
+            for wanted in (lambda key: key in seen, lambda key: key is None or key not in busy):
+                for index in near:
+                    if wanted(self._keys[index]):
+                        return index
+            return near[0]
 
     scheduler = (RoundRobinFirst if estimate is None else KernelAffine)(config, log)
     scheduler.maxschedchunk = 1
