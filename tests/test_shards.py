@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -116,10 +117,6 @@ def test_merge_refuses_what_is_not_a_shard_report(tmp_path):
 
 def test_the_first_tests_are_dealt_round_robin():
     """Worker k starts with tests k and k + workers (the longest ones, one each), then takes one at a time."""
-    from types import SimpleNamespace
-
-    from verify import shards
-
     values = {"dist": "load", "tx": ["2*popen"], "maxschedchunk": None}  # what -n 2 sets
     config = SimpleNamespace(getvalue=values.get, getoption=values.get)
     scheduler = shards.one_test_at_a_time(config, log=None)
@@ -138,8 +135,6 @@ class _Node:
     """What the verify scheduler uses of a pytest-xdist worker: the tests sent to it, in order."""
 
     def __init__(self, name):
-        from types import SimpleNamespace
-
         self.name, self.gateway, self.shutting_down, self.sent = name, SimpleNamespace(id=name), False, []
 
     def send_runtest_some(self, indices):
@@ -153,9 +148,6 @@ def _fake_run(tests, seconds, workers, *, affine=True):
     """Drive the verify scheduler over ``tests`` (collected longest first) with ``workers`` fake nodes, each
     running the tests sent to it in order, each for its ``seconds``: ``({node: [(start, test), ...]}, end)``."""
     import heapq
-    from types import SimpleNamespace
-
-    from verify import shards
 
     values = {"dist": "load", "tx": [f"{workers}*popen"], "maxschedchunk": None}
     config = SimpleNamespace(getvalue=values.get, getoption=values.get)
@@ -206,4 +198,4 @@ def test_a_worker_keeps_to_the_kernels_it_has_run_and_the_longest_tests_still_go
     assert took <= plain_took * 1.05, (took, plain_took)
     started = sorted((when, seconds[t]) for runs in ran.values() for when, t in runs)
     for i, (when, length) in enumerate(started):
-        assert all(length <= 2 * other for _, other in started[:i] if _ < when), (when, length)
+        assert all(length <= 2 * other for earlier, other in started[:i] if earlier < when), (when, length)

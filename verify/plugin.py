@@ -384,18 +384,13 @@ def pytest_collection_modifyitems(session, config, items):
         item.user_properties.extend(outcomes.tags(getattr(getattr(item, "callspec", None), "params", {})))
     items.sort(key=lambda item: outcomes.module_rank(item.path))  # stable: each module keeps its order
     if _collects_verify(config) and (_xdist_worker(config) is not None or _xdist_controller(config)):
-        seconds = _estimates(config, items)
+        seconds = _estimates(config, [item.nodeid for item in items])
         items.sort(key=lambda item: -seconds[item.nodeid])
 
 
-def _estimates(config, items) -> dict[str, float]:
-    """Each item's estimated seconds (verify/shards.py), on the kind of device this run uses; a usage error
+def _estimates(config, test_ids: list[str]) -> dict[str, float]:
+    """Each test's estimated seconds (verify/shards.py), on the kind of device this run uses; a usage error
     for a ``--shard-times`` folder that does not exist."""
-    return _estimated(config, [item.nodeid for item in items])
-
-
-def _estimated(config, test_ids: list[str]) -> dict[str, float]:
-    """:func:`_estimates` of test ids."""
     try:
         recorded = shards.recorded_times(config.getoption("--shard-times"))
     except ValueError as exc:
@@ -411,7 +406,7 @@ def pytest_xdist_make_scheduler(config, log):
     ``--maxschedchunk`` is given, longest first and kernel-affine (verify/shards.py)."""
     if not _collects_verify(config):
         return None
-    return shards.one_test_at_a_time(config, log, estimate=lambda test_ids: _estimated(config, test_ids))
+    return shards.one_test_at_a_time(config, log, estimate=lambda test_ids: _estimates(config, test_ids))
 
 
 @pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
@@ -424,7 +419,7 @@ def pytest_collection_modifyitems_shard(session, config, items):
         index, count = shards.parse(spec)
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
-    slice_of = shards.assign([item.nodeid for item in items], count, _estimates(config, items))
+    slice_of = shards.assign(ids := [item.nodeid for item in items], count, _estimates(config, ids))
     keep = [item for item in items if slice_of[item.nodeid] == index]
     dropped = [item for item in items if slice_of[item.nodeid] != index]
     if dropped:

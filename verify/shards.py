@@ -78,10 +78,11 @@ def one_test_at_a_time(config, log, *, estimate: Callable[[list[str]], dict[str,
 
     With ``estimate`` (the collected test ids to each one's estimated seconds, :func:`estimates`) the scheduler
     is also kernel-affine: a worker takes a test of a kernel and dtype (:func:`kernel_key`) it has run before where
-    one is among the longest pending tests, those estimated at least half the longest one, and otherwise one whose
-    kernel and dtype no other worker is running. A worker then compiles (or loads from Triton's cache) the kernels
-    of fewer kernels and dtypes, and two workers seldom compile the same kernel at once, while every test still
-    starts before any test shorter than half of it, so that the run does not end on a long test started late."""
+    one is among the longest pending tests, those estimated at least half the longest one, otherwise one whose
+    kernel and dtype no other worker is running, and otherwise the longest. A worker then compiles (or loads from
+    Triton's cache) the kernels of fewer kernels and dtypes, and two workers seldom compile the same kernel at once,
+    while every test still starts before any test shorter than half of it, so that the run does not end on a long
+    test started late."""
     if config.getvalue("dist") != "load" or config.getoption("maxschedchunk") is not None:
         return None
     from xdist.scheduler import LoadScheduling
@@ -135,7 +136,7 @@ def one_test_at_a_time(config, log, *, estimate: Callable[[list[str]], dict[str,
                 for index in near:
                     if wanted(self._keys[index]):
                         return index
-            return near[0]
+            return max(near, key=self._seconds.__getitem__)
 
     scheduler = (RoundRobinFirst if estimate is None else KernelAffine)(config, log)
     scheduler.maxschedchunk = 1
